@@ -1,0 +1,3 @@
+from llmrun.cli import main
+
+main()

@@ -1,0 +1,80 @@
+"""Render Hugging Face-style chat templates (Jinja2) in a sandbox.
+
+Templates come from model files we did not write, so they run in Jinja's immutable sandbox: no
+attribute walks to `__class__`/`__globals__`, no mutating the messages. The environment mirrors the
+one `transformers` uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
+a `tojson` that keeps non-ASCII text) so templates render byte-for-byte the same.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from llmrun.errors import LlmrunError
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call this to reject a conversation (e.g. "roles must alternate"); the message is for the user.
+    raise LlmrunError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's built-in tojson escapes non-ASCII and HTML characters; HF templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> jinja2.Environment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(getattr(exc, "message", None) or exc).split())
+    lineno = getattr(exc, "lineno", None)
+    return f"chat template error: {text}" + (f" (template line {lineno})" if lineno else "")
+
+
+class ChatTemplate:
+    """One compiled chat template; compile once, render per conversation."""
+
+    def __init__(self, source: str):
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as exc:
+            raise LlmrunError(_one_line(exc)) from None
+
+    def render(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        bos_token: str = "",
+        eos_token: str = "",
+        **extra: Any,
+    ) -> str:
+        """`extra` passes further template variables through (e.g. `tools`, `date_string`)."""
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos_token,
+                eos_token=eos_token,
+                **extra,
+            )
+        # TemplateError includes the sandbox's SecurityError; TypeError is e.g. `None + 'text'` when a
+        # message lacks the content the template expects.
+        except (jinja2.TemplateError, TypeError) as exc:
+            raise LlmrunError(_one_line(exc)) from None

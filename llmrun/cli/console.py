@@ -1,0 +1,112 @@
+"""What every command shares: the stderr console, the error boundary, loading with a spinner, the status line."""
+
+import functools
+import sys
+from contextlib import nullcontext
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from llmrun.errors import LlmrunError
+
+# stdout carries only generated text and --json; everything else goes here.
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str, code: int = 1):
+    err.print(Text(f"error: {message}", style="bold red"))
+    raise typer.Exit(code)
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text)
+
+
+def user_errors(command):
+    """Turn the errors a user can cause into one `error:` line and a non-zero exit; others keep their traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except LlmrunError as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130)
+        except (MemoryError, RuntimeError) as e:
+            if not _is_out_of_memory(e):
+                raise
+            fail(f"out of memory ({str(e).splitlines()[0][:160]}); try a smaller --ctx, --dtype bf16, or a smaller model")
+
+    return wrapper
+
+
+def spinner(message: str):
+    """A transient spinner on stderr, only when a person is watching it."""
+    return err.status(message, spinner="dots") if err.is_terminal else nullcontext()
+
+
+def open_engine(model: str, opts):
+    """Load `model` as the options say and give back an Engine with its KV cache allocated."""
+    from llmrun.generate import Engine
+    from llmrun.loading import load_model
+
+    from .options import DEFAULT_CTX_CAP
+
+    with spinner(f"loading {model}"):
+        loaded = load_model(model, device=opts.device, dtype=opts.dtype)
+    trained = loaded.config.max_seq_len
+    if opts.ctx is not None and opts.ctx > trained:
+        raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+    for warning in loaded.tokenizer.warnings:
+        err.print(Text(f"warning: {warning}", style="yellow"))
+    return Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP))
+
+
+def status_line(stats, memory: dict) -> Text:
+    """One line: speed, tokens, context, memory."""
+    from llmrun.memory import human_bytes
+
+    parts = [
+        f"{stats.new_tokens} tokens",
+        f"{stats.decode_tok_s:.1f} tok/s",
+        f"prefill {stats.prefilled_tokens} tok {stats.prefill_tok_s:.0f} tok/s"
+        + (f" (+{stats.reused_tokens} cached)" if stats.reused_tokens else ""),
+        f"ctx {stats.context_used}/{stats.context_max}",
+        f"weights {human_bytes(memory['weights'])}",
+        f"KV {human_bytes(memory['kv_in_use'])}/{human_bytes(memory['kv_allocated'])}",
+    ]
+    if "device_peak_allocated" in memory:
+        parts.append(f"GPU peak {human_bytes(memory['device_peak_allocated'])}")
+    parts.append(f"peak RSS {human_bytes(memory['process_peak_rss'])}")
+    if stats.finish_reason in ("length", "context", "interrupted"):
+        parts.append({"length": "stopped: --max-new-tokens", "context": "stopped: context full",
+                      "interrupted": "interrupted"}[stats.finish_reason])
+    return Text(" · ".join(parts), style="dim")
+
+
+def stream_to_stdout(reply) -> None:
+    """Write the reply's pieces to stdout as they come; a spinner on stderr until the first one.
+    Ctrl-C propagates (after closing the generation, so its stats are final)."""
+    pieces = iter(reply)
+    try:
+        with spinner("thinking"):
+            first = next(pieces, None)
+        if first is not None:
+            sys.stdout.write(first)
+            sys.stdout.flush()
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    finally:
+        pieces.close()
+    if reply.text and not reply.text.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()

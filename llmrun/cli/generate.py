@@ -1,0 +1,55 @@
+"""`llmrun generate`: raw completion of a text, without a chat template."""
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from llmrun.errors import LlmrunError
+from llmrun.loading import DEFAULT_MODEL
+
+from . import app
+from .console import err, open_engine, status_line, stream_to_stdout, user_errors
+from .options import JsonFlag, run_options
+
+
+@app.command()
+@user_errors
+@run_options
+def generate(
+    args: Annotated[list[str], typer.Argument(metavar="[MODEL] TEXT", help=f"Model (default '{DEFAULT_MODEL}') and the text to continue; '-' or no TEXT reads stdin.", show_default=False)] = None,
+    json_out: JsonFlag = False,
+    special: Annotated[bool, typer.Option(help="Parse special tokens written in TEXT (e.g. <|im_start|>).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No status line on stderr.")] = False,
+    *,
+    opts,
+):
+    """Continue TEXT with the model: plain completion, no chat template (for scripts and tests)."""
+    from llmrun.memory import memory_report
+
+    args = list(args or [])
+    if len(args) > 2:
+        raise LlmrunError(f"expected [MODEL] TEXT, got {len(args)} arguments (quote the text)")
+    model = args.pop(0) if len(args) == 2 else DEFAULT_MODEL
+    text = args[0] if args else "-"
+    if text == "-":
+        if sys.stdin.isatty():
+            raise LlmrunError("no TEXT given; pass it as an argument or on stdin")
+        text = sys.stdin.read()
+    if not text:
+        raise LlmrunError("the text to continue is empty")
+    engine = open_engine(model, opts)
+    prompt = engine.tokenizer.encode(text, special=special)
+    reply = engine.generate(prompt, opts.params)
+    if json_out:
+        try:
+            for _ in reply:
+                pass
+        finally:
+            print(json.dumps({"model": model, "text": reply.text, "token_ids": reply.token_ids,
+                              **reply.stats.as_dict(), "memory": memory_report(engine)}, ensure_ascii=False))
+        return
+    stream_to_stdout(reply)
+    if not quiet:
+        err.print(status_line(reply.stats, memory_report(engine)))

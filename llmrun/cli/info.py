@@ -1,0 +1,58 @@
+"""`llmrun info`: what a model is, read from its files without loading the weights."""
+
+import json
+
+from rich.table import Table
+
+from llmrun.loading import DEFAULT_MODEL
+
+from . import app
+from .console import err, user_errors
+from .options import JsonFlag, ModelArg
+
+
+@app.command()
+@user_errors
+def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
+    """Architecture, parameters, weight bytes by dtype, context, KV bytes per token, tokenizer and template."""
+    from llmrun.loading import open_model
+    from llmrun.memory import human_bytes
+
+    files = open_model(model)
+    cfg, tok = files.config, files.tokenizer
+    doc = {
+        "model": model,
+        "path": str(files.source.path),
+        "format": files.source.format,
+        "architecture": cfg.architecture,
+        "parameters": cfg.n_params,
+        "weight_bytes": dict(sorted(files.stored_bytes.items())),
+        "layers": cfg.n_layers,
+        "dim": cfg.dim,
+        "heads": cfg.n_heads,
+        "kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "ffn_dim": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "context_length": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling.kind if cfg.rope_scaling else None,
+        "sliding_window": cfg.sliding_window,
+        "tied_embeddings": cfg.tie_embeddings,
+        "kv_bytes_per_token": {"fp32": cfg.kv_bytes_per_token(4), "bf16": cfg.kv_bytes_per_token(2)},
+        "tokenizer": tok.kind,
+        "chat_template": tok.chat_template is not None,
+    }
+    if json_out:
+        print(json.dumps(doc))
+        return
+    table = Table(title=f"{model}", show_header=False)
+    for key, value in doc.items():
+        if key == "weight_bytes":
+            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + f" (total {human_bytes(sum(value.values()))})"
+        elif key == "kv_bytes_per_token":
+            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items())
+        elif key == "parameters":
+            value = f"{value:,} ({value / 1e6:.1f} M)"
+        table.add_row(key.replace("_", " "), str(value))
+    err.print(table)

@@ -1,0 +1,99 @@
+"""Options shared by several commands, defined once.
+
+`@run_options` adds the sampling and runtime options to a command's signature (Typer reads
+`__signature__`) and hands them to it as one `RunOptions` value; every command that generates gets the
+same flags, help and validation.
+"""
+
+import functools
+import inspect
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from llmrun.loading import DEFAULT_MODEL
+
+SAMPLING = "Sampling"
+RUNTIME = "Runtime"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help=f"Model: the alias '{DEFAULT_MODEL}' (embedded), a .gguf file, an HF model directory, or a hub id (org/name).",
+        show_default=True,
+    ),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of plain text.")]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    params: object  # llmrun.sampling.SamplingParams
+    device: str
+    dtype: str
+    ctx: int | None
+
+
+_SHARED = [
+    ("temperature", float, 0.8, typer.Option(min=0.0, help="Sampling temperature; 0 means greedy.", rich_help_panel=SAMPLING)),
+    ("top_k", int, 40, typer.Option(min=0, help="Keep only the K most likely tokens (0: off).", rich_help_panel=SAMPLING)),
+    ("top_p", float, 0.95, typer.Option(max=1.0, help="Nucleus sampling: keep the smallest set reaching this probability (1: off).", rich_help_panel=SAMPLING)),
+    ("min_p", float, 0.05, typer.Option(min=0.0, max=1.0, help="Drop tokens below MIN_P x the top token's probability (0: off).", rich_help_panel=SAMPLING)),
+    ("repetition_penalty", float, 1.0, typer.Option(help="Penalty > 1 for tokens already in the context (1: off).", rich_help_panel=SAMPLING)),
+    ("seed", Optional[int], None, typer.Option(help="Random seed: the same seed gives the same output.", rich_help_panel=SAMPLING)),
+    ("max_new_tokens", int, 512, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply.", rich_help_panel=SAMPLING)),
+    ("stop", Optional[list[str]], None, typer.Option(help="Stop before this string (repeatable).", rich_help_panel=SAMPLING)),
+    ("device", Device, Device.auto, typer.Option(help="Where to run: cuda when available, else cpu.", rich_help_panel=RUNTIME)),
+    ("dtype", DType, DType.auto, typer.Option(help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=RUNTIME)),
+    ("ctx", Optional[int], None, typer.Option(min=16, help="Context length to allocate (default: the model's, at most 8192).", rich_help_panel=RUNTIME)),
+]
+DEFAULT_CTX_CAP = 8192  # a 128k-context model would otherwise preallocate gigabytes of KV cache
+
+
+def _build(values: dict) -> RunOptions:
+    from llmrun.sampling import SamplingParams
+
+    if not 0.0 < values["top_p"] <= 1.0:
+        raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
+    if values["repetition_penalty"] <= 0:
+        raise typer.BadParameter("must be > 0", param_hint="'--repetition-penalty'")
+    params = SamplingParams(
+        temperature=values["temperature"], top_k=values["top_k"], top_p=values["top_p"], min_p=values["min_p"],
+        repetition_penalty=values["repetition_penalty"], seed=values["seed"],
+        max_new_tokens=values["max_new_tokens"], stop=tuple(values["stop"] or ()),
+    )
+    return RunOptions(params, values["device"].value, values["dtype"].value, values["ctx"])
+
+
+def run_options(command):
+    """Decorator: append the shared options to `command`'s CLI signature; pass them as `opts: RunOptions`."""
+    sig = inspect.signature(command, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "opts"]
+    shared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option])
+        for name, kind, default, option in _SHARED
+    ]
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        values = {name: kwargs.pop(name) for name, *_ in _SHARED}
+        return command(*args, opts=_build(values), **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=own + shared)
+    return wrapper

