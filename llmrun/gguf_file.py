@@ -42,10 +42,10 @@ class GGUFTensor:
         import torch
 
         unpack = _TORCH_DEQUANT.get(self.ggml_type)
-        if unpack is None:
-            return torch.from_numpy(np.ascontiguousarray(self.to_numpy()))
-        with warnings.catch_warnings():  # the memory map is read-only and only ever read
+        with warnings.catch_warnings():  # the memory map is read-only, and only ever read
             warnings.simplefilter("ignore", UserWarning)
+            if unpack is None:
+                return torch.from_numpy(np.ascontiguousarray(self.to_numpy()))
             blocks = torch.from_numpy(self.data)  # (rows, bytes per row)
         return unpack(blocks.reshape(-1, _BLOCK_BYTES[self.ggml_type])).reshape(self.shape)
 

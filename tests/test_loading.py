@@ -1,0 +1,122 @@
+"""Loading: HF directories, GGUF files (with llama.cpp's Q/K permutation), hub ids from the local cache,
+block dequantization, and config validation."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from llmrun.loading import load_model, open_model, resolve
+from llmrun.models import config_from_hf
+
+from .tiny import CONFIGS, hf_config_json, random_model, write_gguf, write_hf_dir
+
+
+def _same_logits(model, loaded):
+    tokens = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(tokens), model(tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_hf_directory_round_trip(tmp_path, arch):
+    model = random_model(CONFIGS[arch])
+    path = write_hf_dir(tmp_path / arch, model)
+    loaded = load_model(str(path), device="cpu", dtype="fp32")
+    assert loaded.config == model.config
+    _same_logits(model, loaded)
+
+
+@pytest.mark.parametrize("arch", ["llama", "smollm2", "qwen2"])
+def test_gguf_round_trip_undoes_rope_permutation(tmp_path, arch):
+    model = random_model(CONFIGS[arch])
+    gguf_arch = "qwen2" if arch == "qwen2" else "llama"  # llama.cpp permutes Q/K rows only for llama
+    path = write_gguf(tmp_path / f"{arch}.gguf", model, gguf_arch)
+    loaded = load_model(str(path), device="cpu", dtype="fp32")
+    assert loaded.config.tie_embeddings == model.config.tie_embeddings
+    assert loaded.config.attention_bias == model.config.attention_bias
+    _same_logits(model, loaded)
+
+
+def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
+    """A hub id found in the HF cache loads offline; one that is not there gives a clear error."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    model = random_model(CONFIGS["llama"])
+    write_hf_dir(repo / "snapshots" / commit, model)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    source = resolve("acme/tiny-llama")
+    assert source.format == "safetensors" and source.path.name == commit
+    _same_logits(model, load_model("acme/tiny-llama", device="cpu", dtype="fp32"))
+    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
+        resolve("acme/not-downloaded")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q6_K"])
+def test_block_dequantization_matches_gguf_reference(qtype):
+    """Our torch unpacking of the common blocks agrees with the gguf package's numpy one."""
+    from gguf import GGMLQuantizationType, quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from llmrun.gguf_file import GGUFTensor
+
+    t = GGMLQuantizationType[qtype]
+    x = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32)
+    try:
+        blocks = quants.quantize(x, t)
+    except NotImplementedError:
+        pytest.skip(f"gguf cannot quantize {qtype}")
+    tensor = GGUFTensor("w", (6, 512), int(t), blocks)
+    expected = quants.dequantize(blocks, t)
+    np.testing.assert_allclose(tensor.dequantize().numpy(), expected, rtol=0, atol=1e-6)
+    err = np.abs(expected - x).max()
+    assert err < {"Q8_0": 0.03, "Q6_K": 0.1}.get(qtype, 0.5)  # quantization itself is coarse
+    assert blocks.shape[1] == 512 // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1]
+
+
+def test_embedded_model_config(smollm2):
+    cfg = smollm2.config
+    assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.dim, cfg.vocab_size) == (30, 9, 3, 576, 49152)
+    assert cfg.tie_embeddings and cfg.max_seq_len == 8192
+    assert open_model("smollm2").stored_bytes.keys() == {"F32", "Q4_1", "Q8_0"}
+
+
+def test_unsupported_architecture_and_options():
+    base = hf_config_json(CONFIGS["llama"])
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(UnsupportedModelError, match="activation"):
+        config_from_hf({**base, "hidden_act": "gelu"})
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn'"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="multiple"):
+        config_from_hf({**base, "num_key_value_heads": 3})
+
+
+def test_shape_mismatch_and_missing_tensors(tmp_path):
+    model = random_model(CONFIGS["llama"])
+    path = write_hf_dir(tmp_path / "m", model)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    with pytest.raises(ModelFormatError, match="shape"):
+        load_model(str(path), device="cpu", dtype="fp32")
+    (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(ModelFormatError, match="missing tensors"):
+        load_model(str(path), device="cpu", dtype="fp32")
+
+
+def test_truncated_safetensors(tmp_path):
+    path = write_hf_dir(tmp_path / "m", random_model(CONFIGS["llama"]))
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        open_model(str(path))
