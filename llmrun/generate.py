@@ -133,6 +133,10 @@ class Engine:
             logits = self._forward(prompt[i : i + PREFILL_CHUNK])
         return logits, common
 
+    def decode(self, token: int) -> torch.Tensor:
+        """Feed one token after the cached ones; return the logits (V,) of the next."""
+        return self._forward([token])
+
     def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
         return Generation(self, prompt, params)
 
@@ -146,7 +150,8 @@ class Generation:
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams):
         self.engine, self.prompt, self.params = engine, prompt, params
-        self.stats = GenerationStats(prompt_tokens=len(prompt), context_max=engine.max_len)
+        # "interrupted" until the loop ends on its own (also when it is closed before it starts)
+        self.stats = GenerationStats(prompt_tokens=len(prompt), context_max=engine.max_len, finish_reason="interrupted")
         self.token_ids: list[int] = []
         self.text = ""
 
@@ -157,7 +162,6 @@ class Generation:
         detok = StreamDecoder(engine.tokenizer)
         stops = StopMatcher(params.stop)
         penalize = params.repetition_penalty != 1.0
-        stats.finish_reason = "interrupted"  # until the loop ends on its own
         t0 = time.perf_counter()
         logits, stats.reused_tokens = engine.prefill(self.prompt)
         stats.prefill_s = time.perf_counter() - t0
@@ -186,7 +190,7 @@ class Generation:
                 if engine.cache.length >= engine.max_len:
                     stats.finish_reason = "context"
                     break
-                logits = engine._forward([token])
+                logits = engine.decode(token)
                 stats.decode_steps += 1
                 stats.decode_s = time.perf_counter() - t_first
                 stats.context_used = engine.cache.length

@@ -1,0 +1,410 @@
+"""The CLI end to end on the embedded model: in-process through Typer's CliRunner (the model loaded once for the
+module), as real processes of the installed `llmrun` (pipes), and the interactive chat in a pseudo-terminal."""
+
+import fcntl
+import functools
+import json
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import llmrun
+from llmrun.cli import app
+
+_installed = Path(sys.executable).with_name("llmrun")
+LLMRUN = [str(_installed)] if _installed.is_file() else [sys.executable, "-m", "llmrun"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "LINES": "50"}
+LOAD_S = 180  # generous: loading takes ~4 s on an idle machine, much longer on a busy CI runner
+
+PROMPT = "The capital of France is"
+QUESTION = "What is the capital of France?"
+GREEDY = ("--temperature", "0", "-n", "16")
+
+
+def _default_sigint():
+    # A shell runs background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored: the Ctrl-C
+    # tests need the handler a terminal session would give the process.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def run(*args, input=None, timeout=LOAD_S) -> subprocess.CompletedProcess:
+    """`llmrun ARGS` as a real process; stdin is `input` (or empty), stdout and stderr are captured."""
+    return subprocess.run(
+        [*LLMRUN, *args], input=input or "", capture_output=True, text=True, env=ENV, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """Invoke the app in-process; every command of the module shares one loaded model (each gets its own
+    Engine and KV cache, as a real run does)."""
+    import llmrun.loading
+
+    runner = CliRunner()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llmrun.loading, "load_model", functools.cache(llmrun.loading.load_model))
+
+        def invoke(*args, input=None):
+            result = runner.invoke(app, list(args), input=input)
+            assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+            return result
+
+        yield invoke
+
+
+def _json(result) -> dict:
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout  # one JSON object, nothing else on stdout
+    return json.loads(lines[0])
+
+
+def _as_printed(text: str) -> str:
+    """What plain (non --json) mode writes to stdout for a reply `text`: it, ending with a newline."""
+    return text if text.endswith("\n") else text + "\n"
+
+
+# --- help, version, info: no model load ---------------------------------------------------------------------
+
+
+def test_help_lists_the_commands(cli):
+    for flag in ("--help", "-h"):
+        out = cli(flag).stdout
+        assert "Usage: llmrun" in out
+        for command in ("chat", "generate", "info"):
+            assert re.search(rf"^\W*{command}\s", out, re.M), out
+
+
+def test_no_arguments_shows_help():
+    result = run()
+    assert "Usage: llmrun" in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_version(cli):
+    assert cli("--version").stdout == f"llmrun {llmrun.__version__}\n"
+    result = run("--version", timeout=60)
+    assert result.returncode == 0 and result.stdout == f"llmrun {llmrun.__version__}\n"
+
+
+def test_help_is_instant_and_does_not_import_torch():
+    script = """
+import sys, time
+t0 = time.perf_counter()
+from llmrun.cli import main
+for argv in ([], ["generate"], ["chat"], ["info"]):
+    sys.argv = ["llmrun", *argv, "--help"]
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code == 0, (argv, e.code)
+    if not argv:
+        top_level_s = time.perf_counter() - t0
+print("torch" in sys.modules, top_level_s, file=sys.stderr)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=60)
+    assert result.returncode == 0, result.stderr
+    torch_imported, seconds = result.stderr.split()
+    assert torch_imported == "False"
+    assert float(seconds) < 1.0  # import + top-level help; typically ~0.3 s
+    assert result.stdout.count("Usage: llmrun") == 4
+
+
+def test_info_json(cli):
+    doc = _json(cli("info", "--json"))
+    assert doc["architecture"] == "LlamaForCausalLM"
+    assert (doc["layers"], doc["heads"], doc["kv_heads"], doc["head_dim"]) == (30, 9, 3, 64)
+    assert doc["context_length"] == 8192
+    assert doc["chat_template"] is True
+    assert doc["tokenizer"] == "bpe"
+    assert doc["format"] == "gguf"
+    assert doc["kv_bytes_per_token"] == {"fp32": 2 * 30 * 3 * 64 * 4, "bf16": 2 * 30 * 3 * 64 * 2}
+    assert 130e6 < doc["parameters"] < 140e6
+
+
+def test_info_table_goes_to_stderr(cli):
+    result = cli("info")
+    assert result.stdout == ""  # stdout is only for generated text and --json
+    assert "LlamaForCausalLM" in result.stderr and "8192" in result.stderr
+
+
+# --- generate ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def greedy(cli) -> dict:
+    """`generate --json` of PROMPT, greedy, 16 tokens."""
+    return _json(cli("generate", *GREEDY, "--json", PROMPT))
+
+
+def test_generate_json(greedy):
+    assert greedy["text"].strip()
+    assert 0 < greedy["new_tokens"] <= 16
+    assert len(greedy["token_ids"]) == greedy["new_tokens"]
+    assert greedy["finish_reason"] in ("length", "stop")
+    assert greedy["prompt_tokens"] > 0 and greedy["model"] == "smollm2"
+    assert greedy["memory"]["weights"] > 0 and greedy["memory"]["kv_allocated"] > 0
+
+
+def test_generate_stdout_is_only_the_text_and_deterministic(cli, greedy):
+    first = cli("generate", *GREEDY, PROMPT)
+    second = cli("generate", *GREEDY, PROMPT)
+    assert first.stdout == second.stdout == _as_printed(greedy["text"])
+    assert "tok/s" in first.stderr and "tok/s" not in first.stdout  # the status line goes to stderr
+    assert cli("generate", *GREEDY, "--quiet", PROMPT).stderr == ""
+
+
+def test_generate_reads_stdin(cli, greedy):
+    assert cli("generate", *GREEDY, "-", input=PROMPT).stdout == _as_printed(greedy["text"])
+    assert cli("generate", *GREEDY, input=PROMPT).stdout == _as_printed(greedy["text"])  # no TEXT: stdin too
+
+
+def test_generate_in_a_real_process_through_a_pipe(cli):
+    """`echo TEXT | llmrun generate -`: the installed executable, a real pipe, the same text as in-process."""
+    shell = subprocess.run(
+        f"echo '{PROMPT}' | {' '.join(LLMRUN)} generate - {' '.join(GREEDY)}",
+        shell=True, capture_output=True, text=True, env=ENV, timeout=LOAD_S,
+    )
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout == cli("generate", *GREEDY, "-", input=PROMPT + "\n").stdout  # echo adds the newline
+    assert shell.stdout.strip()
+    assert "tok/s" in shell.stderr and "Traceback" not in shell.stderr
+
+
+def test_the_same_seed_gives_the_same_sample(cli):
+    def sample(seed: int) -> list[int]:
+        doc = _json(cli("generate", "Once upon a time", "--json", "--temperature", "1", "--top-k", "0",
+                        "--top-p", "1", "--min-p", "0", "-n", "24", "--seed", str(seed)))
+        return doc["token_ids"]
+
+    first = sample(7)
+    assert len(first) > 8
+    assert sample(7) == first
+    assert sample(8) != first
+
+
+def test_stop_string_cuts_before_its_first_occurrence(cli, greedy):
+    text = greedy["text"]
+    words = [w for w in re.findall(r"[A-Za-z]{3,}", text) if text.index(w) > 0]
+    assert words, text
+    stop = words[len(words) // 2]
+    expected = text[: text.index(stop)]
+
+    doc = _json(cli("generate", *GREEDY, "--json", "--stop", stop, PROMPT))
+    assert (doc["text"], doc["finish_reason"]) == (expected, "stop")
+    assert doc["new_tokens"] <= greedy["new_tokens"]
+    # Repeatable: a stop string that never shows up changes nothing.
+    assert cli("generate", *GREEDY, "--stop", "zqxjv", "--stop", stop, PROMPT).stdout == _as_printed(expected)
+
+
+# --- chat, one turn ----------------------------------------------------------------------------------------
+
+CHAT = ("chat", "--temperature", "0", "-n", "24")
+
+
+def test_chat_one_turn_prompt_or_stdin(cli):
+    by_option = cli(*CHAT, "-p", QUESTION)
+    assert by_option.stdout.strip()
+    assert "tok/s" in by_option.stderr and "tok/s" not in by_option.stdout
+    assert cli(*CHAT, input=QUESTION).stdout == by_option.stdout
+
+
+def test_chat_json(cli):
+    doc = _json(cli(*CHAT, "--json", "-p", QUESTION))
+    assert doc["text"].strip()
+    assert 0 < doc["new_tokens"] <= 24
+    assert doc["prompt_tokens"] > len(QUESTION.split())  # the chat template wraps the question
+    assert doc["decode_tok_s"] > 0
+    assert doc["memory"]["weights"] > 0 and doc["memory"]["kv_allocated"] > 0
+    assert doc["finish_reason"] in ("length", "stop")
+
+
+def test_chat_in_a_real_process_reads_piped_stdin(cli):
+    result = run(*CHAT, input=QUESTION)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == cli(*CHAT, "-p", QUESTION).stdout
+    assert "Traceback" not in result.stderr
+
+
+def _wait_for_output(proc, deadline_s: float) -> bytes:
+    ready, _, _ = select.select([proc.stdout], [], [], deadline_s)
+    assert ready, "no output before the deadline"
+    return os.read(proc.stdout.fileno(), 4096)
+
+
+def test_ctrl_c_in_one_turn_mode_exits_130():
+    proc = subprocess.Popen(
+        [*LLMRUN, "chat", "-p", "Write a long story about a dragon.", "--temperature", "0", "-n", "400"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+        preexec_fn=_default_sigint,
+    )
+    try:
+        first = _wait_for_output(proc, LOAD_S)
+        assert first.strip()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert b"Traceback" not in err
+    assert b"interrupted" in err
+
+
+# --- the interactive chat, in a pseudo-terminal ------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+PROMPT_MARK = b">>> "
+
+
+class Terminal:
+    """`llmrun ARGS` with a pseudo-terminal as stdin, stdout and stderr, as a person runs it. Every wait has a
+    deadline, and `close` kills the process if it is still running, so a test can never hang."""
+
+    def __init__(self, *args):
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # rows, cols: no wrapping
+        self.proc = subprocess.Popen(
+            [*LLMRUN, *args], stdin=slave, stdout=slave, stderr=slave, env=ENV, close_fds=True,
+            start_new_session=True, preexec_fn=_default_sigint,
+        )
+        os.close(slave)
+        self.master = master
+        self.output = bytearray()
+        self.mark = 0  # `expect` looks at the output after this position
+
+    def expect(self, pattern: bytes, timeout: float = 60) -> str:
+        """Read until `pattern` appears after the mark; move the mark past it; return the text up to it with
+        the terminal escapes taken out."""
+        deadline = time.monotonic() + timeout
+        while (found := self.output.find(pattern, self.mark)) < 0:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {pattern!r} within {timeout} s; output so far:\n{self.text()}"
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.5))
+            if ready:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:  # EIO: the process closed the terminal
+                    chunk = b""
+                assert chunk, f"the process ended (rc {self.proc.poll()}) before {pattern!r}:\n{self.text()}"
+                self.output += chunk
+        start, self.mark = self.mark, found + len(pattern)
+        return _ANSI.sub("", self.output[start:found].decode(errors="replace"))
+
+    def send(self, line: str) -> None:
+        self.mark = len(self.output)
+        os.write(self.master, line.encode() + b"\r")
+
+    def stats(self) -> str:
+        self.send("/stats")
+        return self.expect(PROMPT_MARK)
+
+    def wait(self, timeout: float = 30) -> int:
+        """Drain the output until the process exits; its exit code."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if select.select([self.master], [], [], 0.2)[0]:
+                try:
+                    self.output += os.read(self.master, 65536)
+                except OSError:
+                    pass
+        return self.proc.wait(timeout=max(deadline - time.monotonic(), 1))
+
+    def text(self) -> str:
+        return _ANSI.sub("", self.output.decode(errors="replace"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+
+
+@pytest.fixture
+def terminal():
+    opened = []
+
+    def start(*args) -> Terminal:
+        opened.append(Terminal(*args))
+        return opened[-1]
+
+    yield start
+    for t in opened:
+        t.close()
+
+
+def _stat(table: str, key: str) -> str:
+    m = re.search(rf"{re.escape(key)}\s*[│|]\s*(\S+)", table)
+    assert m, f"no {key} in:\n{table}"
+    return m.group(1)
+
+
+def test_repl_multi_turn_reuses_the_kv_cache_and_runs_slash_commands(terminal):
+    t = terminal("chat", "--temperature", "0", "-n", "16", "--ctx", "1024")
+    banner = t.expect(PROMPT_MARK, timeout=LOAD_S)
+    assert "/help" in banner
+
+    t.send(QUESTION)
+    first = t.expect(PROMPT_MARK)
+    assert "tok/s" in first  # the status line after the reply
+    stats = t.stats()
+    assert "llmrun stats" in stats
+    assert _stat(stats, "turns") == "1"
+    assert _stat(stats, "reused_tokens") == "0"
+
+    t.send("And what is the capital of Italy?")
+    t.expect(PROMPT_MARK)
+    stats = t.stats()
+    assert _stat(stats, "turns") == "2"
+    assert int(_stat(stats, "reused_tokens")) > 0  # the first turn's K/V stayed in the cache
+    assert int(_stat(stats, "prompt_tokens")) > int(_stat(stats, "reused_tokens"))
+
+    t.send("/reset")
+    assert "conversation cleared" in t.expect(PROMPT_MARK)
+    assert _stat(t.stats(), "turns") == "0"
+    t.send("/system You are terse.")
+    assert "system prompt set" in t.expect(PROMPT_MARK)
+    t.send("/nonsense")
+    assert "unknown command /nonsense" in t.expect(PROMPT_MARK)
+    t.send("/exit")
+    assert t.wait() == 0
+    assert "Traceback" not in t.text()
+
+
+def test_repl_ctrl_d_at_the_prompt_exits_0(terminal):
+    t = terminal("chat", "--temperature", "0", "-n", "16", "--ctx", "256")
+    t.expect(PROMPT_MARK, timeout=LOAD_S)
+    os.write(t.master, b"\x04")
+    assert t.wait() == 0
+    assert "Traceback" not in t.text()
+
+
+def test_repl_ctrl_c_stops_the_reply_and_keeps_the_conversation(terminal):
+    t = terminal("chat", "--temperature", "0", "-n", "400", "--ctx", "1024")
+    t.expect(PROMPT_MARK, timeout=LOAD_S)
+    t.send("Write a long story about a dragon.")
+    # Rich shows the cursor again when the "thinking" spinner stops, which it does once the first piece of
+    # the reply has arrived: from here on the reply is under way.
+    t.expect(b"\x1b[?25h")
+    t.proc.send_signal(signal.SIGINT)
+    t.expect(PROMPT_MARK, timeout=30)
+    assert t.proc.poll() is None  # still running: Ctrl-C stopped the reply, not the chat
+
+    stats = t.stats()
+    assert _stat(stats, "turns") == "1"  # the partial reply is kept as the answer
+    assert _stat(stats, "finish_reason") == "interrupted"
+    assert int(_stat(stats, "new_tokens")) < 400
+    t.send("/exit")
+    assert t.wait() == 0
+    assert "Traceback" not in t.text()

@@ -1,0 +1,143 @@
+"""The generation loop and chat sessions on the embedded model: prefix reuse, stops, limits, interruption."""
+
+import pytest
+import torch
+
+from llmrun.conversation import Conversation
+from llmrun.errors import ContextOverflowError
+from llmrun.generate import Engine, StopMatcher
+from llmrun.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+
+
+@pytest.fixture
+def engine(smollm2):
+    return Engine(smollm2, max_len=256)
+
+
+def reference_greedy(model, prompt, n):
+    """Greedy tokens by full forwards without any cache: the slow, obviously right way."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_generation_equals_uncached_forwards(engine, smollm2):
+    prompt = smollm2.tokenizer.encode("The three primary colours are")
+    reply = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=10))
+    text = "".join(reply)
+    assert reply.token_ids == reference_greedy(smollm2.model, prompt, 10)
+    assert text == smollm2.tokenizer.decode(reply.token_ids)
+    assert reply.stats.finish_reason == "length" and reply.stats.new_tokens == 10
+    assert engine.tokens == prompt + reply.token_ids[:-1]  # the last sampled token is not fed yet
+    assert engine.cache.length == len(engine.tokens)
+
+
+def test_chat_turns_reuse_the_cache_and_match_a_fresh_engine(smollm2):
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    chat = Conversation(Engine(smollm2, max_len=512), params)
+    first = chat.send("Name a fruit.")
+    "".join(first)
+    chat.finish(first)
+    second = chat.send("And a vegetable?")
+    "".join(second)
+    chat.finish(second)
+    assert second.stats.reused_tokens > first.stats.prompt_tokens  # the whole first turn was kept
+    assert second.stats.prefilled_tokens < 20
+    fresh = Engine(smollm2, max_len=512)
+    again = fresh.generate(second.prompt, params)
+    "".join(again)
+    assert again.token_ids == second.token_ids
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_system_prompt_change_recomputes_from_the_difference(smollm2):
+    chat = Conversation(Engine(smollm2, max_len=512), GREEDY)
+    r = chat.send("Hi")
+    "".join(r)
+    chat.finish(r)
+    chat.system = "You are a pirate."
+    r2 = chat.send("Hi again")
+    "".join(r2)
+    assert r2.stats.reused_tokens < 8  # the system prompt is at the start: only '<|im_start|>system\nYou are a' stays
+    assert smollm2.tokenizer.decode(r2.prompt).count("pirate") == 1
+
+
+def test_interrupted_reply_keeps_a_consistent_conversation(smollm2):
+    chat = Conversation(Engine(smollm2, max_len=512), SamplingParams(temperature=0, max_new_tokens=50))
+    reply = chat.send("Count from one to twenty.")
+    pieces = iter(reply)
+    next(pieces)
+    next(pieces)
+    pieces.close()  # what Ctrl-C does, via the CLI
+    chat.finish(reply)
+    assert reply.stats.finish_reason == "interrupted"
+    assert chat.messages[-1] == {"role": "assistant", "content": reply.text}
+    engine = chat.engine
+    assert engine.cache.length == len(engine.tokens)
+    follow = chat.send("Go on.")
+    "".join(follow)
+    assert follow.stats.reused_tokens > 30
+
+
+def test_interrupt_before_the_first_token_drops_the_question(smollm2):
+    chat = Conversation(Engine(smollm2, max_len=512), GREEDY)
+    reply = chat.send("Hello")
+    iter(reply).close()  # never started
+    chat.finish(reply)
+    assert chat.messages == []
+
+
+def test_stop_strings_and_end_token(engine, smollm2):
+    prompt = smollm2.tokenizer.encode("1, 2, 3, 4, 5,")
+    full = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=16))
+    text = "".join(full)
+    assert " 7" in text
+    stopped = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=16, stop=(" 7",)))
+    assert "".join(stopped) == text[: text.index(" 7")]
+    assert stopped.stats.finish_reason == "stop"
+    chat_prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+    reply = engine.generate(chat_prompt, SamplingParams(temperature=0, max_new_tokens=100))
+    "".join(reply)
+    assert reply.stats.finish_reason == "stop" and reply.stats.new_tokens < 100  # ended on <|im_end|>
+    assert "<|im_end|>" not in reply.text
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(("STOP", "xy"))
+    assert m.feed("abc S") == "abc "
+    assert m.feed("T") == ""
+    assert m.feed("ART") == "START"
+    assert m.feed("x") == ""
+    assert m.feed("z") == "xz"
+    assert m.feed("..ST") == ".."
+    assert m.feed("OP and more") == ""
+    assert m.stopped
+
+
+def test_context_limits(smollm2):
+    engine = Engine(smollm2, max_len=40)
+    long_prompt = smollm2.tokenizer.encode("word " * 60)
+    with pytest.raises(ContextOverflowError, match="context holds 40"):
+        "".join(engine.generate(long_prompt, GREEDY))
+    prompt = smollm2.tokenizer.encode("Once upon a time")
+    reply = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=100, stop=()))
+    "".join(reply)
+    if reply.stats.finish_reason != "stop":
+        assert reply.stats.finish_reason == "context" and engine.cache.length == 40
+    chat = Conversation(Engine(smollm2, max_len=30), GREEDY)
+    with pytest.raises(ContextOverflowError, match="/reset"):
+        chat.send("hello")  # the default system prompt alone (31 tokens with the question) overflows 30
+    assert chat.messages == []
+
+
+def test_sampling_is_seeded(engine, smollm2):
+    prompt = smollm2.tokenizer.encode("My favourite animal is")
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)
+    a = "".join(engine.generate(prompt, params))
+    b = "".join(engine.generate(prompt, params))
+    c = "".join(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=16, seed=4)))
+    assert a == b and a != c
