@@ -118,8 +118,7 @@ class Engine:
         number of reused tokens."""
         if len(prompt) >= self.max_len:
             raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens but the context holds {self.max_len};"
-                " shorten it, raise --ctx, or /reset the conversation"
+                f"the prompt has {len(prompt)} tokens but the context holds {self.max_len}; shorten it or raise --ctx"
             )
         common = 0
         for a, b in zip(self.tokens, prompt):

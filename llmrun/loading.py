@@ -50,22 +50,22 @@ def resolve(spec: str) -> ModelSource:
             raise ModelFormatError(f"{spec}: not a .gguf file; give a GGUF file or an HF model directory")
         return ModelSource(spec, path, "gguf")
     if path.is_dir():
-        return ModelSource(spec, _check_hf_dir(path), "safetensors")
-    if path.suffix == ".gguf" or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path}: not a model directory (no config.json)")
+        return ModelSource(spec, path, "safetensors")
+    looks_local = spec.startswith((".", "/", "~")) or (path.suffix == ".gguf" and ":" not in spec)
+    if looks_local or not _HUB_ID.match(spec):
         raise ModelNotFoundError(f"{spec}: no such file or directory, and not a Hugging Face hub id (org/name)")
     return _resolve_hub(spec)
 
 
-def _check_hf_dir(path: Path) -> Path:
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"{path}: not a model directory (no config.json)")
+def _check_weights(path: Path) -> None:
     if not any(path.glob("*.safetensors")):
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
             raise ModelFormatError(
                 f"{path} holds only pickle checkpoints (*.bin/*.pt), which llmrun never loads; use a safetensors copy"
             )
         raise ModelFormatError(f"{path}: no *.safetensors weights")
-    return path
 
 
 def _resolve_hub(spec: str) -> ModelSource:
@@ -76,7 +76,10 @@ def _resolve_hub(spec: str) -> ModelSource:
     try:
         if filename:
             return ModelSource(spec, Path(hf_hub_download(repo, filename)), "gguf")
-        return ModelSource(spec, _check_hf_dir(Path(snapshot_download(repo, allow_patterns=_HF_FILES))), "safetensors")
+        path = Path(snapshot_download(repo, allow_patterns=_HF_FILES))
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{spec}: the hub repository has no config.json (for a GGUF repo use {spec}:FILE.gguf)")
+        return ModelSource(spec, path, "safetensors")
     except LocalEntryNotFoundError as e:
         raise ModelNotFoundError(
             f"{spec} is not in the local Hugging Face cache and the hub cannot be reached"
@@ -89,32 +92,29 @@ def _resolve_hub(spec: str) -> ModelSource:
 # --- reading configs, tensors and tokenizers -----------------------------------------------------------------
 
 
-def _gguf_name(name: str) -> str | None:
-    """GGUF tensor name -> our module name (None: not a weight of the model)."""
-    fixed = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
-    if name in fixed:
-        return fixed[name]
-    m = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    parts = {
-        "attn_norm": "attn_norm", "attn_q": "attn.q", "attn_k": "attn.k", "attn_v": "attn.v",
-        "attn_output": "attn.o", "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate", "ffn_up": "mlp.up",
-        "ffn_down": "mlp.down",
-    }
-    if m and m.group(2) in parts:
-        return f"layers.{m.group(1)}.{parts[m.group(2)]}.{m.group(3)}"
-    return None
+# Tensor names of each format -> ours: whole-model tensors by name, per-layer ones by the part after the layer
+# index. GGUF: `blk.3.attn_q.weight`; HF: `model.layers.3.self_attn.q_proj.weight`; ours: `layers.3.attn.q.weight`.
+_GGUF_NAMES = (
+    {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"},
+    re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$"),
+    {"attn_norm": "attn_norm", "attn_q": "attn.q", "attn_k": "attn.k", "attn_v": "attn.v", "attn_output": "attn.o",
+     "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate", "ffn_up": "mlp.up", "ffn_down": "mlp.down"},
+)
+_HF_NAMES = (
+    {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"},
+    re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+|\w+)\.(weight|bias)$"),
+    {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k",
+     "self_attn.v_proj": "attn.v", "self_attn.o_proj": "attn.o", "post_attention_layernorm": "mlp_norm",
+     "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up", "mlp.down_proj": "mlp.down"},
+)
 
 
-def _hf_name(name: str) -> str | None:
-    fixed = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
-    if name in fixed:
-        return fixed[name]
-    m = re.match(r"model\.layers\.(\d+)\.(\w+\.\w+|\w+)\.(weight|bias)$", name)
-    parts = {
-        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k",
-        "self_attn.v_proj": "attn.v", "self_attn.o_proj": "attn.o", "post_attention_layernorm": "mlp_norm",
-        "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up", "mlp.down_proj": "mlp.down",
-    }
+def _our_name(name: str, names) -> str | None:
+    """A file's tensor name -> our module name; None when it is not a weight of the model."""
+    whole, layer_pattern, parts = names
+    if name in whole:
+        return whole[name]
+    m = layer_pattern.match(name)
     if m and m.group(2) in parts:
         return f"layers.{m.group(1)}.{parts[m.group(2)]}.{m.group(3)}"
     return None
@@ -140,10 +140,11 @@ class ModelFiles:
 
 
 def open_model(spec: str) -> ModelFiles:
+    source = resolve(spec)  # before the imports below (torch): a wrong path fails fast
+
     from llmrun.models import config_from_gguf, config_from_hf
     from llmrun.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 
-    source = resolve(spec)
     if source.format == "gguf":
         from llmrun.gguf_file import GGUFFile
 
@@ -158,6 +159,7 @@ def open_model(spec: str) -> ModelFiles:
     except (OSError, ValueError) as e:
         raise ModelFormatError(f"{source.path / 'config.json'}: cannot parse ({e})") from e
     config = config_from_hf(hf_config)
+    _check_weights(source.path)
     stored = {}
     for name, t in _safetensors_headers(source.path):
         stored[t["dtype"]] = stored.get(t["dtype"], 0) + t["data_offsets"][1] - t["data_offsets"][0]
@@ -170,15 +172,22 @@ def _safetensors_headers(path: Path):
 
     for file in sorted(path.glob("*.safetensors")):
         try:
+            size = file.stat().st_size
             with open(file, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:
+                    raise ValueError(f"its header claims {n} bytes, the file has {size}")
                 header = json.loads(f.read(n))
-            size = file.stat().st_size
-        except (OSError, ValueError, struct.error) as e:
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+            entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
+            for name, entry in entries:
+                start, end = entry["data_offsets"]
+                if not 0 <= start <= end:
+                    raise ValueError(f"tensor {name} has offsets {start}..{end}")
+        except (OSError, ValueError, struct.error, KeyError, TypeError) as e:
             raise ModelFormatError(f"{file} is not a valid safetensors file ({e})") from e
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
+        for name, entry in entries:
             if 8 + n + entry["data_offsets"][1] > size:
                 raise ModelFormatError(f"{file} is truncated: tensor {name} runs past the end of the file")
             yield name, entry
@@ -193,7 +202,7 @@ def _iter_weights(files: ModelFiles):
             if name == "rope_freqs.weight":
                 yield "rope_freq_factors", t.dequantize()
                 continue
-            ours = _gguf_name(name)
+            ours = _our_name(name, _GGUF_NAMES)
             if ours is None:
                 raise ModelFormatError(f"{files.source.path}: unexpected tensor {name}")
             w = t.dequantize()
@@ -211,7 +220,7 @@ def _iter_weights(files: ModelFiles):
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
                         continue
-                    ours = _hf_name(name)
+                    ours = _our_name(name, _HF_NAMES)
                     if ours is None:
                         raise ModelFormatError(f"{file}: unexpected tensor {name}")
                     yield ours, f.get_tensor(name)
@@ -260,11 +269,15 @@ def resolve_dtype(dtype: str, device):
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    return load_weights(open_model(spec), device, dtype)
+
+
+def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Build the model of `files` on `device` with its weights converted to `dtype`."""
     import torch
 
     from llmrun.models import build_model
 
-    files = open_model(spec)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = files.config

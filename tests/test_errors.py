@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from llmrun.cli import main
-from llmrun.loading import load_model
 
 _installed = Path(sys.executable).with_name("llmrun")
 LLMRUN = [str(_installed)] if _installed.is_file() else [sys.executable, "-m", "llmrun"]
@@ -45,18 +44,20 @@ class Outcome:
     stderr: str
 
 
-_cached_load_model = functools.cache(load_model)
+@pytest.fixture(scope="module")
+def one_model_load():
+    """The cases that reach the weights share one load of each model (the model is only read)."""
+    import llmrun.loading
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llmrun.loading, "load_model", functools.cache(llmrun.loading.load_model))
+        yield
 
 
 @pytest.fixture
-def cli(monkeypatch, capsys):
+def cli(one_model_load, monkeypatch, capsys):
     """cli(*args, cwd=None) -> Outcome: `llmrun ARGS` through `main()` with an empty stdin. An exception
     escaping `main()` is written to stderr as the interpreter would write it (a traceback, exit code 1)."""
-    import llmrun.loading
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # The cases that reach the weights share one load (the model is only read).
-    monkeypatch.setattr(llmrun.loading, "load_model", _cached_load_model)
 
     def run(*args, cwd=None) -> Outcome:
         if cwd is not None:
@@ -164,10 +165,6 @@ def hf_dir(tmp_path_factory):
         ("someone/not-a-model", ["someone/not-a-model", "cache", "offline"]),
         pytest.param(
             "someone/not-a-model:x.Q4_0.gguf", ["someone/not-a-model", "cache", "offline"], id="hub-gguf-offline",
-            marks=pytest.mark.xfail(strict=True, reason=(
-                "llmrun/loading.py resolve() line 55: `path.suffix == '.gguf'` rejects the documented "
-                "org/name:FILE.gguf hub form as 'no such file' before the hub id pattern is tried"
-            )),
         ),
         ("truncated.gguf", ["truncated.gguf", "truncated"]),
         ("garbage.gguf", ["garbage.gguf", "not a GGUF"]),
@@ -196,14 +193,6 @@ def _header_length(n: int) -> bytes:
     return struct.pack("<Q", n) + b'{"a": 1}'
 
 
-_HEADER_BUG = (
-    "llmrun/loading.py _safetensors_headers() lines 171-180: f.read(n) with the header length n read from the "
-    "file, unchecked against the file size, and the header indexed without checking its shape: "
-    "OverflowError/AttributeError escape as a traceback and MemoryError is taken for running out of memory, "
-    "instead of a ModelFormatError naming the file"
-)
-
-
 @pytest.mark.parametrize(
     "weights, names",
     [
@@ -212,14 +201,10 @@ _HEADER_BUG = (
             _safetensors_file({"model.norm.weight": ("F32", [576], b"\0" * 2304)})[:-100], ["truncated"],
             id="tensor-past-the-end",
         ),
-        pytest.param(random.Random(0).randbytes(4096), ["safetensors"], id="random-bytes",
-                     marks=pytest.mark.xfail(reason=_HEADER_BUG, strict=True)),
-        pytest.param(_header_length(2**40), ["safetensors"], id="header-length-past-the-end",
-                     marks=pytest.mark.xfail(reason=_HEADER_BUG, strict=True)),
-        pytest.param(_header_length(2**64 - 1), ["safetensors"], id="header-length-overflows",
-                     marks=pytest.mark.xfail(reason=_HEADER_BUG, strict=True)),
-        pytest.param(struct.pack("<Q", 2) + b"[]", ["safetensors"], id="header-not-an-object",
-                     marks=pytest.mark.xfail(reason=_HEADER_BUG, strict=True)),
+        pytest.param(random.Random(0).randbytes(4096), ["safetensors"], id="random-bytes"),
+        pytest.param(_header_length(2**40), ["safetensors"], id="header-length-past-the-end"),
+        pytest.param(_header_length(2**64 - 1), ["safetensors"], id="header-length-overflows"),
+        pytest.param(struct.pack("<Q", 2) + b"[]", ["safetensors"], id="header-not-an-object"),
     ],
 )
 def test_corrupt_safetensors(cli, hf_dir, weights, names):
@@ -295,12 +280,6 @@ def test_conversation_longer_than_the_context(cli):
     assert_one_error_line(cli("chat", "--ctx", "32", "-p", LONG_TEXT), "context holds 32", "--ctx")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="llmrun/cli/generate.py lines 47-53: with --json the `finally:` prints the JSON document even when "
-    "generation raised, so an error (here ContextOverflowError) leaves a JSON object claiming "
-    'finish_reason "interrupted" on stdout beside the error line',
-)
 def test_prompt_longer_than_the_context_with_json(cli):
     assert_one_error_line(cli("generate", "--json", "--ctx", "32", LONG_TEXT), "context holds 32")
 
@@ -321,12 +300,6 @@ def _open_model_raising(monkeypatch, exception: BaseException) -> None:
     monkeypatch.setattr(llmrun.loading, "open_model", open_model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="llmrun/cli/__init__.py line 53: `except (_click_errors.Abort, KeyboardInterrupt)`: typer._click."
-    "exceptions has no Abort (it is typer.exceptions.Abort, i.e. typer.Abort), so evaluating that clause "
-    "raises AttributeError whenever an exception other than a click error reaches main()",
-)
 def test_unexpected_errors_keep_their_own_traceback(cli, monkeypatch):
     _open_model_raising(monkeypatch, ZeroDivisionError("a bug"))
     result = cli("info")
@@ -335,11 +308,6 @@ def test_unexpected_errors_keep_their_own_traceback(cli, monkeypatch):
     assert "AttributeError" not in result.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="llmrun/cli/console.py line 46: `str(e).splitlines()[0]` raises IndexError for a MemoryError "
-    "without a message, which is what Python raises when an allocation fails",
-)
 def test_out_of_memory_is_one_line(cli, monkeypatch):
     _open_model_raising(monkeypatch, MemoryError())
     assert_one_error_line(cli("info"), "out of memory")

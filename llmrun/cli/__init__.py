@@ -43,6 +43,8 @@ def main() -> None:
     """Entry point: usage errors become one `error:` line (exit 2) instead of a help panel."""
     try:
         code = app(standalone_mode=False)
+    except _click_errors.NoArgsIsHelpError:
+        code = 0  # bare `llmrun`: the help was the answer
     except _click_errors.UsageError as e:
         hint = f" (see: {e.ctx.command_path} --help)" if e.ctx else ""
         print(f"error: {e.format_message()}{hint}", file=sys.stderr)
@@ -50,6 +52,6 @@ def main() -> None:
     except _click_errors.ClickException as e:
         print(f"error: {e.format_message()}", file=sys.stderr)
         code = e.exit_code
-    except (_click_errors.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):
         code = 130
     sys.exit(code if isinstance(code, int) else 0)

@@ -1,6 +1,5 @@
 """`llmrun chat`: interactive multi-turn chat, or one turn with -p / piped stdin."""
 
-import json
 import sys
 from typing import Annotated, Optional
 
@@ -12,7 +11,7 @@ from llmrun.errors import LlmrunError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, open_engine, status_line, stream_to_stdout, user_errors
+from .console import err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors
 from .options import JsonFlag, ModelArg, run_options
 
 HELP = """Commands: /reset (forget the conversation), /system TEXT (set the system prompt; no TEXT clears it),
@@ -39,8 +38,8 @@ def chat(
     from llmrun.conversation import Conversation
 
     if prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read()
-        if not prompt.strip():
+        prompt = sys.stdin.read().strip()  # `echo Q |` adds a newline that -p Q does not have
+        if not prompt:
             raise LlmrunError("stdin was empty; give a prompt with -p or type one interactively")
     if json_out and prompt is None:
         raise LlmrunError("--json needs a prompt (-p TEXT or stdin)")
@@ -57,12 +56,7 @@ def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool
 
     reply = conversation.send(prompt)
     if json_out:
-        try:
-            for _ in reply:
-                pass
-        finally:
-            doc = {"model": model, "text": reply.text, **reply.stats.as_dict(), "memory": memory_report(conversation.engine)}
-            print(json.dumps(doc, ensure_ascii=False))
+        print_json_when_done(reply, conversation.engine, model=model)
         return
     stream_to_stdout(reply)
     if not quiet:
@@ -70,7 +64,9 @@ def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool
 
 
 def _read_line() -> str:
-    err.print(Text(">>> ", style="bold green"), end="")
+    if sys.stdout.isatty():  # readline must know the prompt to redraw the line while editing
+        return input("\001\033[1;32m\002>>> \001\033[0m\002")
+    err.print(Text(">>> ", style="bold green"), end="")  # stdout is redirected: keep it for replies only
     return input()
 
 

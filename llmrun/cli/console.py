@@ -43,7 +43,8 @@ def user_errors(command):
         except (MemoryError, RuntimeError) as e:
             if not _is_out_of_memory(e):
                 raise
-            fail(f"out of memory ({str(e).splitlines()[0][:160]}); try a smaller --ctx, --dtype bf16, or a smaller model")
+            detail = (str(e).splitlines() or [type(e).__name__])[0][:160]
+            fail(f"out of memory ({detail}); try a smaller --ctx, --dtype bf16, or a smaller model")
 
     return wrapper
 
@@ -56,15 +57,16 @@ def spinner(message: str):
 def open_engine(model: str, opts):
     """Load `model` as the options say and give back an Engine with its KV cache allocated."""
     from llmrun.generate import Engine
-    from llmrun.loading import load_model
+    from llmrun.loading import load_weights, open_model
 
     from .options import DEFAULT_CTX_CAP
 
     with spinner(f"loading {model}"):
-        loaded = load_model(model, device=opts.device, dtype=opts.dtype)
-    trained = loaded.config.max_seq_len
-    if opts.ctx is not None and opts.ctx > trained:
-        raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+        files = open_model(model)
+        trained = files.config.max_seq_len
+        if opts.ctx is not None and opts.ctx > trained:
+            raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+        loaded = load_weights(files, device=opts.device, dtype=opts.dtype)
     for warning in loaded.tokenizer.warnings:
         err.print(Text(f"warning: {warning}", style="yellow"))
     return Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP))
@@ -90,6 +92,26 @@ def status_line(stats, memory: dict) -> Text:
         parts.append({"length": "stopped: --max-new-tokens", "context": "stopped: context full",
                       "interrupted": "interrupted"}[stats.finish_reason])
     return Text(" · ".join(parts), style="dim")
+
+
+def print_json_when_done(reply, engine, **fields) -> None:
+    """Run the reply to its end, then print one JSON document: `fields`, its text, stats and memory. After
+    Ctrl-C the partial reply is still printed; after an error, nothing is (the error line says it all)."""
+    import json
+
+    from llmrun.memory import memory_report
+
+    def emit():
+        doc = {**fields, "text": reply.text, **reply.stats.as_dict(), "memory": memory_report(engine)}
+        print(json.dumps(doc, ensure_ascii=False))
+
+    try:
+        for _ in reply:
+            pass
+    except KeyboardInterrupt:
+        emit()
+        raise
+    emit()
 
 
 def stream_to_stdout(reply) -> None:

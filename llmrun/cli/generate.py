@@ -1,6 +1,5 @@
 """`llmrun generate`: raw completion of a text, without a chat template."""
 
-import json
 import sys
 from typing import Annotated
 
@@ -10,7 +9,7 @@ from llmrun.errors import LlmrunError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, open_engine, status_line, stream_to_stdout, user_errors
+from .console import err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors
 from .options import JsonFlag, run_options
 
 
@@ -43,12 +42,7 @@ def generate(
     prompt = engine.tokenizer.encode(text, special=special)
     reply = engine.generate(prompt, opts.params)
     if json_out:
-        try:
-            for _ in reply:
-                pass
-        finally:
-            print(json.dumps({"model": model, "text": reply.text, "token_ids": reply.token_ids,
-                              **reply.stats.as_dict(), "memory": memory_report(engine)}, ensure_ascii=False))
+        print_json_when_done(reply, engine, model=model, token_ids=reply.token_ids)
         return
     stream_to_stdout(reply)
     if not quiet:
