@@ -77,9 +77,9 @@ def status_line(stats, memory: dict) -> Text:
     from llmrun.memory import human_bytes
 
     parts = [
-        f"{stats.new_tokens} tokens",
+        f"{stats.new_tokens} tok",
         f"{stats.decode_tok_s:.1f} tok/s",
-        f"prefill {stats.prefilled_tokens} tok {stats.prefill_tok_s:.0f} tok/s"
+        f"prefill {stats.prefilled_tokens} @ {stats.prefill_tok_s:.0f} tok/s"
         + (f" (+{stats.reused_tokens} cached)" if stats.reused_tokens else ""),
         f"ctx {stats.context_used}/{stats.context_max}",
         f"weights {human_bytes(memory['weights'])}",
@@ -87,7 +87,7 @@ def status_line(stats, memory: dict) -> Text:
     ]
     if "device_peak_allocated" in memory:
         parts.append(f"GPU peak {human_bytes(memory['device_peak_allocated'])}")
-    parts.append(f"peak RSS {human_bytes(memory['process_peak_rss'])}")
+    parts.append(f"peak {human_bytes(memory['process_peak_rss'])}")
     if stats.finish_reason in ("length", "context", "interrupted"):
         parts.append({"length": "stopped: --max-new-tokens", "context": "stopped: context full",
                       "interrupted": "interrupted"}[stats.finish_reason])
