@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrun.errors import ContextOverflowError
+from llmrun.errors import ContextOverflowError, LlmrunError
 from llmrun.kv_cache import KVCache
 from llmrun.loading import LoadedModel
 from llmrun.sampling import SamplingParams, make_generator, sample
@@ -116,6 +116,8 @@ class Engine:
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Make the cache hold `prompt`, reusing the longest cached prefix; return the last logits (V,) and the
         number of reused tokens."""
+        if not prompt:
+            raise LlmrunError("the prompt is empty: there is nothing to continue")
         if len(prompt) >= self.max_len:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens but the context holds {self.max_len}; shorten it or raise --ctx"

@@ -118,6 +118,13 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.stopped
 
 
+def test_empty_prompt_is_refused(engine):
+    from llmrun.errors import LlmrunError
+
+    with pytest.raises(LlmrunError, match="empty"):
+        "".join(engine.generate([], GREEDY))
+
+
 def test_context_limits(smollm2):
     engine = Engine(smollm2, max_len=40)
     long_prompt = smollm2.tokenizer.encode("word " * 60)
