@@ -26,6 +26,7 @@ class GenerationStats:
     reused_tokens: int = 0  # prompt tokens whose K/V were already cached (earlier turns)
     new_tokens: int = 0
     decode_steps: int = 0  # forwards of one token (the first token comes from the prefill's logits)
+    ttft_s: float = 0.0  # from the call to the first sampled token: prefill plus one sampling
     prefill_s: float = 0.0
     decode_s: float = 0.0  # from the first generated token to the last
     context_used: int = 0
@@ -43,10 +44,6 @@ class GenerationStats:
     @property
     def decode_tok_s(self) -> float:
         return self.decode_steps / self.decode_s if self.decode_s else 0.0
-
-    @property
-    def ttft_s(self) -> float:
-        return self.prefill_s
 
     def as_dict(self) -> dict:
         return {
@@ -173,6 +170,7 @@ class Generation:
                 token = sample(logits, params, generator, history)
                 if t_first is None:
                     t_first = time.perf_counter()
+                    stats.ttft_s = t_first - t0
                 if token in eos:
                     stats.finish_reason = "stop"
                     break
@@ -193,8 +191,6 @@ class Generation:
                     break
                 logits = engine.decode(token)
                 stats.decode_steps += 1
-                stats.decode_s = time.perf_counter() - t_first
-                stats.context_used = engine.cache.length
             if not stops.stopped:
                 tail = stops.feed(detok.flush())
                 tail += "" if stops.stopped else stops.flush()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from llmrun.errors import ModelFormatError
 
@@ -28,7 +29,7 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # torch order: slowest-varying first
     ggml_type: int
-    data: np.ndarray  # raw bytes (uint8) for block types, typed for F32/F16/BF16
+    data: np.ndarray  # float32/float16 for F32/F16; raw bytes (uint8, one row of blocks per row) otherwise
 
     @property
     def type_name(self) -> str:
@@ -39,8 +40,6 @@ class GGUFTensor:
     def dequantize(self):
         """Float32 torch tensor of `shape`. The common block types are unpacked in torch (the `gguf`
         package's numpy path takes seconds on a small model); the others go through `gguf.quants`."""
-        import torch
-
         unpack = _TORCH_DEQUANT.get(self.ggml_type)
         with warnings.catch_warnings():  # the memory map is read-only, and only ever read
             warnings.simplefilter("ignore", UserWarning)
@@ -64,14 +63,10 @@ class GGUFTensor:
 
 
 def _fp16(blocks, start):  # (n, bytes) uint8 -> (n, 1) fp32 from the fp16 at byte `start`
-    import torch
-
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
 def _nibbles(qs):  # (n, 16) packed bytes -> (n, 32): low nibbles are elements 0-15, high ones 16-31
-    import torch
-
     return torch.cat((qs & 0xF, qs >> 4), dim=1).float()
 
 
@@ -84,8 +79,6 @@ def _dequant_q4_1(b):  # block: fp16 scale d, fp16 min m, 16 bytes of nibbles q;
 
 
 def _dequant_q8_0(b):  # block: fp16 scale d, 32 int8 q; x = d * q
-    import torch
-
     return _fp16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
 
 

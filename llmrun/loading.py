@@ -135,8 +135,7 @@ class ModelFiles:
     config: object  # models.ModelConfig
     tokenizer: object  # tokenizer.Tokenizer
     stored_bytes: dict[str, int] = field(default_factory=dict)  # weight bytes on disk by storage type
-    gguf: object = None
-    hf_config: dict | None = None
+    gguf: object = None  # the open GGUFFile, when the source is one
 
 
 def open_model(spec: str) -> ModelFiles:
@@ -163,7 +162,7 @@ def open_model(spec: str) -> ModelFiles:
     stored = {}
     for name, t in _safetensors_headers(source.path):
         stored[t["dtype"]] = stored.get(t["dtype"], 0) + t["data_offsets"][1] - t["data_offsets"][0]
-    return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored, hf_config=hf_config)
+    return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored)
 
 
 def _safetensors_headers(path: Path):
