@@ -267,12 +267,19 @@ def resolve_dtype(dtype: str, device):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    return load_weights(open_model(spec), device, dtype)
+WEIGHT_MODES = ("auto", "dequant")
 
 
-def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Build the model of `files` on `device` with its weights converted to `dtype`."""
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "auto") -> LoadedModel:
+    return load_weights(open_model(spec), device, dtype, weights)
+
+
+def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", weights: str = "auto") -> LoadedModel:
+    """Build the model of `files` on `device`. Float weights are converted to `dtype`; quantized ones stay packed
+    where a kernel for their format and device exists (`weights="auto"`), or are expanded to `dtype`
+    (`weights="dequant"`, the plain-PyTorch path)."""
+    if weights not in WEIGHT_MODES:
+        raise LlmrunError(f"unknown weight mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
     import torch
 
     from llmrun.models import build_model

@@ -61,12 +61,16 @@ def open_engine(model: str, opts):
 
     from .options import DEFAULT_CTX_CAP
 
+    if opts.threads:
+        import torch
+
+        torch.set_num_threads(opts.threads)
     with spinner(f"loading {model}"):
         files = open_model(model)
         trained = files.config.max_seq_len
         if opts.ctx is not None and opts.ctx > trained:
             raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
-        loaded = load_weights(files, device=opts.device, dtype=opts.dtype)
+        loaded = load_weights(files, device=opts.device, dtype=opts.dtype, weights=opts.weights)
     for warning in loaded.tokenizer.warnings:
         err.print(Text(f"warning: {warning}", style="yellow"))
     return Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP))

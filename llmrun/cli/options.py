@@ -32,6 +32,11 @@ class DType(str, Enum):
     fp32 = "fp32"
 
 
+class Weights(str, Enum):
+    auto = "auto"
+    dequant = "dequant"
+
+
 ModelArg = Annotated[
     str,
     typer.Argument(
@@ -48,6 +53,8 @@ class RunOptions:
     device: str
     dtype: str
     ctx: int | None
+    weights: str = "auto"
+    threads: int | None = None
 
 
 _SHARED = [
@@ -61,6 +68,8 @@ _SHARED = [
     ("stop", Optional[list[str]], None, typer.Option(help="Stop before this string (repeatable).", rich_help_panel=SAMPLING)),
     ("device", Device, Device.auto, typer.Option(help="Where to run: cuda when available, else cpu.", rich_help_panel=RUNTIME)),
     ("dtype", DType, DType.auto, typer.Option(help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=RUNTIME)),
+    ("weights", Weights, Weights.auto, typer.Option(help="auto: keep a quantized file packed and run it with llmrun's kernels where they exist; dequant: expand the weights to --dtype and run plain PyTorch.", rich_help_panel=RUNTIME)),
+    ("threads", Optional[int], None, typer.Option(min=1, help="CPU threads (default: PyTorch's choice, one per core).", rich_help_panel=RUNTIME)),
     ("ctx", Optional[int], None, typer.Option(min=16, help="Context length to allocate (default: the model's, at most 8192).", rich_help_panel=RUNTIME)),
 ]
 DEFAULT_CTX_CAP = 8192  # a 128k-context model would otherwise preallocate gigabytes of KV cache
@@ -78,7 +87,8 @@ def _build(values: dict) -> RunOptions:
         repetition_penalty=values["repetition_penalty"], seed=values["seed"],
         max_new_tokens=values["max_new_tokens"], stop=tuple(values["stop"] or ()),
     )
-    return RunOptions(params, values["device"].value, values["dtype"].value, values["ctx"])
+    return RunOptions(params, values["device"].value, values["dtype"].value, values["ctx"],
+                      values["weights"].value, values["threads"])
 
 
 def run_options(command):
