@@ -100,7 +100,7 @@ class Engine:
         self.tokens = []
 
     @torch.inference_mode()
-    def _forward(self, ids: list[int], last_only: bool = True) -> torch.Tensor:
+    def forward(self, ids: list[int], last_only: bool = True) -> torch.Tensor:
         """Run ids after the cached tokens; return the logits (V,) of the last one (or (T, V))."""
         start = self.cache.length
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -128,12 +128,12 @@ class Engine:
         self.cache.truncate(common)
         del self.tokens[common:]
         for i in range(common, len(prompt), PREFILL_CHUNK):
-            logits = self._forward(prompt[i : i + PREFILL_CHUNK])
+            logits = self.forward(prompt[i : i + PREFILL_CHUNK])
         return logits, common
 
     def decode(self, token: int) -> torch.Tensor:
         """Feed one token after the cached ones; return the logits (V,) of the next."""
-        return self._forward([token])
+        return self.forward([token])
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
         return Generation(self, prompt, params)
