@@ -57,7 +57,7 @@ class RunOptions:
     threads: int | None = None
 
 
-_SHARED = [
+_SAMPLING = [
     ("temperature", float, 0.8, typer.Option(min=0.0, help="Sampling temperature; 0 means greedy.", rich_help_panel=SAMPLING)),
     ("top_k", int, 40, typer.Option(min=0, help="Keep only the K most likely tokens (0: off).", rich_help_panel=SAMPLING)),
     ("top_p", float, 0.95, typer.Option(max=1.0, help="Nucleus sampling: keep the smallest set reaching this probability (1: off).", rich_help_panel=SAMPLING)),
@@ -66,6 +66,8 @@ _SHARED = [
     ("seed", Optional[int], None, typer.Option(help="Random seed: the same seed gives the same output.", rich_help_panel=SAMPLING)),
     ("max_new_tokens", int, 512, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply.", rich_help_panel=SAMPLING)),
     ("stop", Optional[list[str]], None, typer.Option(help="Stop before this string (repeatable).", rich_help_panel=SAMPLING)),
+]
+_RUNTIME = [
     ("device", Device, Device.auto, typer.Option(help="Where to run: cuda when available, else cpu.", rich_help_panel=RUNTIME)),
     ("dtype", DType, DType.auto, typer.Option(help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=RUNTIME)),
     ("weights", Weights, Weights.auto, typer.Option(help="auto: keep a quantized file packed and run it with llmrun's kernels where they exist; dequant: expand the weights to --dtype and run plain PyTorch.", rich_help_panel=RUNTIME)),
@@ -78,6 +80,9 @@ DEFAULT_CTX_CAP = 8192  # a 128k-context model would otherwise preallocate gigab
 def _build(values: dict) -> RunOptions:
     from llmrun.sampling import SamplingParams
 
+    if "temperature" not in values:  # a command without sampling options
+        return RunOptions(None, values["device"].value, values["dtype"].value, values["ctx"],
+                          values["weights"].value, values["threads"])
     if not 0.0 < values["top_p"] <= 1.0:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
     if values["repetition_penalty"] <= 0:
@@ -91,18 +96,25 @@ def _build(values: dict) -> RunOptions:
                       values["weights"].value, values["threads"])
 
 
-def run_options(command):
-    """Decorator: append the shared options to `command`'s CLI signature; pass them as `opts: RunOptions`."""
+def run_options(command=None, *, sampling: bool = True):
+    """Decorator: append the shared options to `command`'s CLI signature; pass them as `opts: RunOptions`.
+
+    `@run_options(sampling=False)` adds only the runtime options (device, dtype, weights, threads, ctx); then
+    `opts.params` is None.
+    """
+    if command is None:
+        return functools.partial(run_options, sampling=sampling)
+    table = (_SAMPLING if sampling else []) + _RUNTIME
     sig = inspect.signature(command, eval_str=True)
     own = [p for p in sig.parameters.values() if p.name != "opts"]
     shared = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option])
-        for name, kind, default, option in _SHARED
+        for name, kind, default, option in table
     ]
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        values = {name: kwargs.pop(name) for name, *_ in _SHARED}
+        values = {name: kwargs.pop(name) for name, *_ in table}
         return command(*args, opts=_build(values), **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + shared)
