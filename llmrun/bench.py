@@ -1,0 +1,353 @@
+"""Measure one configuration on one workload: time to first token, prefill and decode speed, memory, and the
+memory bandwidth decoding achieves.
+
+Every run is greedy and decodes exactly `new_tokens` tokens (end-of-sequence tokens do not stop it), from an
+empty KV cache, so runs, configurations and peers (`llmrun.peers`) are comparable. The timing loop drives a
+`Runner` (prefill / decode / argmax); llmrun's Engine is one runner, llama.cpp and transformers are others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmrun.errors import LlmrunError
+
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One configuration of llmrun. The sweep's axes (`llmrun.sweep.AXES`) each set one field."""
+
+    device: str = "auto"  # auto | cpu | cuda (a resolved Settings holds cpu or cuda)
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
+    weights: str = "auto"  # auto (packed quantized weights, llmrun's kernels) | dequant (plain PyTorch eager)
+    threads: int | None = None  # CPU threads; None: PyTorch's choice
+    ctx: int | None = None  # KV cache positions
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def resolve(settings: Settings, default_ctx: int) -> Settings:
+    """Replace every `auto`/None by what it means on this machine, so figures say what produced them."""
+    import torch
+
+    from llmrun.loading import resolve_device, resolve_dtype
+
+    device = resolve_device(settings.device)
+    dtype = DTYPE_NAMES[str(resolve_dtype(settings.dtype, device)).removeprefix("torch.")]
+    threads = settings.threads or torch.get_num_threads()
+    return dataclasses.replace(settings, device=device.type, dtype=dtype, threads=threads, ctx=settings.ctx or default_ctx)
+
+
+@contextmanager
+def torch_threads(n: int | None):
+    """Run with `n` CPU threads, then give back the previous count (a sweep changes it per configuration)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def open_engine(files, settings: Settings):
+    """An Engine for `files` (a model's files, or a random-weight shape) as a resolved `settings` says."""
+    import torch
+
+    from llmrun.generate import Engine
+    from llmrun.loading import load_weights
+
+    if files.source.format == "random":
+        from llmrun.shapes import check_fits, load_random
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[settings.dtype]
+        device = torch.device(settings.device)
+        name = files.source.spec.removeprefix("random:")
+        check_fits(name, files.config, device, dtype, settings.ctx)
+        loaded = load_random(files, device, dtype)
+    else:
+        loaded = load_weights(files, device=settings.device, dtype=settings.dtype, weights=settings.weights)
+    return Engine(loaded, settings.ctx)
+
+
+def release(device_type: str) -> None:
+    """Free what the last configuration held before the next one loads (and before its peak is measured)."""
+    gc.collect()
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# --- timing ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    prefill_s: float  # the prompt's forward
+    ttft_s: float  # prefill plus picking the first token: when it is known on the host
+    decode_s: float  # the new_tokens - 1 decode steps that follow
+    prompt_tokens: int
+    new_tokens: int
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s
+
+    @property
+    def e2e_tok_s(self) -> float:
+        return self.new_tokens / (self.ttft_s + self.decode_s)
+
+
+class EngineRunner:
+    """llmrun's Engine as a Runner: prefill(ids) and decode(token) give logits; argmax picks the token."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def prefill(self, ids: list[int]):
+        return self.engine.prefill(ids)[0]
+
+    def decode(self, token: int):
+        return self.engine.decode(token)
+
+    def argmax(self, logits) -> int:
+        return int(logits.argmax())
+
+    def sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.engine.device)
+
+
+def time_run(runner, prompt: list[int], new_tokens: int) -> Run:
+    """One greedy run from an empty cache: prefill the prompt, then exactly new_tokens - 1 decode steps."""
+    runner.reset()
+    runner.sync()
+    t0 = time.perf_counter()
+    logits = runner.prefill(prompt)
+    runner.sync()
+    t1 = time.perf_counter()
+    token = runner.argmax(logits)  # on the host: a sync point
+    t2 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        token = runner.argmax(runner.decode(token))
+    t3 = time.perf_counter()
+    return Run(t1 - t0, t2 - t0, t3 - t2, len(prompt), new_tokens)
+
+
+def time_runs(runner, workload, after_warmup=None) -> list[Run]:
+    """The workload's timed runs, after one untimed warm-up run when it asks for one; `after_warmup()` is called
+    just before the timed runs."""
+    prompt = list(workload.prompt)
+    if workload.warmup:
+        time_run(runner, prompt, workload.new_tokens)
+    if after_warmup is not None:
+        after_warmup()
+    return [time_run(runner, prompt, workload.new_tokens) for _ in range(workload.repeat)]
+
+
+def speed_figures(runs: list[Run]) -> dict:
+    """Medians over the runs (decode also min and max)."""
+    decode = [r.decode_tok_s for r in runs]
+    prefill_s = statistics.median(r.prefill_s for r in runs)
+    return {
+        "ttft_s": round(statistics.median(r.ttft_s for r in runs), 5),
+        "prefill_tok_s": round(runs[0].prompt_tokens / prefill_s, 2),
+        "decode_tok_s": {"median": round(statistics.median(decode), 2), "min": round(min(decode), 2),
+                         "max": round(max(decode), 2)},
+        "e2e_tok_s": round(statistics.median(r.e2e_tok_s for r in runs), 2),
+    }
+
+
+# --- memory and bandwidth -------------------------------------------------------------------------------------
+
+
+def reset_peak_memory(device) -> None:
+    """Start the peaks afresh: CUDA's allocator statistics, and on Linux the process's RSS high-water mark."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak RSS (Linux >= 4.0)
+    except OSError:
+        pass  # elsewhere the peak covers the whole process, loading included
+
+
+def peak_rss() -> int:
+    """The process's peak resident memory since the last reset_peak_memory, bytes."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    from llmrun.memory import process_peak_rss
+
+    return process_peak_rss()
+
+
+def memory_figures(engine) -> dict:
+    import torch
+
+    device = engine.device
+    cuda = device.type == "cuda"
+    return {
+        "weights": engine.loaded.weight_bytes,
+        "kv_allocated": engine.cache.nbytes,
+        "kv_in_use": engine.cache.bytes_in_use(),
+        "process_peak_rss": peak_rss(),
+        "device_peak_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "device_peak_reserved": torch.cuda.max_memory_reserved(device) if cuda else None,
+    }
+
+
+def weight_bytes_read_per_token(loaded) -> int:
+    """Weight bytes one decode step reads: all of them, except an untied token-embedding table, of which one
+    row is read."""
+    total = loaded.weight_bytes
+    embed = getattr(loaded.model, "embed", None)
+    if embed is not None and not loaded.config.tie_embeddings:
+        total -= sum(t.nbytes for t in embed.parameters()) + sum(t.nbytes for t in embed.buffers())
+    return total
+
+
+@functools.cache
+def copy_bandwidth(device_type: str) -> float:
+    """The device's memory bandwidth as a large copy achieves it (bytes read + written per second), measured
+    once per process: the ceiling a memory-bound decode step can approach."""
+    import torch
+
+    device = torch.device(device_type)
+    cuda = device.type == "cuda"
+    n = (1 << 30) if cuda else (256 << 20)
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults and lazy allocation are not bandwidth
+    best = float("inf")
+    for _ in range(10 if cuda else 4):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    release(device.type)
+    return 2 * n / best
+
+
+def measure(engine, workload) -> dict:
+    """Every figure of one configuration on `workload` (see the README's Benchmarks section for the keys)."""
+    runs = time_runs(EngineRunner(engine), workload, after_warmup=lambda: reset_peak_memory(engine.device))
+    memory = memory_figures(engine)  # before copy_bandwidth's buffers raise the peak
+    figures = speed_figures(runs)
+    prompt, new = len(workload.prompt), workload.new_tokens
+    kv_per_token = engine.cache.nbytes // engine.cache.max_len
+    # Decode step i (1..new-1) attends over prompt + i positions: on average prompt + new/2.
+    read_per_token = weight_bytes_read_per_token(engine.loaded) + round(kv_per_token * (prompt + new / 2))
+    achieved = read_per_token * figures["decode_tok_s"]["median"]
+    peak = copy_bandwidth(engine.device.type)
+    return {
+        **figures,
+        "memory": memory,
+        "weight_bytes": memory["weights"],
+        "kv_bytes_per_token": kv_per_token,
+        "kv_bytes_in_use": memory["kv_in_use"],
+        "bytes_per_token": read_per_token,
+        "bandwidth_gb_s": round(achieved / 1e9, 3),
+        "bandwidth_peak_gb_s": round(peak / 1e9, 3),
+        "bandwidth_share": round(achieved / peak, 4),
+        "acceptance_rate": None,  # speculative decoding (issue #6): accepted / proposed draft tokens
+        "tokens_per_step": None,  # speculative decoding: mean tokens committed per target-model step
+    }
+
+
+def measure_settings(files, settings: Settings, workload) -> dict:
+    """Load `files` as a resolved `settings` says, measure the workload, free the model: the figures."""
+    with torch_threads(settings.threads):
+        engine = open_engine(files, settings)
+        try:
+            return measure(engine, workload)
+        finally:
+            del engine
+            release(settings.device)
+
+
+def check_fits_context(prompt_tokens: int, new_tokens: int, ctx: int) -> None:
+    if prompt_tokens + new_tokens > ctx:
+        raise LlmrunError(
+            f"the prompt ({prompt_tokens} tokens) and --new-tokens {new_tokens} need {prompt_tokens + new_tokens}"
+            f" positions but the context holds {ctx}; raise --ctx or lower --prompt-tokens/--new-tokens"
+        )
+
+
+# --- the whole report ---------------------------------------------------------------------------------------------
+
+
+def describe(settings: Settings) -> str:
+    """A resolved Settings in words, e.g. `cpu fp32 --weights auto, 2 threads, ctx 8192`."""
+    return f"{settings.device} {settings.dtype} --weights {settings.weights}, {settings.threads} threads, ctx {settings.ctx}"
+
+
+def compare_rows(files, settings: Settings, figures: dict, workload, progress) -> list[dict]:
+    """llmrun as configured, its plain-PyTorch eager path (`--weights dequant`), then the peers; with ratios."""
+    from llmrun import __version__, peers
+
+    import torch
+
+    rows = [peers.row("llmrun", f"{settings.dtype} --weights {settings.weights}", figures, version=__version__)]
+    eager = dataclasses.replace(settings, weights="dequant")
+    config = f"{eager.dtype} --weights dequant (plain PyTorch)"
+    if eager == settings:
+        rows.append(peers.row("llmrun eager", config, version=__version__,
+                              skipped="skipped: the configured run is already the eager path (--weights dequant)"))
+    else:
+        progress("compare: llmrun eager (--weights dequant)")
+        try:
+            rows.append(peers.row("llmrun eager", config, measure_settings(files, eager, workload), version=__version__))
+        except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
+            rows.append(peers.row("llmrun eager", config, version=__version__,
+                                  skipped=f"failed: {str(e).splitlines()[0]}"))
+    rows += peers.peer_rows(files, settings, workload, progress)
+    return peers.add_ratios(rows)
+
+
+def benchmark(files, settings: Settings, workload, *, model: str, compare: bool = False,
+              sweep_axes: dict | None = None, goal: str = "latency", progress=lambda message: None) -> dict:
+    """Everything `llmrun bench` reports, as one JSON-ready document: the configured run's figures, and with
+    `compare` the peers side by side, with `sweep_axes` ({axis: values}; {} for the defaults) a ranked sweep."""
+    from llmrun import sweep
+
+    progress(f"measuring {model} ({describe(settings)})")
+    figures = measure_settings(files, settings, workload)
+    doc = {"model": model, "config": settings.describe(), "workload": workload.describe(), **figures,
+           "compare": None, "sweep": None, "recommended": None, "notes": []}
+    if compare:
+        doc["compare"] = compare_rows(files, settings, figures, workload, progress)
+    if sweep_axes is not None:
+        rows, notes = sweep.run_sweep(files, settings, workload, sweep_axes,
+                                      known={"settings": settings, "figures": figures}, progress=progress)
+        ranked = sweep.rank(rows, goal)
+        doc["sweep"] = [{"rank": i, **r} for i, r in enumerate(ranked, 1)]
+        doc["recommended"] = sweep.recommend(ranked, goal)
+        doc["notes"] += notes
+    return doc

@@ -1,0 +1,227 @@
+"""`llmrun bench`: one-off measurements of a configuration; side by side with peers (--compare); a ranked grid
+of configurations (--sweep)."""
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from llmrun.errors import LlmrunError
+from llmrun.loading import DEFAULT_MODEL
+from llmrun.shapes import SHAPES
+from llmrun.workloads import KINDS
+
+from . import app
+from .console import err, spinner, user_errors
+from .options import DEFAULT_CTX_CAP, JsonFlag, run_options
+
+WORKLOAD = "Workload"
+MODES = "Compare and sweep"
+Kind = Enum("Kind", {k.replace("-", "_"): k for k in KINDS}, type=str)
+Goal = Enum("Goal", {g: g for g in ("latency", "memory", "quality")}, type=str)
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+@app.command()
+@user_errors
+@run_options(sampling=False)
+def bench(
+    model: Annotated[Optional[str], typer.Argument(help=f"Model, as for the other commands (default '{DEFAULT_MODEL}'); not with --random-weights.", show_default=False)] = None,
+    kind: Annotated[Optional[Kind], typer.Option(help="Built-in prompt: open (open-ended question), code-edit (rename in a ~300-token file: copy heavy), summarize (~400-token passage). Default: open.", rich_help_panel=WORKLOAD, show_default=False)] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="Use the text of this file as the prompt instead of a built-in kind.", rich_help_panel=WORKLOAD, show_default=False)] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="Cut or repeat the prompt to exactly N tokens.", rich_help_panel=WORKLOAD, show_default=False)] = None,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens decoded per run (greedy, never stopping early; at least 2: the first comes from the prefill).", rich_help_panel=WORKLOAD)] = 128,
+    repeat: Annotated[int, typer.Option(min=1, help="Timed runs; figures are their median (decode also min and max).", rich_help_panel=WORKLOAD)] = 3,
+    warmup: Annotated[bool, typer.Option(help="One untimed run first.", rich_help_panel=WORKLOAD)] = True,
+    batch: Annotated[int, typer.Option(min=1, help="Sequences decoded together (only 1 today).", rich_help_panel=WORKLOAD)] = 1,
+    random_weights: Annotated[Optional[str], typer.Option(metavar="SHAPE", help=f"Random weights in a real model's shape instead of MODEL: {', '.join(SHAPES)}.", rich_help_panel=WORKLOAD, show_default=False)] = None,
+    compare: Annotated[bool, typer.Option("--compare", help="Also run llmrun's eager path (--weights dequant), llama.cpp and transformers (when installed) on the same model, prompt and threads.", rich_help_panel=MODES)] = False,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Measure a grid of configurations (dtype x weights by default) and recommend one for --goal.", rich_help_panel=MODES)] = False,
+    axis: Annotated[Optional[list[str]], typer.Option(metavar="NAME=V1,V2", help="Sweep these values of an axis (dtype, weights, threads); repeatable.", rich_help_panel=MODES, show_default=False)] = None,
+    goal: Annotated[Optional[Goal], typer.Option(help="What the sweep ranks by: latency (decode tok/s), memory (peak), quality (KL to fp32). Default: latency.", rich_help_panel=MODES, show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Draw the sweep (needs matplotlib: pip install 'llmrun[plot]').", rich_help_panel=MODES, show_default=False)] = None,
+    json_out: JsonFlag = False,
+    *,
+    opts,
+):
+    """Measure a configuration: time to first token, prefill and decode tok/s, memory, achieved bandwidth.
+
+    Each run prefills the whole prompt into an empty KV cache and decodes exactly --new-tokens tokens greedily.
+    The table goes to stderr; --json prints one JSON document on stdout instead.
+    """
+    from llmrun import bench as lib
+    from llmrun import shapes
+    from llmrun.loading import open_model
+    from llmrun.workloads import make_workload, read_prompt_file
+
+    _check_options(model, kind, prompt_file, batch, random_weights, compare, sweep, axis, goal, plot)
+    sweep_axes = _sweep_axes(axis) if sweep else None
+    text = read_prompt_file(prompt_file) if prompt_file else None
+    files = shapes.random_model_files(random_weights) if random_weights else open_model(model or DEFAULT_MODEL)
+    for warning in files.tokenizer.warnings:
+        err.print(Text(f"warning: {warning}", style="yellow"))
+    trained = files.config.max_seq_len
+    if opts.ctx is not None and opts.ctx > trained:
+        raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+    workload = make_workload(
+        files.tokenizer, kind=(kind or Kind.open).value, text=text,
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeat=repeat, warmup=warmup,
+        vocab_size=files.config.vocab_size if random_weights else None,
+    )
+    settings = lib.resolve(lib.Settings(opts.device, opts.dtype, opts.weights, opts.threads, opts.ctx),
+                           default_ctx=min(trained, DEFAULT_CTX_CAP))
+    lib.check_fits_context(len(workload.prompt), new_tokens, settings.ctx)
+    name = files.source.spec
+    with spinner(f"measuring {name}") as status:
+        doc = lib.benchmark(files, settings, workload, model=name, compare=compare, sweep_axes=sweep_axes,
+                            goal=(goal or Goal.latency).value, progress=status.update if status else lambda m: None)
+    if plot is not None:
+        from llmrun.sweep import plot as draw
+
+        draw(doc["sweep"], doc["recommended"], plot, f"{name}: {workload.kind} prompt, {len(workload.prompt)} + {new_tokens} tokens")
+    if json_out:
+        print(json.dumps(doc))
+        return
+    _render(doc)
+    if plot is not None:
+        err.print(Text(f"plot: {plot}", style="dim"))
+
+
+def _bad(option: str, message: str):
+    return typer.BadParameter(message, param_hint=f"'{option}'")
+
+
+def _check_options(model, kind, prompt_file, batch, random_weights, compare, sweep, axis, goal, plot) -> None:
+    """Every check that needs no model, so a wrong command fails at once."""
+    if batch > 1:
+        raise _bad("--batch", "batch > 1 is not supported yet (the engine decodes one sequence at a time); use --batch 1")
+    if random_weights is not None:
+        if model is not None:
+            raise _bad("--random-weights", f"give a MODEL or --random-weights SHAPE, not both (got {model!r} and {random_weights!r})")
+        if random_weights not in SHAPES:
+            raise _bad("--random-weights", f"unknown shape {random_weights!r}; choose one of {', '.join(SHAPES)}")
+    if prompt_file is not None and kind is not None:
+        raise _bad("--prompt-file", "--prompt-file replaces the built-in --kind prompts; give one of them")
+    if compare and sweep:
+        raise _bad("--compare", "--compare and --sweep are separate runs; give one of them")
+    for option, given in (("--axis", axis), ("--goal", goal), ("--plot", plot)):
+        if given and not sweep:
+            raise _bad(option, f"{option} applies to a sweep; add --sweep")
+    if plot is not None:
+        if plot.suffix.lower() not in PLOT_SUFFIXES:
+            raise _bad("--plot", f"{plot}: the file name must end in {', '.join(PLOT_SUFFIXES)}")
+        if not plot.parent.is_dir():
+            raise _bad("--plot", f"{plot}: the folder {plot.parent} does not exist")
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise LlmrunError("--plot needs matplotlib; install it with: pip install 'llmrun[plot]'")
+
+
+def _sweep_axes(specs) -> dict:
+    from llmrun.sweep import parse_axes
+
+    try:
+        return parse_axes(specs or [])
+    except LlmrunError as e:
+        raise _bad("--axis", str(e).removeprefix("--axis ")) from None
+
+
+# --- rendering --------------------------------------------------------------------------------------------------
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
+def _tok_s(value) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _render(doc: dict) -> None:
+    from llmrun.memory import human_bytes
+
+    c, w, mem = doc["config"], doc["workload"], doc["memory"]
+    decode = doc["decode_tok_s"]
+    title = (f"llmrun bench {doc['model']}: {c['device']} {c['dtype']} --weights {c['weights']}, {_threads(c['threads'])},"
+             f" ctx {c['ctx']} · {w['kind']} prompt, {w['prompt_tokens']} + {w['new_tokens']} tokens,"
+             f" {w['repeat']} run{'s' if w['repeat'] > 1 else ''}{'' if w['warmup'] else ', no warm-up'}")
+    table = Table(title=title, show_header=False, title_justify="left")
+    peak = f"process RSS {human_bytes(mem['process_peak_rss'])}"
+    if mem["device_peak_allocated"] is not None:
+        peak = (f"GPU allocated {human_bytes(mem['device_peak_allocated'])}, reserved"
+                f" {human_bytes(mem['device_peak_reserved'])}; {peak}")
+    rows = [
+        ("time to first token", f"{doc['ttft_s'] * 1000:,.1f} ms"),
+        ("prefill", f"{_tok_s(doc['prefill_tok_s'])} tok/s"),
+        ("decode", f"{_tok_s(decode['median'])} tok/s (median; min {_tok_s(decode['min'])}, max {_tok_s(decode['max'])})"),
+        ("end to end", f"{_tok_s(doc['e2e_tok_s'])} tok/s"),
+        ("weights", human_bytes(doc["weight_bytes"])),
+        ("KV cache", f"{human_bytes(doc['kv_bytes_per_token'])}/token; {human_bytes(doc['kv_bytes_in_use'])} in use"
+                     f" of {human_bytes(mem['kv_allocated'])}"),
+        ("peak memory", peak),
+        ("read per token", human_bytes(doc["bytes_per_token"])),
+        ("bandwidth", f"{doc['bandwidth_gb_s']:.2f} GB/s = {doc['bandwidth_share']:.0%} of"
+                      f" {doc['bandwidth_peak_gb_s']:.1f} GB/s (measured copy)"),
+        ("speculative", "off" if doc["acceptance_rate"] is None else
+         f"acceptance {doc['acceptance_rate']:.0%}, {doc['tokens_per_step']:.2f} tokens/step"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    err.print(table)
+    if doc["compare"] is not None:
+        err.print(_compare_table(doc["compare"], doc["config"]))
+    if doc["sweep"] is not None:
+        err.print(_sweep_table(doc["sweep"]))
+        best = doc["recommended"]
+        if best is not None:
+            err.print(Text(f"recommended for {best['goal']}: {best['flags']}", style="bold"))
+            err.print(Text(f"  e.g. llmrun chat {doc['model']} {best['flags']}" if not doc["model"].startswith("random:")
+                           else "  (random weights: for speed only)", style="dim"))
+    for note in doc["notes"]:
+        err.print(Text(f"note: {note}", style="yellow"))
+
+
+def _compare_table(rows: list[dict], config: dict) -> Table:
+    title = (f"side by side: same prompt ids, {config['device']}, {_threads(config['threads'])}, ctx {config['ctx']}"
+             " (ratios: speed / llmrun's)")
+    table = Table(title=title, title_justify="left")
+    for header in ("engine", "config", "TTFT ms", "prefill tok/s", "decode tok/s", "e2e tok/s", "decode", "prefill"):
+        table.add_column(header, justify="left" if header in ("engine", "config") else "right")
+    for r in rows:
+        name = r["name"] + (f" {r['version']}" if r["version"] else "")
+        if r["skipped"] is not None:
+            table.add_row(name, Text(r["skipped"], style="dim"), *[""] * 6)
+            continue
+        table.add_row(name, r["config"], f"{r['ttft_s'] * 1000:,.1f}", _tok_s(r["prefill_tok_s"]),
+                      _tok_s(r["decode_tok_s"]["median"]), _tok_s(r["e2e_tok_s"]), _ratio(r["decode_ratio"]),
+                      _ratio(r["prefill_ratio"]))
+    return table
+
+
+def _sweep_table(rows: list[dict]) -> Table:
+    from llmrun.memory import human_bytes
+    from llmrun.sweep import peak_memory
+
+    table = Table(title="sweep, best first", title_justify="left")
+    for header in ("#", "flags", "decode tok/s", "TTFT ms", "prefill tok/s", "peak memory", "weights", "KL", "top-1"):
+        table.add_column(header, justify="left" if header == "flags" else "right")
+    for r in rows:
+        if r["error"]:
+            table.add_row(str(r["rank"]), r["flags"], Text(f"failed: {r['error']}", style="red"), *[""] * 6)
+            continue
+        table.add_row(
+            str(r["rank"]), r["flags"], _tok_s(r["decode_tok_s"]["median"]), f"{r['ttft_s'] * 1000:,.1f}",
+            _tok_s(r["prefill_tok_s"]), human_bytes(peak_memory(r)), human_bytes(r["weight_bytes"]),
+            "—" if r["kl"] is None else f"{r['kl']:.4f}",
+            "—" if r["top1_agreement"] is None else f"{r['top1_agreement']:.0%}",
+        )
+    return table

@@ -1,0 +1,228 @@
+"""Other engines on the same model, prompt ids and thread count, for `llmrun bench --compare`: llama.cpp
+(through llama-cpp-python) and Hugging Face transformers.
+
+Neither is a dependency of llmrun. A peer that is not installed, or that cannot run this model, gives a row
+that says why it was skipped — never an error: a failure inside a third-party engine is reported in one line
+and the comparison goes on. Each peer is a Runner for `llmrun.bench.time_runs` (greedy, exactly new_tokens
+tokens, the same warm-up and repeats), so its figures mean what llmrun's do.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+PEERS = ("llama.cpp", "transformers")
+_HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+class PeerSkipped(Exception):
+    """Why a peer cannot run here; becomes the row's `skipped` text."""
+
+
+def _one_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def row(name: str, config: str, figures: dict | None = None, *, version: str | None = None,
+        skipped: str | None = None) -> dict:
+    """One line of the comparison: speed figures, or None's and the reason it was skipped."""
+    speed = {key: (figures or {}).get(key) for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "e2e_tok_s")}
+    return {"name": name, "version": version, "config": config, "skipped": skipped, **speed,
+            "decode_ratio": None, "prefill_ratio": None}
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's decode and prefill speed as a multiple of the first row's (llmrun as configured)."""
+    base = rows[0]
+    for r in rows:
+        if r["skipped"] is None and base["skipped"] is None:
+            r["decode_ratio"] = round(r["decode_tok_s"]["median"] / base["decode_tok_s"]["median"], 3)
+            r["prefill_ratio"] = round(r["prefill_tok_s"] / base["prefill_tok_s"], 3)
+    return rows
+
+
+def peer_rows(files, settings, workload, progress=lambda message: None) -> list[dict]:
+    """A row per peer in PEERS, measured on `workload` with the resolved llmrun `settings`' device, dtype,
+    threads and context."""
+    from llmrun import bench
+
+    rows = []
+    for name, start in (("llama.cpp", _start_llama_cpp), ("transformers", _start_transformers)):
+        progress(f"compare: {name}")
+        try:
+            runner, version, config = start(files, settings)
+        except PeerSkipped as e:
+            rows.append(row(name, "", skipped=str(e)))
+            continue
+        try:
+            with bench.torch_threads(settings.threads):
+                figures = bench.speed_figures(bench.time_runs(runner, workload))
+            rows.append(row(name, config, figures, version=version))
+        except Exception as e:  # a third-party engine's failure: reported, never fatal
+            rows.append(row(name, config, version=version, skipped=f"{name} failed: {_one_line(e)}"))
+        finally:
+            runner.close()
+            del runner
+            bench.release(settings.device)
+    return rows
+
+
+# --- llama.cpp ----------------------------------------------------------------------------------------------------
+
+
+class LlamaCppRunner:
+    """llama.cpp's low-level API: eval() the prompt, then one token at a time; logits only for the last token."""
+
+    def __init__(self, llama_cpp, path: Path, settings):
+        self.llama_cpp = llama_cpp
+        self.llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=settings.ctx, n_threads=settings.threads, n_threads_batch=settings.threads,
+            n_gpu_layers=-1 if settings.device == "cuda" else 0, logits_all=False, verbose=False,
+        )
+        self.n_vocab = self.llm.n_vocab()
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def prefill(self, ids: list[int]):
+        self.llm.eval(ids)  # returns when the batch is computed
+
+    def decode(self, token: int):
+        self.llm.eval([token])
+
+    def argmax(self, _logits) -> int:
+        import numpy as np
+
+        pointer = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).argmax())
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _start_llama_cpp(files, settings):
+    try:
+        import llama_cpp
+    except ImportError:
+        raise PeerSkipped("skipped: llama-cpp-python not installed (pip install llama-cpp-python)") from None
+    if files.source.format != "gguf":
+        raise PeerSkipped(f"skipped: llama.cpp reads GGUF files, the model is {files.source.format}")
+    try:
+        runner = LlamaCppRunner(llama_cpp, files.source.path, settings)
+    except Exception as e:  # a third-party engine's failure: reported, never fatal
+        raise PeerSkipped(f"llama.cpp failed to load the model: {_one_line(e)}") from None
+    stored = "+".join(sorted(files.stored_bytes)) or "?"
+    offload = ", all layers on the GPU" if settings.device == "cuda" else ""
+    return runner, llama_cpp.__version__, f"GGUF as stored ({stored}){offload}"
+
+
+# --- transformers ---------------------------------------------------------------------------------------------
+
+
+class TransformersRunner:
+    """A transformers causal LM: one forward over the prompt with a fresh cache, then a forward per token."""
+
+    def __init__(self, model, device):
+        self.model, self.device, self.past = model, device, None
+
+    def reset(self) -> None:
+        self.past = None
+
+    def _forward(self, ids: list[int]):
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.past, use_cache=True)
+        self.past = out.past_key_values
+        return out.logits[0, -1]  # (V,)
+
+    def prefill(self, ids: list[int]):
+        self.past = None
+        return self._forward(ids)
+
+    def decode(self, token: int):
+        return self._forward([token])
+
+    def argmax(self, logits) -> int:
+        return int(logits.argmax())
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.model = self.past = None
+
+
+def hf_config(cfg) -> dict:
+    """A transformers config (as keyword arguments) for a ModelConfig: random-weight shapes have no file."""
+    kw = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        intermediate_size=cfg.ffn_dim, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
+    )
+    if cfg.sliding_window:
+        kw["sliding_window"] = cfg.sliding_window
+    rs = cfg.rope_scaling
+    if rs is not None:
+        kw["rope_scaling"] = {"rope_type": rs.kind, "factor": rs.factor} if rs.kind == "linear" else {
+            "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor, "original_max_position_embeddings": rs.original_max_position}
+    return kw
+
+
+@contextmanager
+def _quiet_progress_bars():
+    """transformers draws tqdm bars on stderr while it expands GGUF tensors; TQDM_DISABLE turns them off."""
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = before
+
+
+def _start_transformers(files, settings):
+    try:
+        import transformers
+    except ImportError:
+        raise PeerSkipped("skipped: transformers not installed (pip install transformers)") from None
+    import torch
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[settings.dtype]
+    device = torch.device(settings.device)
+    source = files.source
+    try:
+        with _quiet_progress_bars():
+            if source.format == "random":
+                config = transformers.AutoConfig.for_model(_HF_MODEL_TYPES[files.config.architecture],
+                                                           **hf_config(files.config))
+                with torch.device(device):
+                    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+                what = "random weights"
+            elif source.format == "gguf":  # transformers expands GGUF blocks to `dtype` as it loads them
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(source.path.parent), gguf_file=source.path.name, dtype=dtype).to(device)
+                what = "GGUF expanded"
+            else:
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype).to(device)
+                what = "safetensors"
+    except Exception as e:  # a third-party engine's failure: reported, never fatal
+        raise PeerSkipped(f"transformers failed to load the model: {_one_line(e)}") from None
+    model.eval()
+    config = f"{what} to {settings.dtype}, eager PyTorch"
+    return TransformersRunner(model, device), transformers.__version__, config

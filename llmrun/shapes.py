@@ -1,0 +1,138 @@
+"""Named shapes of real models, for `llmrun bench --random-weights SHAPE`: the true architecture numbers with
+random weights, so speed at realistic sizes can be measured without downloading anything.
+
+The table is plain data (importing this module does not import torch, so the CLI can list the names in its
+help). Numbers are those of each model's published config.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmrun.errors import LlmrunError
+
+_LLAMA3 = dict(architecture="LlamaForCausalLM", vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0)
+_LLAMA3_1_ROPE = ("llama3", 8.0, 1.0, 4.0, 8192)  # kind, factor, low_freq_factor, high_freq_factor, original max
+_LLAMA3_2_ROPE = ("llama3", 32.0, 1.0, 4.0, 8192)
+_QWEN2_5 = dict(architecture="Qwen2ForCausalLM", norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
+                attention_bias=True, head_dim=128)
+_SMOLLM2 = dict(architecture="LlamaForCausalLM", vocab_size=49152, norm_eps=1e-5, rope_theta=100000.0,
+                max_seq_len=8192, tie_embeddings=True, head_dim=64)
+
+# name -> ModelConfig fields (rope_scaling as a tuple); the HF repository each comes from is in the comment.
+SHAPES: dict[str, dict] = {
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": dict(_LLAMA3, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                      max_seq_len=8192),
+    # meta-llama/Llama-3.1-8B
+    "llama3.1-8b": dict(_LLAMA3, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                        max_seq_len=131072, rope_scaling=_LLAMA3_1_ROPE),
+    # meta-llama/Llama-3.2-1B
+    "llama3.2-1b": dict(_LLAMA3, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+                        max_seq_len=131072, tie_embeddings=True, rope_scaling=_LLAMA3_2_ROPE),
+    # meta-llama/Llama-3.2-3B
+    "llama3.2-3b": dict(_LLAMA3, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192,
+                        max_seq_len=131072, tie_embeddings=True, rope_scaling=_LLAMA3_2_ROPE),
+    # Qwen/Qwen2.5-0.5B-Instruct
+    "qwen2.5-0.5b": dict(_QWEN2_5, vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
+                         ffn_dim=4864, tie_embeddings=True),
+    # Qwen/Qwen2.5-1.5B-Instruct
+    "qwen2.5-1.5b": dict(_QWEN2_5, vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2,
+                         ffn_dim=8960, tie_embeddings=True),
+    # Qwen/Qwen2.5-7B-Instruct
+    "qwen2.5-7b": dict(_QWEN2_5, vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944),
+    # mistralai/Mistral-7B-v0.1 (the sliding-window one; v0.3 differs in vocabulary and RoPE theta)
+    "mistral-7b": dict(architecture="MistralForCausalLM", vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
+                       n_kv_heads=8, head_dim=128, ffn_dim=14336, norm_eps=1e-5, rope_theta=10000.0,
+                       max_seq_len=32768, sliding_window=4096),
+    # HuggingFaceTB/SmolLM2-135M-Instruct (the embedded model's shape)
+    "smollm2-135m": dict(_SMOLLM2, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536),
+    # HuggingFaceTB/SmolLM2-360M-Instruct
+    "smollm2-360m": dict(_SMOLLM2, dim=960, n_layers=32, n_heads=15, n_kv_heads=5, ffn_dim=2560),
+    # HuggingFaceTB/SmolLM2-1.7B-Instruct
+    "smollm2-1.7b": dict(_SMOLLM2, dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, ffn_dim=8192,
+                         rope_theta=130000.0),
+}
+SEED = 0  # every configuration of one shape gets the same weights (the sweep compares their logits)
+INIT_STD = 0.02  # normal(0, 0.02) weights and unit norms keep activations in a sane range over the layers
+
+
+def shape_config(name: str):
+    """The ModelConfig of a named shape."""
+    from llmrun.models import ModelConfig
+    from llmrun.models.config import RopeScaling
+
+    if name not in SHAPES:
+        raise LlmrunError(f"--random-weights: unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    fields = dict(SHAPES[name])
+    if "rope_scaling" in fields:
+        fields["rope_scaling"] = RopeScaling(*fields["rope_scaling"])
+    return ModelConfig(**fields)
+
+
+def random_model_files(name: str):
+    """ModelFiles for a shape: its config and the embedded SmolLM2 tokenizer (ids are mapped into the shape's
+    vocabulary by the workload; with random weights their meaning is irrelevant)."""
+    from llmrun.loading import ModelFiles, ModelSource, open_model
+
+    config = shape_config(name)
+    tokenizer = open_model("smollm2").tokenizer
+    return ModelFiles(ModelSource(f"random:{name}", Path(f"random:{name}"), "random"), config, tokenizer)
+
+
+def free_memory(device) -> int:
+    """Bytes that can still be allocated on `device`: MemAvailable on CPU, the driver's free memory on CUDA."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(name: str, config, device, dtype, ctx: int) -> None:
+    """Refuse, with one line, a shape whose weights and KV cache would not fit in the free memory."""
+    from llmrun.memory import human_bytes
+
+    size = dtype.itemsize
+    weights = config.n_params * size
+    kv = config.kv_bytes_per_token(size) * ctx
+    free = free_memory(device)
+    if weights + kv > free:
+        raise LlmrunError(
+            f"--random-weights {name} needs {human_bytes(weights + kv)} (weights {human_bytes(weights)} + KV"
+            f" {human_bytes(kv)} at --ctx {ctx}) but {device.type} has {human_bytes(free)} free;"
+            " use a smaller shape, a 2-byte --dtype or a smaller --ctx"
+        )
+
+
+def load_random(files, device, dtype):
+    """Build the shape's model straight on `device` in `dtype` (never a CPU fp32 copy first), with seeded random
+    weights: normal(0, INIT_STD), norms 1. The same seed gives the same weights in every dtype (each tensor is
+    drawn in fp32, one at a time, then rounded)."""
+    import torch
+
+    from llmrun.loading import LoadedModel
+    from llmrun.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(files.config)
+    model = model.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                draw = torch.empty(p.shape, dtype=torch.float32, device=device)
+                p.copy_(draw.normal_(0.0, INIT_STD, generator=generator))
+                del draw
+    model.eval().requires_grad_(False)
+    return LoadedModel(files, model, device, dtype)

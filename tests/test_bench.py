@@ -1,0 +1,415 @@
+"""`llmrun bench`: the JSON document's schema, every option's validation, the comparison with peers (installed
+or not), the sweep's ranking, the random-weight shapes.
+
+The CLI runs in-process through `llmrun.cli.main` (as `tests/test_errors.py` does), on tiny random models
+written as GGUF / HF directories, and once on the embedded model; runs are a few tokens long.
+"""
+
+import importlib.util
+import io
+import json
+import math
+import sys
+import traceback
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from llmrun import bench, peers, shapes, sweep
+from llmrun.cli import main
+from llmrun.errors import LlmrunError
+from llmrun.workloads import KINDS, exact_length, make_workload
+
+from .tiny import CONFIGS, random_model, write_gguf, write_hf_dir
+
+FAST = ["--prompt-tokens", "8", "--new-tokens", "3", "--repeat", "2", "--no-warmup", "--threads", "1"]
+
+# The JSON document's keys and types (the README's Benchmarks section documents each).
+NUMBER = (int, float)
+SCHEMA = {
+    "model": str, "config": dict, "workload": dict, "ttft_s": NUMBER, "prefill_tok_s": NUMBER,
+    "decode_tok_s": dict, "e2e_tok_s": NUMBER, "memory": dict, "weight_bytes": int, "kv_bytes_per_token": int,
+    "kv_bytes_in_use": int, "bytes_per_token": int, "bandwidth_gb_s": NUMBER, "bandwidth_peak_gb_s": NUMBER,
+    "bandwidth_share": NUMBER, "acceptance_rate": type(None), "tokens_per_step": type(None),
+    "compare": (list, type(None)), "sweep": (list, type(None)), "recommended": (dict, type(None)), "notes": list,
+}
+CONFIG_KEYS = {"device", "dtype", "weights", "threads", "ctx"}
+WORKLOAD_KEYS = {"kind", "prompt_tokens", "new_tokens", "repeat", "warmup", "batch", "chat_template"}
+MEMORY_KEYS = {"weights", "kv_allocated", "kv_in_use", "process_peak_rss", "device_peak_allocated", "device_peak_reserved"}
+COMPARE_KEYS = {"name", "version", "config", "skipped", "ttft_s", "prefill_tok_s", "decode_tok_s", "e2e_tok_s",
+                "decode_ratio", "prefill_ratio"}
+SWEEP_KEYS = {"rank", "config", "flags", "error", "kl", "top1_agreement", *sweep.SWEEP_FIGURES}
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict:
+        lines = self.stdout.splitlines()
+        assert len(lines) == 1, self.stdout
+        return json.loads(lines[0])
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """cli(*args) -> Outcome: `llmrun bench ARGS` through `main()`; an escaping exception becomes a traceback."""
+
+    from llmrun.cli.console import err
+
+    monkeypatch.setattr(err, "width", 250)  # tables unwrapped, whatever the terminal
+
+    def run(*args) -> Outcome:
+        monkeypatch.setattr(sys, "argv", ["llmrun", "bench", *map(str, args)])
+        monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+        capsys.readouterr()
+        code, escaped = 0, ""
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception as e:
+            code, escaped = 1, "".join(traceback.format_exception(e))
+        out, err = capsys.readouterr()
+        return Outcome(code, out, err + escaped)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("bench") / "tiny.gguf", random_model(CONFIGS["llama"]))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    return write_hf_dir(tmp_path_factory.mktemp("bench") / "tiny-qwen2", random_model(CONFIGS["qwen2"]))
+
+
+def ok(result: Outcome) -> Outcome:
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    return result
+
+
+def assert_one_error_line(result: Outcome, *words: str, code: int) -> None:
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == code, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word.lower() in lines[0].lower(), lines[0]
+    assert result.stdout == ""
+
+
+def check_schema(doc: dict) -> None:
+    assert set(doc) == set(SCHEMA)
+    for key, kind in SCHEMA.items():
+        assert isinstance(doc[key], kind), (key, doc[key])
+    assert set(doc["config"]) == CONFIG_KEYS and set(doc["workload"]) == WORKLOAD_KEYS
+    assert set(doc["memory"]) == MEMORY_KEYS and set(doc["decode_tok_s"]) == {"median", "min", "max"}
+    d = doc["decode_tok_s"]
+    assert 0 < d["min"] <= d["median"] <= d["max"]
+    assert doc["ttft_s"] > 0 and doc["prefill_tok_s"] > 0 and doc["e2e_tok_s"] > 0
+    assert 0 < doc["bandwidth_share"] and doc["bandwidth_peak_gb_s"] > 0
+    assert doc["weight_bytes"] == doc["memory"]["weights"] and doc["kv_bytes_in_use"] == doc["memory"]["kv_in_use"]
+    assert doc["bytes_per_token"] > doc["kv_bytes_per_token"] > 0
+
+
+# --- the document ---------------------------------------------------------------------------------------------
+
+
+def test_json_document_on_a_tiny_gguf(cli, tiny_gguf):
+    doc = ok(cli(tiny_gguf, *FAST, "--json")).json()
+    check_schema(doc)
+    cfg = CONFIGS["llama"]
+    assert doc["model"] == str(tiny_gguf)
+    assert doc["config"] == {"device": "cpu", "dtype": "fp32", "weights": "auto", "threads": 1, "ctx": cfg.max_seq_len}
+    assert doc["workload"] == {"kind": "open", "prompt_tokens": 8, "new_tokens": 3, "repeat": 2, "warmup": False,
+                               "batch": 1, "chat_template": False}
+    assert doc["kv_bytes_per_token"] == cfg.kv_bytes_per_token(4)
+    assert doc["kv_bytes_in_use"] == cfg.kv_bytes_per_token(4) * (8 + 3 - 1)  # the last token is never fed
+    assert doc["memory"]["device_peak_allocated"] is None and doc["memory"]["device_peak_reserved"] is None
+    assert (doc["compare"], doc["sweep"], doc["recommended"], doc["notes"]) == (None, None, None, [])
+
+
+def test_threads_are_given_back(cli, tiny_gguf):
+    before = torch.get_num_threads()
+    ok(cli(tiny_gguf, *FAST, "--json"))
+    assert torch.get_num_threads() == before
+
+
+def test_table_goes_to_stderr_and_stdout_stays_empty(cli, tiny_gguf):
+    result = ok(cli(tiny_gguf, *FAST, "--kind", "code-edit"))
+    assert result.stdout == ""
+    for words in ("time to first token", "decode", "tok/s", "bandwidth", "code-edit prompt", "--weights auto"):
+        assert words in result.stderr
+
+
+def test_embedded_model(cli):
+    doc = ok(cli("--prompt-tokens", "16", "--new-tokens", "4", "--repeat", "1", "--json")).json()
+    check_schema(doc)
+    assert doc["model"] == "smollm2" and doc["workload"]["chat_template"] is True
+    assert doc["config"]["ctx"] == 8192  # the model's context, capped as the other commands cap it
+    assert doc["workload"]["prompt_tokens"] == 16 and doc["workload"]["warmup"] is True
+    assert doc["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # layers x kv heads x head dim, K and V, fp32
+    # tied embeddings: every weight byte is read per token, plus the KV at the mean context 16 + 4/2
+    assert doc["bytes_per_token"] == doc["weight_bytes"] + doc["kv_bytes_per_token"] * 18
+
+
+def test_hf_directory_and_prompt_file(cli, tiny_hf, tmp_path):
+    text = tmp_path / "prompt.txt"
+    text.write_text("w1 w2 w3 w4 w5 w6")
+    doc = ok(cli(tiny_hf, "--prompt-file", text, "--new-tokens", "2", "--repeat", "1", "--no-warmup", "--json")).json()
+    check_schema(doc)
+    assert doc["workload"]["kind"] == "file" and doc["workload"]["prompt_tokens"] == 6
+
+
+# --- workloads ------------------------------------------------------------------------------------------------
+
+
+def test_prompt_kinds_and_exact_lengths():
+    from llmrun.loading import open_model
+
+    tok = open_model("smollm2").tokenizer
+    sizes = {kind: len(make_workload(tok, kind=kind).prompt) for kind in KINDS}
+    assert sizes["open"] < 100 and 300 < sizes["code-edit"] < 500 and 400 < sizes["summarize"] < 550
+    w = make_workload(tok, kind="code-edit")
+    assert "parse_line" in tok.decode(list(w.prompt)) and w.chat_template
+    full = list(make_workload(tok, kind="open").prompt)
+    assert list(make_workload(tok, kind="open", prompt_tokens=10).prompt) == full[:10]
+    long = list(make_workload(tok, kind="open", prompt_tokens=2 * len(full) + 3).prompt)
+    assert long == full + full + full[:3]
+    assert max(make_workload(tok, kind="summarize", vocab_size=1000).prompt) < 1000
+    assert exact_length([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+    with pytest.raises(LlmrunError, match="unknown prompt kind"):
+        make_workload(tok, kind="poem")
+
+
+# --- validation: one error line each ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, words, code", [
+    (["--batch", "2"], ["batch > 1 is not supported yet", "--batch 1"], 2),
+    (["--batch", "0"], ["--batch"], 2),
+    (["--new-tokens", "1"], ["--new-tokens"], 2),
+    (["--repeat", "0"], ["--repeat"], 2),
+    (["--prompt-tokens", "0"], ["--prompt-tokens"], 2),
+    (["--threads", "0"], ["--threads"], 2),
+    (["--kind", "poem"], ["--kind", "poem"], 2),
+    (["smollm2", "--random-weights", "llama3-8b"], ["--random-weights", "not both"], 2),
+    (["--random-weights", "gpt-9"], ["unknown shape", "gpt-9", "llama3-8b"], 2),
+    (["--kind", "open", "--prompt-file", "x.txt"], ["--prompt-file", "--kind"], 2),
+    (["--compare", "--sweep"], ["--compare", "--sweep"], 2),
+    (["--goal", "memory"], ["--goal", "add --sweep"], 2),
+    (["--goal", "speed", "--sweep"], ["--goal"], 2),
+    (["--axis", "dtype=fp32"], ["--axis", "add --sweep"], 2),
+    (["--plot", "sweep.png"], ["--plot", "add --sweep"], 2),
+    (["--sweep", "--plot", "sweep.txt"], ["--plot", ".png"], 2),
+    (["--sweep", "--plot", "/no/such/folder/sweep.png"], ["--plot", "does not exist"], 2),
+    (["--sweep", "--axis", "kv=fp8"], ["--axis", "unknown axis", "dtype, weights, threads"], 2),
+    (["--sweep", "--axis", "dtype=fp8"], ["--axis", "fp8", "fp32, bf16, fp16"], 2),
+    (["--sweep", "--axis", "threads=0"], ["--axis", "positive integer"], 2),
+    (["--sweep", "--axis", "dtype"], ["--axis", "NAME=VALUE"], 2),
+    (["--prompt-file", "missing.txt"], ["missing.txt", "no such file"], 1),
+    (["./nope.gguf"], ["nope.gguf", "no such file"], 1),
+])
+def test_bad_options(cli, args, words, code):
+    assert_one_error_line(cli(*args), *words, code=code)
+
+
+def test_empty_prompt_file(cli, tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert_one_error_line(cli("--prompt-file", tmp_path / "empty.txt"), "empty.txt", "empty", code=1)
+
+
+def test_plot_without_matplotlib(cli, monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert_one_error_line(cli("--sweep", "--plot", tmp_path / "s.png"), "matplotlib", "pip install 'llmrun[plot]'", code=1)
+
+
+def test_prompt_and_new_tokens_must_fit_the_context(cli, tiny_gguf):
+    assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "260", "holds 256", "--ctx", code=1)
+    assert_one_error_line(cli(tiny_gguf, "--ctx", "64", "--prompt-tokens", "60", "--new-tokens", "8"), "holds 64", code=1)
+    assert_one_error_line(cli(tiny_gguf, "--ctx", "4096"), "--ctx 4096", "256", code=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="there is a CUDA device")
+def test_cuda_without_a_gpu(cli, tiny_gguf):
+    assert_one_error_line(cli(tiny_gguf, "--device", "cuda", *FAST), "cuda", code=1)
+
+
+def test_random_weights_that_do_not_fit_are_refused(cli, monkeypatch):
+    monkeypatch.setattr(shapes, "free_memory", lambda device: 4 << 30)
+    assert_one_error_line(cli("--random-weights", "llama3-8b", "--dtype", "bf16"), "llama3-8b", "needs", "4.0 GiB free",
+                          code=1)
+
+
+# --- random-weight shapes ----------------------------------------------------------------------------------------
+
+
+def test_shape_table():
+    from llmrun.loading import open_model
+
+    embedded = open_model("smollm2").config
+    mine = shapes.shape_config("smollm2-135m")
+    assert mine == type(mine)(**{**vars(embedded), "norm_eps": mine.norm_eps})  # GGUF stores eps as float32
+    assert math.isclose(embedded.norm_eps, mine.norm_eps, rel_tol=1e-6)
+    params = {name: shapes.shape_config(name).n_params / 1e9 for name in shapes.SHAPES}
+    published = {"llama3-8b": 8.03, "llama3.1-8b": 8.03, "llama3.2-1b": 1.24, "llama3.2-3b": 3.21,
+                 "qwen2.5-0.5b": 0.494, "qwen2.5-1.5b": 1.54, "qwen2.5-7b": 7.62, "mistral-7b": 7.24,
+                 "smollm2-135m": 0.1345, "smollm2-360m": 0.362, "smollm2-1.7b": 1.71}
+    assert set(params) == set(published)
+    for name, billions in published.items():
+        assert math.isclose(params[name], billions, rel_tol=0.01), (name, params[name])
+
+
+def test_random_weights_are_the_same_in_every_dtype():
+    from llmrun.loading import ModelFiles, ModelSource
+
+    files = ModelFiles(ModelSource("random:tiny", None, "random"), CONFIGS["qwen2"], None)
+    fp32 = shapes.load_random(files, torch.device("cpu"), torch.float32).model.state_dict()
+    bf16 = shapes.load_random(files, torch.device("cpu"), torch.bfloat16).model.state_dict()
+    for name, w in fp32.items():
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(w.to(torch.bfloat16), bf16[name]), name
+    assert torch.equal(fp32["norm.weight"], torch.ones_like(fp32["norm.weight"]))
+    assert 0.015 < fp32["layers.0.mlp.up.weight"].std() < 0.025
+
+
+def test_random_weights_run(cli):
+    doc = ok(cli("--random-weights", "smollm2-135m", "--ctx", "64", *FAST, "--json")).json()
+    check_schema(doc)
+    assert doc["model"] == "random:smollm2-135m" and doc["config"]["ctx"] == 64
+    assert doc["weight_bytes"] == shapes.shape_config("smollm2-135m").n_params * 4
+
+
+# --- compare ------------------------------------------------------------------------------------------------------
+
+
+def test_compare_with_peers_missing(cli, tiny_gguf, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    doc = ok(cli(tiny_gguf, *FAST, "--compare", "--json")).json()
+    check_schema(doc)
+    rows = {r["name"]: r for r in doc["compare"]}
+    assert list(rows) == ["llmrun", "llmrun eager", "llama.cpp", "transformers"]
+    for r in rows.values():
+        assert set(r) == COMPARE_KEYS
+    assert rows["llmrun"]["decode_ratio"] == 1.0 and rows["llmrun"]["decode_tok_s"] == doc["decode_tok_s"]
+    assert rows["llmrun eager"]["skipped"] is None and rows["llmrun eager"]["decode_ratio"] > 0
+    assert "--weights dequant" in rows["llmrun eager"]["config"]
+    assert rows["llama.cpp"]["skipped"] == "skipped: llama-cpp-python not installed (pip install llama-cpp-python)"
+    assert rows["transformers"]["skipped"] == "skipped: transformers not installed (pip install transformers)"
+    assert rows["transformers"]["decode_tok_s"] is None and rows["transformers"]["decode_ratio"] is None
+
+
+def test_compare_table_and_eager_skip(cli, tiny_hf, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    result = ok(cli(tiny_hf, *FAST, "--compare", "--weights", "dequant"))
+    assert "already the eager path" in result.stderr
+    assert "llama.cpp reads GGUF files" in result.stderr  # installed or not: this model is safetensors
+    assert "transformers not installed" in result.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_llama_cpp_runs_the_same_workload(embedded_path, monkeypatch):
+    from llmrun.loading import open_model
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    files = open_model("smollm2")
+    workload = make_workload(files.tokenizer, prompt_tokens=16, new_tokens=3, repeat=1, warmup=False)
+    settings = bench.Settings("cpu", "fp32", "auto", 2, 64)
+    llama, transformers = peers.peer_rows(files, settings, workload)
+    assert llama["skipped"] is None, llama["skipped"]
+    assert llama["decode_tok_s"]["median"] > 0 and "Q4_1" in llama["config"]
+    assert transformers["skipped"].startswith("skipped: transformers not installed")
+
+
+def test_ratios():
+    fast = peers.row("llmrun", "", {"ttft_s": 0.1, "prefill_tok_s": 100.0, "e2e_tok_s": 9.0,
+                                    "decode_tok_s": {"median": 10.0, "min": 9.0, "max": 11.0}})
+    slow = peers.row("other", "", {"ttft_s": 0.2, "prefill_tok_s": 50.0, "e2e_tok_s": 4.0,
+                                   "decode_tok_s": {"median": 5.0, "min": 4.0, "max": 6.0}})
+    gone = peers.row("gone", "", skipped="skipped: not installed")
+    rows = peers.add_ratios([fast, slow, gone])
+    assert [(r["decode_ratio"], r["prefill_ratio"]) for r in rows] == [(1.0, 1.0), (0.5, 0.5), (None, None)]
+
+
+# --- sweep --------------------------------------------------------------------------------------------------------
+
+
+def test_sweep_cli(cli, tiny_gguf, tmp_path):
+    args = [tiny_gguf, *FAST, "--sweep", "--goal", "memory", "--json"]
+    doc = ok(cli(*args)).json()
+    check_schema(doc)
+    rows = doc["sweep"]
+    assert [r["rank"] for r in rows] == [1, 2, 3, 4]
+    assert {r["flags"] for r in rows} == {f"--dtype {d} --weights {w}" for d in ("fp32", "bf16") for w in ("auto", "dequant")}
+    for r in rows:
+        assert set(r) == SWEEP_KEYS and r["error"] is None
+        if r["config"]["dtype"] == "fp32":  # the reference precision itself
+            assert r["kl"] < 1e-4 and r["top1_agreement"] == 1.0
+        else:
+            assert r["kl"] > 0
+    assert doc["recommended"] == {"goal": "memory", "flags": rows[0]["flags"], "config": rows[0]["config"]}
+    assert [sweep.peak_memory(r) for r in rows] == sorted(sweep.peak_memory(r) for r in rows)
+
+
+def test_sweep_axes_and_table(cli, tiny_gguf):
+    result = ok(cli(tiny_gguf, *FAST, "--sweep", "--axis", "dtype=bf16", "--axis", "weights=dequant", "--goal", "quality"))
+    assert "recommended for quality: --dtype bf16 --weights dequant" in result.stderr
+    assert f"llmrun chat {tiny_gguf} --dtype bf16 --weights dequant" in result.stderr.replace("\n", " ")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_sweep_plot(cli, tiny_gguf, tmp_path):
+    ok(cli(tiny_gguf, *FAST, "--sweep", "--axis", "weights=auto", "--plot", tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def figures(decode: float, ttft: float = 0.1, rss: int = 100, device: int | None = None, kl=None, error=None) -> dict:
+    return {"flags": f"d{decode} t{ttft} m{rss}/{device} kl{kl}", "config": {}, "error": error, "kl": kl,
+            "ttft_s": ttft, "decode_tok_s": {"median": decode},
+            "memory": {"process_peak_rss": rss, "device_peak_allocated": device}}
+
+
+def test_rank_latency_memory_quality():
+    a, b, c = figures(10.0, ttft=0.2), figures(10.0, ttft=0.1), figures(20.0, ttft=0.5)
+    failed = figures(0.0, error="out of memory")
+    assert sweep.rank([a, failed, b, c], "latency") == [c, b, a, failed]
+
+    small_rss, big_rss = figures(5.0, rss=100), figures(9.0, rss=300)
+    assert sweep.rank([big_rss, small_rss], "memory") == [small_rss, big_rss]
+    gpu_small, gpu_big = figures(5.0, rss=900, device=10), figures(9.0, rss=100, device=20)
+    assert sweep.rank([gpu_big, gpu_small], "memory") == [gpu_small, gpu_big]  # the device's peak, on a GPU
+
+    exact, close_but_fast, far, unknown = figures(5.0, kl=0.0), figures(9.0, kl=0.0003), figures(20.0, kl=0.05), figures(30.0)
+    assert sweep.rank([far, unknown, exact, close_but_fast], "quality") == [close_but_fast, exact, far, unknown]
+
+    assert sweep.recommend([failed], "latency") is None
+    assert sweep.recommend(sweep.rank([a, c], "latency"), "latency")["flags"] == c["flags"]
+    with pytest.raises(LlmrunError, match="unknown goal"):
+        sweep.rank([a], "speed")
+
+
+def test_grid_and_axes():
+    base = bench.Settings("cpu", "fp32", "auto", 2, 256)
+    assert sweep.grid(base, {}) == [bench.Settings("cpu", d, w, 2, 256) for d in ("fp32", "bf16") for w in ("auto", "dequant")]
+    axes = sweep.parse_axes(["threads=1,2,2", "dtype=bf16"])
+    assert axes == {"threads": (1, 2), "dtype": ("bf16",)}
+    cells = sweep.grid(base, axes)
+    assert [(s.dtype, s.weights, s.threads) for s in cells] == [("bf16", w, t) for w in ("auto", "dequant") for t in (1, 2)]
+    assert sweep.flags(cells[0], sweep.swept_axes(axes, "cpu")) == "--dtype bf16 --weights auto --threads 1"
+    assert sweep.grid(bench.Settings("cuda", "bf16", "auto", 2, 256), {})[2].dtype == "fp16"  # bf16/fp16 on GPU
+
+
+def test_quality_of_identical_and_different_distributions():
+    ref = torch.log_softmax(torch.randn(5, 11), -1)
+    same = sweep.quality(ref, ref.clone())
+    assert same == {"kl": 0.0, "top1_agreement": 1.0}
+    other = sweep.quality(ref, torch.log_softmax(torch.randn(5, 11), -1))
+    assert other["kl"] > 0 and 0 <= other["top1_agreement"] <= 1
