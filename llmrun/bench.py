@@ -268,6 +268,8 @@ def measure(engine, workload) -> dict:
     peak = copy_bandwidth(engine.device.type)
     return {
         **figures,
+        # what --weights auto became: "packed" (quantized blocks, llmrun's kernels) or "dequant"
+        "weights_loaded": getattr(engine.loaded, "weights", "dequant"),
         "memory": memory,
         "weight_bytes": memory["weights"],
         "kv_bytes_per_token": kv_per_token,
@@ -278,6 +280,7 @@ def measure(engine, workload) -> dict:
         "bandwidth_share": round(achieved / peak, 4),
         "acceptance_rate": None,  # speculative decoding (issue #6): accepted / proposed draft tokens
         "tokens_per_step": None,  # speculative decoding: mean tokens committed per target-model step
+        "notes": list(getattr(engine.loaded, "notes", [])),  # e.g. why the fast path is off
     }
 
 
@@ -340,7 +343,8 @@ def benchmark(files, settings: Settings, workload, *, model: str, compare: bool 
     progress(f"measuring {model} ({describe(settings)})")
     figures = measure_settings(files, settings, workload)
     doc = {"model": model, "config": settings.describe(), "workload": workload.describe(), **figures,
-           "compare": None, "sweep": None, "recommended": None, "notes": []}
+           "compare": None, "sweep": None, "recommended": None}
+    doc["notes"] = doc.pop("notes")  # last, after the sweep's
     if compare:
         doc["compare"] = compare_rows(files, settings, figures, workload, progress)
     if sweep_axes is not None:

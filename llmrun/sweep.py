@@ -204,7 +204,7 @@ def run_sweep(files, base, workload, overrides: dict[str, tuple], known: dict | 
     return rows, notes
 
 
-SWEEP_FIGURES = ("ttft_s", "prefill_tok_s", "decode_tok_s", "e2e_tok_s", "memory", "weight_bytes",
+SWEEP_FIGURES = ("ttft_s", "prefill_tok_s", "decode_tok_s", "e2e_tok_s", "weights_loaded", "memory", "weight_bytes",
                  "bytes_per_token", "bandwidth_gb_s", "bandwidth_share")
 
 

@@ -164,7 +164,7 @@ def _render(doc: dict) -> None:
         ("prefill", f"{_tok_s(doc['prefill_tok_s'])} tok/s"),
         ("decode", f"{_tok_s(decode['median'])} tok/s (median; min {_tok_s(decode['min'])}, max {_tok_s(decode['max'])})"),
         ("end to end", f"{_tok_s(doc['e2e_tok_s'])} tok/s"),
-        ("weights", human_bytes(doc["weight_bytes"])),
+        ("weights", f"{human_bytes(doc['weight_bytes'])} ({doc['weights_loaded']})"),
         ("KV cache", f"{human_bytes(doc['kv_bytes_per_token'])}/token; {human_bytes(doc['kv_bytes_in_use'])} in use"
                      f" of {human_bytes(mem['kv_allocated'])}"),
         ("peak memory", peak),
@@ -220,7 +220,7 @@ def _sweep_table(rows: list[dict]) -> Table:
             continue
         table.add_row(
             str(r["rank"]), r["flags"], _tok_s(r["decode_tok_s"]["median"]), f"{r['ttft_s'] * 1000:,.1f}",
-            _tok_s(r["prefill_tok_s"]), human_bytes(peak_memory(r)), human_bytes(r["weight_bytes"]),
+            _tok_s(r["prefill_tok_s"]), human_bytes(peak_memory(r)), f"{human_bytes(r['weight_bytes'])} {r['weights_loaded']}",
             "—" if r["kl"] is None else f"{r['kl']:.4f}",
             "—" if r["top1_agreement"] is None else f"{r['top1_agreement']:.0%}",
         )
