@@ -1,6 +1,63 @@
 """Kernels for the model's hot ops. `kernels.ref` is the specification; the names exported here are the one
-dispatch point the models call. Until the Triton kernels land they are the reference ops on every device."""
+dispatch point the models call: the C kernels of `kernels.cpu` for fp32 tensors on the CPU when they could be
+built, the reference ops elsewhere (the Triton kernels for CUDA come next)."""
 
-from .ref import apply_rope, attention, rms_norm, silu_mul
+import torch
 
-__all__ = ["apply_rope", "attention", "rms_norm", "silu_mul"]
+from . import cpu, ref
+
+__all__ = ["apply_rope", "attention", "quant_matmul", "quant_rows", "rms_norm", "silu_mul"]
+
+
+def _use_cpu_kernels(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu.available()
+
+
+def rms_norm(x, weight, eps: float):
+    """x (..., dim) * rsqrt(mean(x^2) + eps) * weight."""
+    if _use_cpu_kernels(x) and x.is_contiguous() and weight.dtype == torch.float32:
+        return cpu.rms_norm(x, weight, eps)
+    return ref.rms_norm(x, weight, eps)
+
+
+def _heads_contiguous(x) -> bool:  # (1, T, H, D) whose heads are packed within each token
+    return x.shape[0] == 1 and x.stride(3) == 1 and x.stride(2) == x.shape[3]
+
+
+def apply_rope(x, cos, sin):
+    """x (B, T, H, D) rotated by cos/sin (T, D) ("rotate half"). May rotate x in place and return it."""
+    if _use_cpu_kernels(x) and _heads_contiguous(x) and cos.is_contiguous() and sin.is_contiguous():
+        return cpu.rope_(x, cos, sin)
+    return ref.apply_rope(x, cos, sin)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up, both (..., ffn_dim)."""
+    if _use_cpu_kernels(gate) and gate.dim() == 3 and gate.shape[0] == 1 and gate.stride(-1) == 1 \
+            and gate.stride() == up.stride():
+        return cpu.silu_mul(gate, up)
+    return ref.silu_mul(gate, up)
+
+
+def attention(q, k, v, window: int | None = None):
+    """Causal GQA attention: q (B, T, Hq, D), k/v (B, Hkv, S, D) -> (B, T, Hq, D) (see `ref.attention`)."""
+    if _use_cpu_kernels(q) and _heads_contiguous(q) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] \
+            and k.stride() == v.stride():
+        return cpu.attention(q, k, v, window)
+    return ref.attention(q, k, v, window)
+
+
+def quant_matmul(x, qs, d, m, bits: int):
+    """x (..., K) @ W^T -> (..., N) in x's dtype, W (N, K) in 4- or 8-bit blocks (`ref.dequantize_blocks`)."""
+    if _use_cpu_kernels(x):
+        return cpu.quant_matmul(x, qs, d, m, bits)
+    return ref.quant_matmul(x, qs, d, m, bits).to(x.dtype)
+
+
+def quant_rows(ids, qs, d, m, bits: int, dtype):
+    """Rows `ids` (...) of W (N, K) in blocks -> (..., K) in `dtype`: an embedding lookup."""
+    if ids.device.type == "cpu" and dtype == torch.float32 and cpu.available():
+        return cpu.quant_rows(ids, qs, d, m, bits)
+    flat = ids.reshape(-1)
+    w = ref.dequantize_blocks(qs[flat], d[flat], None if m is None else m[flat], bits)
+    return w.reshape(*ids.shape, -1).to(dtype)

@@ -48,6 +48,25 @@ class GGUFTensor:
             blocks = torch.from_numpy(self.data)  # (rows, bytes per row)
         return unpack(blocks.reshape(-1, _BLOCK_BYTES[self.ggml_type])).reshape(self.shape)
 
+    @property
+    def has_blocks(self) -> bool:
+        """Whether `blocks()` can give this tensor's quantized planes (Q4_0, Q4_1, Q8_0 matrices)."""
+        return self.ggml_type in _BLOCK_BYTES and len(self.shape) == 2
+
+    def blocks(self):
+        """The quantized weights as planes (qs, d, m, bits), as `kernels.ref.dequantize_blocks` reads them:
+        the same bits as the file, its interleaved blocks split into fields. m is None for symmetric types."""
+        rows = self.shape[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            b = torch.from_numpy(self.data).reshape(rows, -1, _BLOCK_BYTES[self.ggml_type])  # (N, K/32, bytes)
+        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        if self.ggml_type == 8:  # Q8_0
+            return b[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), d, None, 8
+        if self.ggml_type == 3:  # Q4_1
+            return b[..., 4:].reshape(rows, -1).contiguous(), d, b[..., 2:4].contiguous().view(torch.float16)[..., 0], 4
+        return b[..., 2:].reshape(rows, -1).contiguous(), d, None, 4  # Q4_0
+
     def to_numpy(self) -> np.ndarray:
         """Dequantized float32 array of `shape`."""
         from gguf import GGMLQuantizationType, quants

@@ -24,12 +24,12 @@ class KVCache:
         return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype, device)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, Hkv, T, D) at positions [start, start + T); return views of [0, start + T)."""
-        end = start + k.shape[2]
+        """Write k, v (B, T, Hkv, D) at positions [start, start + T); return views (B, Hkv, start + T, D)."""
+        end = start + k.shape[1]
         if end > self.max_len:
             raise ContextOverflowError(f"the KV cache holds {self.max_len} positions; {end} are needed")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
+        self.k[layer, :, :, start:end] = k.transpose(1, 2)
+        self.v[layer, :, :, start:end] = v.transpose(1, 2)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def truncate(self, length: int) -> None:

@@ -192,8 +192,9 @@ def _safetensors_headers(path: Path):
             yield name, entry
 
 
-def _iter_weights(files: ModelFiles):
-    """(our name, float tensor) for every weight of the model, Q/K rows in HF order."""
+def _iter_weights(files: ModelFiles, keep_blocks=frozenset()):
+    """(our name, float tensor) for every weight of the model, Q/K rows in HF order. GGUF tensors named in
+    `keep_blocks` come as their quantized planes (qs, d, m, bits) instead (`GGUFTensor.blocks`)."""
     cfg = files.config
     if files.gguf is not None:
         permuted = files.gguf.metadata.get("general.architecture") == "llama"
@@ -204,12 +205,18 @@ def _iter_weights(files: ModelFiles):
             ours = _our_name(name, _GGUF_NAMES)
             if ours is None:
                 raise ModelFormatError(f"{files.source.path}: unexpected tensor {name}")
-            w = t.dequantize()
+            heads = None
             if permuted and ".attn.q." in ours:
-                w = _unpermute_rope_rows(w, cfg.n_heads)
+                heads = cfg.n_heads
             elif permuted and ".attn.k." in ours:
-                w = _unpermute_rope_rows(w, cfg.n_kv_heads)
-            yield ours, w
+                heads = cfg.n_kv_heads
+            if ours in keep_blocks:  # rows are whole blocks, so the planes' rows permute like the weight's
+                qs, d, m, bits = t.blocks()
+                planes = [p if p is None or heads is None else _unpermute_rope_rows(p, heads) for p in (qs, d, m)]
+                yield ours, (*planes, bits)
+            else:
+                w = t.dequantize()
+                yield ours, w if heads is None else _unpermute_rope_rows(w, heads)
         return
     from safetensors import SafetensorError, safe_open
 
@@ -233,6 +240,8 @@ class LoadedModel:
     model: object  # torch.nn.Module
     device: object  # torch.device
     dtype: object  # torch.dtype
+    weights: str = "dequant"  # "packed": quantized tensors kept in blocks for llmrun's kernels
+    notes: list[str] = field(default_factory=list)  # worth telling the user (e.g. why the fast path is off)
 
     @property
     def config(self):
@@ -244,7 +253,8 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.model.parameters())
+        """Bytes of the weights as held in memory (packed blocks count as stored)."""
+        return sum(t.nbytes for t in self.model.state_dict().values())
 
 
 def resolve_device(device: str):
@@ -287,13 +297,27 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = files.config
+    keep, notes = _packed_weights(files, weights, dev, dt)  # our tensor name -> GGML type
     with torch.device("meta"):
         model = build_model(cfg)
+        for module, ggml_type in {_fused_name(n)[0].removesuffix(".weight"): t for n, t in keep.items()}.items():
+            _swap_in_quantized(model, module, ggml_type, dt)
     expected = dict(model.state_dict())
-    state = {}
-    for name, w in _iter_weights(files):
+    state, parts = {}, {}
+    for name, w in _iter_weights(files, frozenset(keep)):
         if name == "rope_freq_factors":
             model.rope_freq_factors = w.tolist()
+            continue
+        name, index, count = _fused_name(name)
+        if count > 1:  # one of q/k/v or gate/up: wait for the others, then concatenate their rows
+            got = parts.setdefault(name, [None] * count)
+            got[index] = w
+            if any(p is None for p in got):
+                continue
+            w = _concat_rows(parts.pop(name))
+        if isinstance(w, tuple):  # quantized planes
+            module = name.removesuffix(".weight")
+            state.update({f"{module}.{field}": p.to(dev) for field, p in zip(("qs", "d", "m"), w[:3]) if p is not None})
             continue
         if name not in expected:
             raise ModelFormatError(f"{files.source.path}: tensor {name} does not belong to a {cfg.architecture}")
@@ -302,9 +326,85 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
                 f"{files.source.path}: tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(expected[name].shape)}"
             )
         state[name] = w.to(device=dev, dtype=dt)
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(expected) - set(state)) + sorted(parts)
     if missing:
         raise ModelFormatError(f"{files.source.path}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     model.load_state_dict(state, assign=True)
     model.eval().requires_grad_(False)
-    return LoadedModel(files, model, dev, dt)
+    return LoadedModel(files, model, dev, dt, "packed" if keep else "dequant", notes)
+
+
+# Checkpoints store these projections apart; the model holds each group as one matrix, rows concatenated.
+_FUSED = {"attn.q": ("attn.qkv", 0, 3), "attn.k": ("attn.qkv", 1, 3), "attn.v": ("attn.qkv", 2, 3),
+          "mlp.gate": ("mlp.gate_up", 0, 2), "mlp.up": ("mlp.gate_up", 1, 2)}
+_LAYER_TENSOR = re.compile(r"(layers\.\d+)\.(\w+\.\w+)\.(weight|bias)$")
+
+
+def _fused_name(name: str) -> tuple[str, int, int]:
+    """Our tensor name -> (the model's tensor holding it, its index among the rows' parts, number of parts):
+    `layers.3.attn.k.weight` -> (`layers.3.attn.qkv.weight`, 1, 3); unfused names -> (name, 0, 1)."""
+    m = _LAYER_TENSOR.match(name)
+    if m is None or m.group(2) not in _FUSED:
+        return name, 0, 1
+    target, index, count = _FUSED[m.group(2)]
+    return f"{m.group(1)}.{target}.{m.group(3)}", index, count
+
+
+def _concat_rows(parts: list):
+    import torch
+
+    if isinstance(parts[0], tuple):  # planes (qs, d, m, bits) of one format
+        planes = zip(*(p[:3] for p in parts))
+        return *(None if p[0] is None else torch.cat(p) for p in planes), parts[0][3]
+    return torch.cat(parts)
+
+
+def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str, int], list[str]]:
+    """Our names of the GGUF tensors to keep quantized with their GGML types, and notes on why none are when
+    that is surprising.
+
+    Today the kept formats are Q4_0, Q4_1 and Q8_0 on the CPU with fp32 activations (`kernels.cpu`);
+    everything else is dequantized to `dt`. Projections the model fuses (q/k/v, gate/up) are kept only when
+    all parts share one format.
+    """
+    import torch
+
+    from llmrun import kernels
+
+    if weights == "dequant" or files.gguf is None:
+        return {}, []
+    keep = {}
+    for gguf_name, t in files.gguf.tensors.items():
+        ours = _our_name(gguf_name, _GGUF_NAMES)
+        if t.has_blocks and ours is not None and ours.endswith(".weight"):
+            keep[ours] = t.ggml_type
+    groups = {}
+    for name, ggml_type in keep.items():
+        target, _, count = _fused_name(name)
+        groups.setdefault(target, (count, []))[1].append((name, ggml_type))
+    for count, members in groups.values():
+        if len(members) != count or len({t for _, t in members}) != 1:
+            for name, _ in members:
+                del keep[name]
+    if not keep or dev.type != "cpu" or dt != torch.float32:
+        return {}, []  # the GPU kernels for quantized weights come with the Triton path
+    if not kernels.cpu.available():
+        return {}, [f"the CPU kernels are off ({kernels.cpu.unavailable_reason()}); running the slower dequantized path"]
+    return keep, []
+
+
+def _swap_in_quantized(model, module_name: str, ggml_type: int, dt) -> None:
+    """Replace the nn.Linear / nn.Embedding `module_name` with its `models.quant` twin for `ggml_type`."""
+    import torch.nn as nn
+
+    from llmrun.models.quant import QuantEmbedding, QuantLinear
+
+    bits, offsets = (8, False) if ggml_type == 8 else (4, ggml_type == 3)
+    parent_name, _, child = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child)
+    if isinstance(old, nn.Linear):
+        new = QuantLinear(old.in_features, old.out_features, bits, offsets, bias=old.bias is not None)
+    else:
+        new = QuantEmbedding(old.num_embeddings, old.embedding_dim, bits, offsets, dtype=dt)
+    setattr(parent, child, new)

@@ -1,8 +1,10 @@
 """The Llama family in one file: Llama 2/3/3.x, Mistral, SmolLM2 and Qwen2/2.5 differ only in config flags
 (GQA ratio, tied embeddings, q/k/v biases, sliding window, RoPE scaling).
 
-Module names are ours (`layers.3.attn.q`); loaders map HF and GGUF tensor names onto them explicitly.
-Linear layers are plain `nn.Linear` here; a quantization method may swap them for its own module type.
+Module names are ours (`layers.3.attn.qkv`); loaders map HF and GGUF tensor names onto them explicitly,
+concatenating the q/k/v and gate/up projections that checkpoints store apart.
+Linear layers are plain `nn.Linear` here; the loader swaps in `models.quant` layers for weights it keeps
+quantized.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from llmrun import kernels
 
 from .config import ModelConfig, rope_inv_freq
+from .quant import QuantEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -31,34 +34,34 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
-        self.k = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
-        self.v = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        # q, k and v projections as one matmul: rows [q (Hq*D); k (Hkv*D); v (Hkv*D)]
+        self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.attention_bias)
         self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, start_pos: int, cache, mask):
+    def forward(self, x, cos, sin, start_pos: int, cache, window):
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q = kernels.apply_rope(q, cos, sin)
-        k = kernels.apply_rope(k, cos, sin)
+        Hq, Hkv = self.n_heads, self.n_kv_heads
+        qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
+        qk = kernels.apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads in one pass
+        q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv :]  # (B, T, H, D) each
         if cache is not None:
             k, v = cache.update(self.layer_idx, start_pos, k, v)  # (B, Hkv, start_pos + T, D)
-        y = kernels.attention(q, k, v, mask)  # (B, Hq, T, D)
-        return self.o(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)
+        y = kernels.attention(q, k, v, window)  # (B, T, Hq, D)
+        return self.o(y.reshape(B, T, Hq * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.ffn_dim = cfg.ffn_dim
+        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # rows [gate; up]: one matmul
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        return self.down(kernels.silu_mul(self.gate(x), self.up(x)))
+        gate_up = self.gate_up(x)
+        return self.down(kernels.silu_mul(gate_up[..., : self.ffn_dim], gate_up[..., self.ffn_dim :]))
 
 
 class Block(nn.Module):
@@ -69,8 +72,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, start_pos, cache, mask):
-        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos, cache, mask)
+    def forward(self, x, cos, sin, start_pos, cache, window):
+        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos, cache, window)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -99,19 +102,6 @@ class Transformer(nn.Module):
             self._cos, self._sin = angles.cos().float().to(device), angles.sin().float().to(device)
         return self._cos, self._sin
 
-    def attention_mask(self, start_pos: int, T: int, device) -> torch.Tensor | None:
-        """(T, start_pos + T) bool, True where new token i may attend to position j; None when all may."""
-        S = start_pos + T
-        window = self.config.sliding_window
-        if T == 1 and (window is None or S <= window):
-            return None
-        i = torch.arange(start_pos, S, device=device)[:, None]
-        j = torch.arange(S, device=device)[None, :]
-        mask = j <= i
-        if window is not None:
-            mask &= i - j < window
-        return mask
-
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache=None, last_only: bool = False):
         """tokens (B, T) at positions start_pos..start_pos+T-1 -> logits (B, T, V) fp32 ((B, 1, V) if last_only).
 
@@ -121,13 +111,17 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         x = self.embed(tokens)  # (B, T, dim)
         cos, sin = self._rope_tables(start_pos + T, x.device)
-        cos = cos[start_pos : start_pos + T].to(x.dtype)  # (T, D)
-        sin = sin[start_pos : start_pos + T].to(x.dtype)
-        mask = self.attention_mask(start_pos if cache is not None else 0, T, x.device)
+        cos = cos[start_pos : start_pos + T].to(x.dtype).contiguous()  # (T, D)
+        sin = sin[start_pos : start_pos + T].to(x.dtype).contiguous()
         for layer in self.layers:
-            x = layer(x, cos, sin, start_pos, cache, mask)
+            x = layer(x, cos, sin, start_pos, cache, self.config.sliding_window)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)
-        logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
+        if self.lm_head is not None:
+            logits = self.lm_head(x)
+        elif isinstance(self.embed, QuantEmbedding):
+            logits = self.embed.project(x)  # tied, quantized
+        else:
+            logits = F.linear(x, self.embed.weight)
         return logits.float()

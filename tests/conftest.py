@@ -34,7 +34,15 @@ def embedded_path():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded model, loaded once in fp32 on CPU (the reference precision)."""
+    """The embedded model as llmrun runs it on a CPU by default: Q4_1/Q8_0 weights packed, fp32 activations."""
     from llmrun.loading import load_model
 
     return load_model("smollm2", device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dequant():
+    """The embedded model with every weight dequantized to fp32: plain PyTorch, the exact reference."""
+    from llmrun.loading import load_model
+
+    return load_model("smollm2", device="cpu", dtype="fp32", weights="dequant")

@@ -66,9 +66,9 @@ def test_gqa_matches_repeated_kv_heads():
     state = gqa.state_dict()
     rep = cfg.n_heads // cfg.n_kv_heads
     for i in range(cfg.n_layers):
-        for part in ("k", "v"):
-            w = state[f"layers.{i}.attn.{part}.weight"].view(cfg.n_kv_heads, cfg.head_dim, cfg.dim)
-            state[f"layers.{i}.attn.{part}.weight"] = w.repeat_interleave(rep, 0).reshape(-1, cfg.dim)
+        q, k, v = state[f"layers.{i}.attn.qkv.weight"].split([cfg.n_heads * cfg.head_dim, *[cfg.n_kv_heads * cfg.head_dim] * 2])
+        k, v = (w.view(cfg.n_kv_heads, cfg.head_dim, cfg.dim).repeat_interleave(rep, 0).reshape(-1, cfg.dim) for w in (k, v))
+        state[f"layers.{i}.attn.qkv.weight"] = torch.cat((q, k, v))
     mha.load_state_dict(state)
     tokens = torch.randint(0, cfg.vocab_size, (1, 9))
     with torch.no_grad():
@@ -104,7 +104,7 @@ def test_linear_rope_scaling_divides_positions():
 def test_kv_cache_truncate_and_overflow():
     cfg = CONFIGS["llama"]
     cache = KVCache.for_model(cfg, 8, torch.float32, "cpu")
-    k = torch.randn(1, cfg.n_kv_heads, 6, cfg.head_dim)
+    k = torch.randn(1, 6, cfg.n_kv_heads, cfg.head_dim)  # (B, T, Hkv, D)
     kk, vv = cache.update(0, 0, k, k)
     assert kk.shape[2] == 6
     cache.length = 6

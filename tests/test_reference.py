@@ -2,11 +2,14 @@
 
 Teacher forcing: llmrun reads llama.cpp's prompt + greedy continuation in one fp32 forward, and its next-token
 choice at every continuation position is compared with llama.cpp's. Two references:
-- "f32": llama.cpp on a copy with all weights dequantized to F32 — the same arithmetic as llmrun's fp32 path,
-  so the logits must agree closely and only near-ties (margin < 0.25) may flip.
-- "q4_1": llama.cpp on the shipped file. It rounds every activation to 8 bits (Q8_1) before each Q4_1 matmul,
-  which moves its logits by ~0.2 on average (p95 ~0.5) against an exact computation, so a flip is allowed
-  where its own margin is within that noise (< 0.5).
+- "f32": llama.cpp on a copy with all weights dequantized to F32, against llmrun's dequantized path
+  (`--weights dequant`): the same arithmetic, so the logits must agree closely and only near-ties
+  (margin < 0.25) may flip.
+- "q4_1": llama.cpp on the shipped file, against llmrun's default packed path. Both round every activation to
+  8 bits per block of 32 before each quantized matmul, which moves the logits by ~0.3 on average against an
+  exact computation; the two roundings are not bit-identical (llama.cpp stores the activation scales in fp16,
+  its inputs differ in the last bits), so each side carries its own noise, and a flip is allowed where
+  llama.cpp's margin is within it (< 0.5).
 """
 
 import json
@@ -42,10 +45,12 @@ def test_prompt_token_ids_match_llama_cpp(smollm2, which):
 @pytest.mark.slow
 @pytest.mark.parametrize("which, min_agreement, max_margin, max_mean_diff", [
     ("f32", 0.99, 0.25, 0.02),
-    ("q4_1", 0.97, 0.5, 0.4),
+    ("q4_1", 0.96, 0.5, 0.4),
 ])
-def test_teacher_forced_top1_matches_llama_cpp(smollm2, which, min_agreement, max_margin, max_mean_diff):
-    rows = teacher_forced(smollm2.model, REFERENCE[which])
+def test_teacher_forced_top1_matches_llama_cpp(smollm2, smollm2_dequant, which, min_agreement, max_margin, max_mean_diff):
+    model = smollm2_dequant.model if which == "f32" else smollm2.model
+    assert (smollm2_dequant.weights, smollm2.weights) == ("dequant", "packed")
+    rows = teacher_forced(model, REFERENCE[which])
     assert len(rows) >= 128
     agree = sum(ours == theirs for ours, theirs, _, _ in rows) / len(rows)
     assert agree >= min_agreement, f"top-1 agreement {agree:.3f}"

@@ -58,9 +58,26 @@ _HF_NAMES = {
 }
 
 
-def hf_state_dict(model) -> dict:
+def unfused_state_dict(model) -> dict:
+    """The model's tensors under checkpoint-style names: q/k/v and gate/up apart, as files store them."""
+    cfg = model.config
+    sizes = {"attn.qkv": (("attn.q", cfg.n_heads * cfg.head_dim), ("attn.k", cfg.n_kv_heads * cfg.head_dim),
+                          ("attn.v", cfg.n_kv_heads * cfg.head_dim)),
+             "mlp.gate_up": (("mlp.gate", cfg.ffn_dim), ("mlp.up", cfg.ffn_dim))}
     out = {}
     for name, t in model.state_dict().items():
+        parts = next(((k, v) for k, v in sizes.items() if f".{k}." in name), None)
+        if parts is None:
+            out[name] = t
+            continue
+        for (part, _), piece in zip(parts[1], t.split([n for _, n in parts[1]])):
+            out[name.replace(parts[0], part)] = piece
+    return out
+
+
+def hf_state_dict(model) -> dict:
+    out = {}
+    for name, t in unfused_state_dict(model).items():
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             part, kind = rest.rsplit(".", 1)
@@ -122,7 +139,7 @@ def write_gguf(path, model, arch="llama"):
     w.add_eos_token_id(cfg.vocab_size - 1)
     names = {"attn_norm": "attn_norm", "attn.q": "attn_q", "attn.k": "attn_k", "attn.v": "attn_v", "attn.o": "attn_output",
              "mlp_norm": "ffn_norm", "mlp.gate": "ffn_gate", "mlp.up": "ffn_up", "mlp.down": "ffn_down"}
-    for name, t in model.state_dict().items():
+    for name, t in unfused_state_dict(model).items():
         t = t.float()
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)

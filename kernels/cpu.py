@@ -1,0 +1,174 @@
+"""The CPU fast path: `cpu_kernels.c`, compiled once per machine and loaded with ctypes.
+
+The C file is built with the system's C compiler (`$CC`, else `cc`) at first use and cached under
+`$XDG_CACHE_HOME/llmrun/kernels` (default `~/.cache/llmrun/kernels`), keyed by the source, the compiler and
+the CPU. Without a compiler, `available()` is False, `unavailable_reason()` says why, and callers keep the
+plain-PyTorch path. OpenMP comes from the libgomp PyTorch has already loaded, so both share one thread pool.
+
+Shapes and formats are those of `cpu_kernels.c`; `kernels.ref` defines the same arithmetic in torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+_reason: str | None = None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmrun" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and, on Linux, the CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def _compile(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp_out, out)  # atomic: a concurrent build never sees a half-written file
+
+
+@cache
+def _lib():
+    """The loaded library, or None (with the reason in `_reason`)."""
+    global _reason
+    if os.environ.get("LLMRUN_NO_CPU_KERNELS"):
+        _reason = "disabled by LLMRUN_NO_CPU_KERNELS"
+        return None
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        _reason = "no C compiler found (install gcc or clang, or set CC)"
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        _reason = f"the C compiler {cc} does not run: {e}"
+        return None
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_signature()]).encode())
+    path = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        try:
+            _compile(cc, path)
+        except subprocess.CalledProcessError as e:
+            _reason = f"compiling {SOURCE.name} failed: {(e.stderr or '').strip().splitlines()[-1:] or e}"
+            return None
+        except OSError as e:
+            _reason = f"cannot build the CPU kernels in {path.parent}: {e}"
+            return None
+    lib = ctypes.CDLL(str(path))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.quant_matmul.argtypes = [i, p, p, p, i, i, p, i, p, i]
+    lib.quant_dequantize.argtypes = [i, p, p, p, i, p, i, p]
+    lib.rms_norm.argtypes = [p, p, ctypes.c_float, i, i, p]
+    lib.rope.argtypes = [p, ctypes.c_long, p, p, i, i, i]
+    lib.silu_mul.argtypes = [p, p, i, i, i, p]
+    lib.attention.argtypes = [p, ctypes.c_long, p, p, ctypes.c_long, i, i, i, i, i, i, p]
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def unavailable_reason() -> str | None:
+    _lib()
+    return _reason
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == -2:
+        raise MemoryError(f"{what}: cannot allocate memory")
+    if rc:
+        raise ValueError(f"{what}: bad arguments (code {rc})")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def quant_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) fp32 @ W^T -> (..., N) fp32, W (N, K) in blocks (`ref.dequantize_blocks`: qs, d, m, bits).
+
+    With `out` (..., N) given, the product is added to it (a fused residual add) and `out` is returned.
+    """
+    N, K = qs.shape[0], x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    y = out if out is not None else torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    rc = _lib().quant_matmul(bits, qs.data_ptr(), d.data_ptr(), _ptr(m), N, K, x2.data_ptr(), x2.shape[0],
+                             y.data_ptr(), int(out is not None))
+    _check(rc, "quant_matmul")
+    return y
+
+
+def quant_rows(ids: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Rows `ids` (...) int64 of W (N, K) in blocks, expanded -> (..., K) fp32 (an embedding lookup)."""
+    K = d.shape[1] * 32
+    flat = ids.reshape(-1).contiguous()
+    out = torch.empty(*ids.shape, K, dtype=torch.float32)
+    _check(_lib().quant_dequantize(bits, qs.data_ptr(), d.data_ptr(), _ptr(m), K, flat.data_ptr(), flat.numel(),
+                                   out.data_ptr()), "quant_rows")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (..., K) fp32 contiguous -> x * rsqrt(mean(x^2) + eps) * weight."""
+    out = torch.empty_like(x)
+    _lib().rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1], x.shape[-1], out.data_ptr())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In place: x (1, T, H, D) fp32 rotated by cos/sin (T, D) contiguous ("rotate half"). Returns x.
+
+    x's heads must be contiguous within a token (strides (., ld, D, 1)); tokens may be ld apart."""
+    _, T, H, D = x.shape
+    _lib().rope(x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), T, H, D)
+    return x
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up (..., F) fp32 whose rows are contiguous (they may share a row stride)."""
+    F = gate.shape[-1]
+    out = torch.empty(*gate.shape[:-1], F, dtype=torch.float32)
+    _lib().silu_mul(gate.data_ptr(), up.data_ptr(), out.numel() // F, F, gate.stride(-2) if gate.dim() > 1 else F,
+                    out.data_ptr())
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q (1, T, Hq, D), heads contiguous within a token; k, v (1, Hkv, S, D) with contiguous rows (a KV cache
+    view) -> (1, T, Hq, D) contiguous.
+
+    Query t is at key position S - T + t and attends causally (within `window` positions when given)."""
+    _, T, Hq, D = q.shape
+    _, Hkv, S, _ = k.shape
+    out = torch.empty(1, T, Hq, D, dtype=torch.float32)
+    _check(_lib().attention(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1), T, S, Hq, Hkv, D,
+                            window or 0, out.data_ptr()), "attention")
+    return out

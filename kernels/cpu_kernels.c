@@ -1,0 +1,330 @@
+/* CPU kernels for the decode hot path, built once per machine by kernels/cpu.py and called through ctypes.
+ *
+ * Weights: W (N, K) in blocks of 32 along K, nb = K / 32 blocks per row, stored as planes:
+ *   4-bit  qs uint8 (N, nb, 16)  byte j of a block holds q_j (low nibble) and q_{j+16} (high nibble)
+ *          d  fp16  (N, nb)      scale
+ *          m  fp16  (N, nb)      offset; NULL means symmetric, m = -8 d
+ *          w = d * q + m
+ *   8-bit  qs int8  (N, nb, 32), d fp16 (N, nb); w = d * q
+ * GGML's Q4_1, Q4_0 and Q8_0 blocks are exactly these fields, interleaved; kernels/cpu.py splits them into
+ * planes so eight blocks' scales load as one vector.
+ *
+ * Activations are quantized per block of 32 to int8 (scale ad, block sum as = ad * sum q), as llama.cpp's
+ * Q8_1 does, so a block's dot product is an integer one:
+ *   y = sum_b d_b ad_b sum_i q_bi qx_bi + m_b as_b
+ * kernels/ref.py defines the same arithmetic in torch; tests/test_cpu_kernels.py holds the two together.
+ *
+ * Float tensors are fp32 and contiguous. Threads: OpenMP, the pool PyTorch has already loaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define USE_AVX2 1
+#endif
+
+typedef struct {
+    int8_t *q;  /* (M, nb, 32) */
+    float *d;   /* (M, nb) */
+    float *s;   /* (M, nb) */
+} acts;
+
+static float half_to_float(uint16_t h) {
+#ifdef USE_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0 && mant == 0) {
+        bits = sign;
+    } else if (exp == 0) { /* subnormal: normalize */
+        exp = 127 - 15 + 1;
+        while (!(mant & 0x400)) { mant <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static void quantize_row(const float *x, int nb, int8_t *q, float *d, float *s) {
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            int v = (int)nearbyintf(xb[i] * inv);  /* ties to even, as torch.round */
+            q[32 * b + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = scale;
+        s[b] = scale * (float)sum;
+    }
+}
+
+#ifdef USE_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 16 bytes of nibbles -> 32 bytes 0..15, in weight order */
+static inline __m256i unpack_nibbles(const uint8_t *p) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+}
+
+/* 8 int32 partial sums of unsigned bytes u times signed bytes s */
+static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* signed . signed: maddubs needs an unsigned operand, so |w| . (x with w's sign) */
+static inline __m256i dot_s8_s8(__m256i w, __m256i x) {
+    return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+/* p[j] holds 8 partial sums of block j; returns lane j = block j's total */
+static inline __m256i block_totals(const __m256i p[8]) {
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+#endif
+
+enum { TILE = 32 };  /* activation rows per pass over a weight row: its unpacked blocks are reused TILE times */
+
+/* out[i] = W row . activation row i, for the T <= TILE activation rows in `a` starting at row i0.
+ * Every row's arithmetic is the same whatever T is, so a token's result does not depend on how many tokens
+ * share the call (greedy speculative decoding relies on this). */
+static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int nb, const acts *a, int K,
+                     int i0, int T, float *out) {
+#ifdef USE_AVX2
+    __m256 acc[TILE], acc_m[TILE];
+    float tail[TILE];
+    __m256i w[8];
+    for (int t = 0; t < T; t++) acc[t] = acc_m[t] = _mm256_setzero_ps(), tail[t] = 0.0f;
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {  /* eight blocks at a time: their scales are one vector */
+        for (int j = 0; j < 8; j++)
+            w[j] = bits == 4 ? unpack_nibbles(qs + 16 * (b + j)) : _mm256_loadu_si256((const __m256i *)(qs + 32 * (b + j)));
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+        __m256 mw = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))) : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        for (int t = 0; t < T; t++) {
+            const int8_t *aq = a->q + (size_t)(i0 + t) * K + 32 * b;
+            __m256i p[8];
+            for (int j = 0; j < 8; j++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(aq + 32 * j));
+                p[j] = bits == 4 ? dot_u8_s8(w[j], x) : dot_s8_s8(w[j], x);
+            }
+            const float *ad = a->d + (size_t)(i0 + t) * (K / 32) + b, *as = a->s + (size_t)(i0 + t) * (K / 32) + b;
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(ad)), _mm256_cvtepi32_ps(block_totals(p)), acc[t]);
+            if (bits == 4) acc_m[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(as), acc_m[t]);
+        }
+    }
+    for (; b < nb; b++) {  /* the last nb % 8 blocks, one at a time */
+        __m256i wb = bits == 4 ? unpack_nibbles(qs + 16 * b) : _mm256_loadu_si256((const __m256i *)(qs + 32 * b));
+        float db = half_to_float(d[b]), mb = m ? half_to_float(m[b]) : -8.0f * db;
+        for (int t = 0; t < T; t++) {
+            size_t row = (size_t)(i0 + t);
+            __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + row * K + 32 * b));
+            __m256i p = bits == 4 ? dot_u8_s8(wb, x) : dot_s8_s8(wb, x);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d[row * nb + b]), _mm256_cvtepi32_ps(p), acc[t]);
+            if (bits == 4) tail[t] += mb * a->s[row * nb + b];
+        }
+    }
+    for (int t = 0; t < T; t++) out[t] = tail[t] + hsum(_mm256_add_ps(acc[t], acc_m[t]));
+#else
+    for (int t = 0; t < T; t++) {
+        size_t row = (size_t)(i0 + t);
+        const int8_t *x = a->q + row * K;
+        float total = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            int sum = 0;
+            if (bits == 4) {
+                const uint8_t *q = qs + 16 * b;
+                for (int i = 0; i < 16; i++) sum += (q[i] & 0x0f) * x[32 * b + i] + (q[i] >> 4) * x[32 * b + i + 16];
+            } else {
+                const int8_t *q = (const int8_t *)qs + 32 * b;
+                for (int i = 0; i < 32; i++) sum += q[i] * x[32 * b + i];
+            }
+            float db = half_to_float(d[b]);
+            total += db * a->d[row * nb + b] * (float)sum;
+            if (bits == 4) total += (m ? half_to_float(m[b]) : -8.0f * db) * a->s[row * nb + b];
+        }
+        out[t] = total;
+    }
+#endif
+}
+
+/* y (M, N) = x (M, K) @ W^T for W in 4-bit (bits 4) or 8-bit (bits 8) planes; with `accumulate`, y +=.
+ * Returns 0, -1 for bad arguments, -2 when out of memory. */
+int quant_matmul(int bits, const void *qs, const uint16_t *d, const uint16_t *m, int N, int K, const float *x, int M,
+                 float *y, int accumulate) {
+    if ((bits != 4 && bits != 8) || K % 32 || N < 0 || M < 0) return -1;
+    int nb = K / 32;
+    acts a = {malloc((size_t)M * K + 32), malloc((size_t)M * nb * sizeof(float)), malloc((size_t)M * nb * sizeof(float))};
+    if (!a.q || !a.d || !a.s) {
+        free(a.q), free(a.d), free(a.s);
+        return -2;
+    }
+    size_t row = (size_t)nb * (bits == 4 ? 16 : 32);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < M; i++) quantize_row(x + (size_t)i * K, nb, a.q + (size_t)i * K, a.d + (size_t)i * nb, a.s + (size_t)i * nb);
+        /* each thread streams its share of W's rows once, unpacking each block once per TILE tokens */
+#pragma omp for schedule(static) collapse(2)
+        for (int i0 = 0; i0 < (M + TILE - 1) / TILE * TILE; i0 += TILE) {
+            for (int n = 0; n < N; n++) {
+                int T = M - i0 < TILE ? M - i0 : TILE;
+                float v[TILE];
+                const uint8_t *qr = (const uint8_t *)qs + n * row;
+                const uint16_t *dr = d + (size_t)n * nb, *mr = m ? m + (size_t)n * nb : NULL;
+                /* constant arguments let the compiler specialize the common cases (one token; 4 or 8 bits) */
+                if (T == 1 && bits == 4) dot_rows(4, qr, dr, mr, nb, &a, K, i0, 1, v);
+                else if (T == 1) dot_rows(8, qr, dr, mr, nb, &a, K, i0, 1, v);
+                else if (bits == 4) dot_rows(4, qr, dr, mr, nb, &a, K, i0, T, v);
+                else dot_rows(8, qr, dr, mr, nb, &a, K, i0, T, v);
+                for (int t = 0; t < T; t++) {
+                    float *out = y + (size_t)(i0 + t) * N + n;
+                    *out = accumulate ? *out + v[t] : v[t];
+                }
+            }
+        }
+    }
+    free(a.q), free(a.d), free(a.s);
+    return 0;
+}
+
+/* Rows `rows` (n of them; NULL: rows 0..n-1) of W expanded to fp32 (n, K): the prefill path multiplies
+ * dequantized weights with sgemm, and the embedding lookup reads a few rows. */
+int quant_dequantize(int bits, const void *qs, const uint16_t *d, const uint16_t *m, int K, const int64_t *rows, int n,
+                     float *out) {
+    if ((bits != 4 && bits != 8) || K % 32 || n < 0) return -1;
+    int nb = K / 32;
+#pragma omp parallel for schedule(static) if (n > 16)
+    for (int i = 0; i < n; i++) {
+        size_t r = rows ? (size_t)rows[i] : (size_t)i;
+        float *o = out + (size_t)i * K;
+        for (int b = 0; b < nb; b++) {
+            float db = half_to_float(d[r * nb + b]);
+            if (bits == 8) {
+                const int8_t *q = (const int8_t *)qs + (r * nb + b) * 32;
+                for (int j = 0; j < 32; j++) o[32 * b + j] = db * (float)q[j];
+            } else {
+                const uint8_t *q = (const uint8_t *)qs + (r * nb + b) * 16;
+                float mb = m ? half_to_float(m[r * nb + b]) : -8.0f * db;
+                for (int j = 0; j < 16; j++) {
+                    o[32 * b + j] = db * (float)(q[j] & 0x0f) + mb;
+                    o[32 * b + j + 16] = db * (float)(q[j] >> 4) + mb;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- fp32 ops around the matmuls: each row's arithmetic is independent of how many rows share a call ---- */
+
+/* out (M, K) = x * rsqrt(mean(x^2) + eps) * w */
+void rms_norm(const float *x, const float *w, float eps, int M, int K, float *out) {
+#pragma omp parallel for schedule(static) if (M > 4)
+    for (int i = 0; i < M; i++) {
+        const float *xr = x + (size_t)i * K;
+        float *o = out + (size_t)i * K;
+        double ss = 0.0;  /* double: K up to ~16k squares, summed in a fixed order */
+        for (int j = 0; j < K; j++) ss += (double)xr[j] * xr[j];
+        float r = 1.0f / sqrtf((float)(ss / K) + eps);
+        for (int j = 0; j < K; j++) o[j] = xr[j] * r * w[j];
+    }
+}
+
+/* In place on x (T, H, D) whose token rows are ld floats apart, row t at the angles cos/sin (T, D):
+ * pairs (i, i + D/2) rotate ("rotate half"). */
+void rope(float *x, long ld, const float *cos_t, const float *sin_t, int T, int H, int D) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_t + (size_t)t * D, *s = sin_t + (size_t)t * D;
+        for (int h = 0; h < H; h++) {
+            float *v = x + (size_t)t * ld + (size_t)h * D;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* out (M, F) = silu(gate) * up, gate and up (M, F) with row strides ld (so both may be halves of one tensor) */
+void silu_mul(const float *gate, const float *up, int M, int F, int ld, float *out) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < F; j++) {
+            float g = gate[(size_t)i * ld + j];
+            out[(size_t)i * F + j] = g / (1.0f + expf(-g)) * up[(size_t)i * ld + j];
+        }
+}
+
+/* Causal attention of T new queries against S keys, grouped-query heads.
+ * q (T, Hq, D), token rows q_ld floats apart; k, v: head h's key s at k + h * head_stride + s * D (a KV
+ * cache's (Hkv, max_len, D) buffer);
+ * query t sits at key index S - T + t and sees keys (S - T + t - window, S - T + t] (all earlier ones when
+ * window <= 0). out (T, Hq, D). scratch: S floats per thread, allocated here. */
+int attention(const float *q, long q_ld, const float *k, const float *v, long head_stride, int T, int S, int Hq, int Hkv, int D,
+              int window, float *out) {
+    if (T > S || Hq % Hkv) return -1;
+    int group = Hq / Hkv;
+    float scale = 1.0f / sqrtf((float)D);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *p = malloc((size_t)S * sizeof(float));
+        if (!p) failed = 1;
+#pragma omp for schedule(static) collapse(2)
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < Hq; h++) {
+                if (!p) continue;
+                const float *qr = q + (size_t)t * q_ld + (size_t)h * D;
+                const float *kh = k + (size_t)(h / group) * head_stride, *vh = v + (size_t)(h / group) * head_stride;
+                int last = S - T + t, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+                float mx = -INFINITY;
+                for (int s = first; s <= last; s++) {
+                    const float *kr = kh + (size_t)s * D;
+                    float dot = 0.0f;
+#ifdef USE_AVX2
+                    if (D % 8 == 0) {
+                        __m256 acc = _mm256_setzero_ps();
+                        for (int i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc);
+                        dot = hsum(acc);
+                    } else
+#endif
+                        for (int i = 0; i < D; i++) dot += qr[i] * kr[i];
+                    p[s] = dot * scale;
+                    mx = fmaxf(mx, p[s]);
+                }
+                float sum = 0.0f;
+                for (int s = first; s <= last; s++) sum += (p[s] = expf(p[s] - mx));
+                float *o = out + ((size_t)t * Hq + h) * D, inv = 1.0f / sum;
+                for (int i = 0; i < D; i++) o[i] = 0.0f;
+                for (int s = first; s <= last; s++) {
+                    const float *vr = vh + (size_t)s * D;
+                    float a = p[s] * inv;
+                    for (int i = 0; i < D; i++) o[i] += a * vr[i];
+                }
+            }
+        free(p);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,50 @@
+"""Layers whose weights stay quantized: 4- or 8-bit integers in blocks of 32 along the input dimension, with
+fp16 scales (and offsets), the layout of `kernels.ref.dequantize_blocks`. GGUF's Q4_0, Q4_1 and Q8_0 tensors
+load into them without changing a bit; the loader swaps them in for `nn.Linear` / `nn.Embedding`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from llmrun import kernels
+
+
+class _Blocks(nn.Module):
+    def __init__(self, rows: int, cols: int, bits: int, offsets: bool):
+        super().__init__()
+        if cols % 32:
+            raise ValueError(f"quantized blocks need a multiple of 32 columns, got {cols}")
+        self.bits = bits
+        qs = torch.empty(rows, cols // 2, dtype=torch.uint8) if bits == 4 else torch.empty(rows, cols, dtype=torch.int8)
+        self.register_buffer("qs", qs)  # (rows, cols/2) nibbles or (rows, cols) int8
+        self.register_buffer("d", torch.empty(rows, cols // 32, dtype=torch.float16))  # scale per block
+        # offset per block (asymmetric 4-bit); None: symmetric, w = d * (q - 8)
+        self.register_buffer("m", torch.empty(rows, cols // 32, dtype=torch.float16) if offsets else None)
+
+
+class QuantLinear(_Blocks):
+    """y = x @ W^T (+ bias) with W (out_features, in_features) in blocks."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, offsets: bool, bias: bool):
+        super().__init__(out_features, in_features, bits, offsets)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x):
+        y = kernels.quant_matmul(x, self.qs, self.d, self.m, self.bits)
+        return y if self.bias is None else y + self.bias
+
+
+class QuantEmbedding(_Blocks):
+    """Rows of W (num_embeddings, embedding_dim) in blocks; `project` is the tied output layer x @ W^T."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int, offsets: bool, dtype=torch.float32):
+        super().__init__(num_embeddings, embedding_dim, bits, offsets)
+        self.dtype = dtype  # of the looked-up rows: the model's compute dtype
+
+    def forward(self, ids):
+        return kernels.quant_rows(ids, self.qs, self.d, self.m, self.bits, self.dtype)
+
+    def project(self, x):
+        return kernels.quant_matmul(x, self.qs, self.d, self.m, self.bits)
