@@ -32,3 +32,4 @@ def test_wheel_holds_llmrun_kernels_and_models_only_under_llmrun(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"llmrun"}
     assert "llmrun/kernels/ref.py" in names and "llmrun/models/llama.py" in names and "llmrun/cli/chat.py" in names
+    assert "llmrun/kernels/cpu_kernels.c" in names
