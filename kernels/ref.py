@@ -72,8 +72,8 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x (..., K) fp32 rounded as the quantized matmul sees it: per block of 32, int8 with scale max|x| / 127."""
     blocks = x.float().reshape(*x.shape[:-1], -1, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
-    return (q * scale).reshape(x.shape)
+    inverse = torch.where(scale > 0, 1 / scale, 0)  # multiply by the reciprocal, as the kernel does
+    return (torch.round(blocks * inverse) * scale).reshape(x.shape)
 
 
 def quant_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:

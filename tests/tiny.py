@@ -114,9 +114,11 @@ def permute_rope_rows(w, n_heads):
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, arch="llama"):
-    """Write `model` as an F32 GGUF the way llama.cpp's converter does (Q/K rows permuted for llama)."""
+def write_gguf(path, model, arch="llama", qtype=None):
+    """Write `model` as a GGUF the way llama.cpp's converter does (Q/K rows permuted for llama): F32, or its
+    matrices quantized to `qtype` (a GGML type name such as "Q4_1")."""
     import gguf
+    from gguf import quants
 
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -149,7 +151,11 @@ def write_gguf(path, model, arch="llama"):
             gname = f"blk.{i}.{names[part]}.{kind}"
         else:
             gname = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(gname, t.numpy())
+        if qtype is not None and t.dim() == 2:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, quants.quantize(t.numpy(), kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gname, t.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,174 @@
+"""The C kernels of kernels/cpu_kernels.c against kernels/ref.py, on random inputs with awkward shapes.
+
+Besides matching the reference, every kernel must be *batch invariant*: a token's result is bit-identical
+whether it is computed alone or among others, so a cached decode reproduces the prefill exactly and greedy
+speculative decoding (which verifies several tokens in one call) emits exactly what plain greedy emits.
+"""
+
+import pytest
+import torch
+
+from llmrun.kernels import cpu, ref
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+
+def random_planes(N, K, bits, offsets, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+    else:
+        qs = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    d = (torch.rand(N, K // 32, generator=g) * 0.02 + 0.001).half() * (1 - 2 * (torch.rand(N, K // 32, generator=g) < 0.3))
+    m = (torch.randn(N, K // 32, generator=g) * 0.05).half() if offsets else None
+    return qs, d, m
+
+
+FORMATS = [(4, True), (4, False), (8, False)]  # Q4_1, Q4_0, Q8_0
+
+
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+@pytest.mark.parametrize("N, K", [(1, 32), (7, 96), (33, 288), (100, 544), (64, 1024)])
+@pytest.mark.parametrize("M", [1, 3, 33, 70])
+def test_quant_matmul_matches_reference(bits, offsets, N, K, M):
+    qs, d, m = random_planes(N, K, bits, offsets)
+    x = torch.randn(M, K)
+    x[-1, :32] = 0  # an all-zero block: scale 0
+    got = cpu.quant_matmul(x, qs, d, m, bits)
+    want = ref.quant_matmul(x, qs, d, m, bits)
+    # the same int8-rounded activations and weights; only the fp32 summation order differs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    exact = x @ ref.dequantize_blocks(qs, d, m, bits).T
+    assert (got - exact).norm() <= 0.02 * exact.norm()  # 8-bit activations: ~0.5% error
+
+
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_quant_matmul_is_batch_invariant_and_accumulates(bits, offsets):
+    qs, d, m = random_planes(40, 288, bits, offsets)
+    x = torch.randn(45, 288)
+    all_rows = cpu.quant_matmul(x, qs, d, m, bits)
+    for i in (0, 31, 32, 44):
+        assert torch.equal(cpu.quant_matmul(x[i : i + 1], qs, d, m, bits)[0], all_rows[i])
+    base = torch.randn(45, 40)
+    out = base.clone()
+    assert cpu.quant_matmul(x, qs, d, m, bits, out=out) is out
+    torch.testing.assert_close(out, base + all_rows)
+
+
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_quant_rows_dequantize_exactly(bits, offsets):
+    qs, d, m = random_planes(50, 96, bits, offsets)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    want = ref.dequantize_blocks(qs, d, m, bits)[ids]
+    assert torch.equal(cpu.quant_rows(ids, qs, d, m, bits), want)
+
+
+def test_gguf_planes_are_the_file_bits(smollm2):
+    from llmrun.gguf_file import GGUFFile
+
+    g = GGUFFile(smollm2.files.source.path)
+    for name in ("blk.0.attn_q.weight", "blk.29.ffn_down.weight", "token_embd.weight"):  # Q4_1, Q4_1, Q8_0
+        qs, d, m, bits = g.tensors[name].blocks()
+        assert torch.equal(ref.dequantize_blocks(qs, d, m, bits), g.tensors[name].dequantize())
+
+
+@pytest.mark.parametrize("M, K", [(1, 576), (5, 100), (3, 7)])
+def test_rms_norm(M, K):
+    x, w = torch.randn(M, K) * 3, torch.randn(K)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu.rms_norm(x[1:2], w, 1e-5)[0], cpu.rms_norm(x, w, 1e-5)[1]) if M > 1 else True
+
+
+@pytest.mark.parametrize("T, H, D", [(1, 9, 64), (6, 3, 16), (4, 2, 6)])
+def test_rope_in_place_on_strided_heads(T, H, D):
+    whole = torch.randn(1, T, H + 2, D)  # like a fused qkv output: rotate only the first H heads
+    angles = torch.randn(T, D // 2)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    want = ref.apply_rope(whole[:, :, :H], cos, sin)
+    untouched = whole[:, :, H:].clone()
+    got = cpu.rope_(whole[:, :, :H], cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(whole[:, :, H:], untouched)
+
+
+def test_silu_mul_on_halves_of_one_tensor():
+    gate_up = torch.randn(1, 5, 2 * 96) * 4
+    g, u = gate_up[..., :96], gate_up[..., 96:]
+    torch.testing.assert_close(cpu.silu_mul(g, u), ref.silu_mul(g, u), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("Hq, Hkv, D", [(4, 1, 16), (9, 3, 64), (6, 6, 12)])
+@pytest.mark.parametrize("T, S", [(1, 1), (1, 17), (5, 5), (5, 23)])
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_matches_reference_on_cache_views(Hq, Hkv, D, T, S, window):
+    max_len = 32
+    cache_k, cache_v = torch.randn(1, Hkv, max_len, D), torch.randn(1, Hkv, max_len, D)
+    k, v = cache_k[:, :, :S], cache_v[:, :, :S]  # head-strided views, as the KV cache hands them out
+    q = torch.randn(1, T, Hq, D)
+    got = cpu.attention(q, k, v, window)
+    want = ref.attention(q, k.contiguous(), v.contiguous(), window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for t in range(T):  # query t alone, at the same position, gives the same bits
+        alone = cpu.attention(q[:, t : t + 1].contiguous(), k[:, :, : S - T + t + 1], v[:, :, : S - T + t + 1], window)
+        assert torch.equal(alone[0, 0], got[0, t])
+
+
+@pytest.fixture(scope="module", params=["Q4_1", "Q4_0", "Q8_0"])
+def tiny_quantized(request, tmp_path_factory):
+    import dataclasses
+
+    from .tiny import CONFIGS, random_model, write_gguf
+
+    # GQA 9/3 and tied embeddings as SmolLM2; head_dim 32 so every matrix has whole blocks of 32 columns
+    model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32))
+    return write_gguf(tmp_path_factory.mktemp("q") / f"tiny-{request.param}.gguf", model, qtype=request.param)
+
+
+def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized):
+    from llmrun.kv_cache import KVCache
+    from llmrun.loading import load_model
+    from llmrun.models.quant import QuantEmbedding, QuantLinear
+
+    packed = load_model(str(tiny_quantized), "cpu", "fp32", "auto")
+    plain = load_model(str(tiny_quantized), "cpu", "fp32", "dequant")
+    assert (packed.weights, plain.weights) == ("packed", "dequant")
+    assert isinstance(packed.model.layers[0].attn.qkv, QuantLinear) and isinstance(packed.model.embed, QuantEmbedding)
+    assert packed.weight_bytes < plain.weight_bytes / 3
+    tokens = torch.randint(0, packed.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exact = plain.model(tokens)[0]
+        cache = KVCache.for_model(packed.config, 16, torch.float32, "cpu")
+        prefill = packed.model(tokens, 0, cache)[0]  # all 12 at once
+        torch.testing.assert_close(prefill, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
+        cache = KVCache.for_model(packed.config, 16, torch.float32, "cpu")
+        steps = torch.cat([packed.model(tokens[:, i : i + 1], i, cache)[0] for i in range(12)])
+    assert torch.equal(steps, prefill)  # one token at a time: the same bits
+
+
+def test_without_cpu_kernels_the_dequantized_path_runs_with_a_note(tiny_quantized, monkeypatch):
+    from llmrun.loading import load_model
+
+    monkeypatch.setenv("LLMRUN_NO_CPU_KERNELS", "1")
+    cpu._lib.cache_clear()
+    try:
+        loaded = load_model(str(tiny_quantized), "cpu", "fp32", "auto")
+    finally:
+        monkeypatch.delenv("LLMRUN_NO_CPU_KERNELS")
+        cpu._lib.cache_clear()
+    assert loaded.weights == "dequant"
+    assert any("LLMRUN_NO_CPU_KERNELS" in note for note in loaded.notes)
+    assert cpu.available()
+
+
+def test_no_compiler_is_reported_not_raised(monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cpu._lib.cache_clear()
+    try:
+        assert not cpu.available()
+        assert "no C compiler" in cpu.unavailable_reason()
+    finally:
+        monkeypatch.undo()
+        cpu._lib.cache_clear()
+    assert cpu.available()
