@@ -154,7 +154,7 @@ def test_json_document(cli, tiny):
     doc = cli("eval", path, *CPU, "--ppl", text, "--ctx", 16, "--json").json
     assert list(doc) == ["model", "config", "text", "ctx", "stride", "windows", "nll", "ppl", "seconds", "tok_s", "kl"]
     assert doc["model"] == str(path)
-    assert doc["config"] == {"device": "cpu", "dtype": "fp32", "weights": "auto"}
+    assert doc["config"] == {"device": "cpu", "dtype": "fp32", "weights": "auto", "weights_loaded": "dequant"}
     assert (doc["ctx"], doc["stride"], doc["windows"]) == (16, 8, 6)  # windows start at 0, 8, ..., 40; the last scores token 49 alone
     assert doc["seconds"] > 0 and doc["tok_s"] > 0 and doc["kl"] is None
 
@@ -177,7 +177,8 @@ def test_kl_of_a_configuration_against_itself_is_zero(cli, tiny):
         kl = doc["kl"]
         assert kl["mean"] == kl["max"] == kl["p99"] == 0.0
         assert kl["top1_agreement"] == 1.0 and kl["ppl_reference"] == doc["ppl"]
-    assert kl["reference"] == {"model": str(path), "device": "cpu", "dtype": "fp32", "weights": "auto"}
+    assert kl["reference"] == {"model": str(path), "device": "cpu", "dtype": "fp32", "weights": "auto",
+                               "weights_loaded": "dequant"}  # float weights: nothing to pack
 
 
 def test_kl_against_another_model_equals_a_hand_computation(cli, tiny, tmp_path):

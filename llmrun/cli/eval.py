@@ -49,10 +49,11 @@ def _check_stride(stride: int | None, ctx: int) -> int:
     return stride
 
 
-def _config(engine, opts) -> dict:
+def _config(engine, weights: str) -> dict:
+    """How a configuration ran: device, dtype, the --weights asked for and what it became (packed or dequant)."""
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
     return {"device": engine.device.type, "dtype": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype),
-            "weights": opts.weights}
+            "weights": weights, "weights_loaded": getattr(engine.loaded, "weights", "dequant")}
 
 
 def _check_same_vocabulary(engine, reference, ids: list[int], text: str) -> None:
@@ -65,13 +66,13 @@ def _check_same_vocabulary(engine, reference, ids: list[int], text: str) -> None
                           "(compare files of the same model)")
 
 
-def _progress(total_hint: str):
-    """A transient progress bar on stderr when a person is watching; yields the per-window callback."""
+def _progress(label: str):
+    """A transient progress bar of the windows on stderr, when a person is watching (else None)."""
     if not err.is_terminal:
         return nullcontext(None)
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn(total_hint), BarColumn(), TextColumn("{task.completed}/{task.total} windows"),
+    return Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} windows"),
                     TimeRemainingColumn(), console=err, transient=True)
 
 
@@ -122,7 +123,7 @@ def eval_(
         result = evaluate(engine, ids, ctx, stride, ref_engine, on_window)
 
     doc = {
-        "model": model, "config": _config(engine, opts),
+        "model": model, "config": _config(engine, opts.weights),
         "text": {"source": ppl, "tokens": text_tokens, "evaluated": result.evaluated},
         "ctx": ctx, "stride": stride, "windows": result.windows,
         "nll": result.nll, "ppl": result.ppl,
@@ -130,7 +131,7 @@ def eval_(
     }
     if result.kl is not None:
         kl = result.kl
-        doc["kl"] = {"reference": {"model": ref_model, **_config(ref_engine, replace(opts, **reference))},
+        doc["kl"] = {"reference": {"model": ref_model, **_config(ref_engine, reference.get("weights", opts.weights))},
                      "mean": kl.mean, "max": kl.max, "p99": kl.p99, "top1_agreement": kl.top1_agreement,
                      "ppl_reference": kl.ppl_reference}
     if json_out:
@@ -141,7 +142,8 @@ def eval_(
 
 def _table(doc: dict) -> Table:
     def config(c: dict) -> str:
-        return f"{c['device']} · {c['dtype']} · weights {c['weights']}"
+        became = f" ({c['weights_loaded']})" if c["weights_loaded"] != c["weights"] else ""
+        return f"{c['device']} · {c['dtype']} · weights {c['weights']}{became}"
 
     table = Table(title=f"{doc['model']} on {doc['text']['source']}", show_header=False)
     table.add_row("config", config(doc["config"]))
