@@ -88,6 +88,7 @@ def _lib():
     lib.rope.argtypes = [p, ctypes.c_long, p, p, i, i, i]
     lib.silu_mul.argtypes = [p, p, i, i, i, p]
     lib.attention.argtypes = [p, ctypes.c_long, p, p, ctypes.c_long, i, i, i, i, i, i, p]
+    lib.decode_layers.argtypes = [p, p, i, p, p]
     return lib
 
 
@@ -172,3 +173,52 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     _check(_lib().attention(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1), T, S, Hq, Hkv, D,
                             window or 0, out.data_ptr()), "attention")
     return out
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("bits", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _QLinear), ("o", _QLinear),
+                ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("n_layers", ctypes.c_int), ("dim", ctypes.c_int), ("n_heads", ctypes.c_int), ("n_kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("ffn_dim", ctypes.c_int), ("max_len", ctypes.c_int), ("window", ctypes.c_int),
+                ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
+
+
+class DecodeStack:
+    """One decode step through all layers in a single C call (`decode_layers`): the same kernels in the same
+    order as the layer-by-layer forward, without the Python between them.
+
+    `layers`: per layer a dict of fp32 tensors `attn_norm`, `mlp_norm` and quantized linears `qkv`, `o`,
+    `gate_up`, `down` (objects with `qs`, `d`, `m`, `bits`, `bias`); `k_cache`, `v_cache`: (L, 1, Hkv, max_len, D)
+    fp32 buffers. The tensors must outlive the stack (it holds raw pointers; it also keeps references).
+    """
+
+    def __init__(self, layers: list[dict], k_cache: torch.Tensor, v_cache: torch.Tensor, *, n_heads: int,
+                 n_kv_heads: int, head_dim: int, dim: int, ffn_dim: int, eps: float, window: int | None):
+        def qlinear(w):
+            return _QLinear(w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.m), _ptr(w.bias), w.bits, w.qs.shape[0],
+                            w.d.shape[1] * 32)
+
+        self._keep = (layers, k_cache, v_cache)
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(L["attn_norm"].data_ptr(), L["mlp_norm"].data_ptr(), qlinear(L["qkv"]), qlinear(L["o"]),
+                   qlinear(L["gate_up"]), qlinear(L["down"]), k_cache[i].data_ptr(), v_cache[i].data_ptr())
+            for i, L in enumerate(layers)
+        ])
+        self._params = _Stack(len(layers), dim, n_heads, n_kv_heads, head_dim, ffn_dim, k_cache.shape[3], window or 0,
+                              eps, self._layers)
+        self._ref = ctypes.byref(self._params)
+
+    def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (1, 1, dim) fp32 hidden state of the token at `pos` -> after the last layer (a new tensor);
+        cos/sin (1, D) its angles. Writes the token's K/V at `pos` in every layer's cache."""
+        x = x.contiguous().clone()
+        _check(_lib().decode_layers(self._ref, x.data_ptr(), pos, cos.data_ptr(), sin.data_ptr()), "decode_layers")
+        return x

@@ -16,6 +16,8 @@ class KVCache:
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # per-layer views, made once: indexing the 5-d buffers on every step costs more than the copy
+        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)
         self.max_len = max_len
         self.length = 0  # positions [0, length) hold valid keys/values
 
@@ -28,9 +30,10 @@ class KVCache:
         end = start + k.shape[1]
         if end > self.max_len:
             raise ContextOverflowError(f"the KV cache holds {self.max_len} positions; {end} are needed")
-        self.k[layer, :, :, start:end] = k.transpose(1, 2)
-        self.v[layer, :, :, start:end] = v.transpose(1, 2)
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        k_layer, v_layer = self._k_layers[layer], self._v_layers[layer]  # (B, Hkv, max_len, D)
+        k_layer.narrow(2, start, end - start).copy_(k.transpose(1, 2))
+        v_layer.narrow(2, start, end - start).copy_(v.transpose(1, 2))
+        return k_layer.narrow(2, 0, end), v_layer.narrow(2, 0, end)
 
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on (rollback): the buffers stay, later writes overwrite them."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from llmrun import kernels
 
 from .config import ModelConfig, rope_inv_freq
-from .quant import QuantEmbedding
+from .quant import QuantEmbedding, QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -88,6 +88,7 @@ class Transformer(nn.Module):
         # Divisors of the RoPE frequencies (GGUF `rope_freqs`, Llama 3.1); None when the config says it all.
         self.rope_freq_factors: list[float] | None = None
         self._cos = self._sin = None  # (positions, D) fp32 tables, grown on demand
+        self._stack = None  # (cache buffers' addresses, kernels.cpu.DecodeStack or None)
 
     def _rope_tables(self, end: int, device):
         if self._cos is None or self._cos.shape[0] < end or self._cos.device != device:
@@ -102,6 +103,25 @@ class Transformer(nn.Module):
             self._cos, self._sin = angles.cos().float().to(device), angles.sin().float().to(device)
         return self._cos, self._sin
 
+    def _decode_stack(self, x, cache):
+        """The CPU's whole-stack decode step (`kernels.cpu.DecodeStack`) for this cache, when every layer's
+        matmuls are quantized for the CPU kernels and activations are fp32; else None."""
+        key = (cache.k.data_ptr(), cache.v.data_ptr())
+        if self._stack is not None and self._stack[0] == key:
+            return self._stack[1]
+        stack = None
+        linears = [(l.attn.qkv, l.attn.o, l.mlp.gate_up, l.mlp.down) for l in self.layers]
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and cache.k.dtype == torch.float32
+                and all(isinstance(w, QuantLinear) for ws in linears for w in ws) and kernels.cpu.available()):
+            cfg = self.config
+            layers = [dict(attn_norm=l.attn_norm.weight, mlp_norm=l.mlp_norm.weight, qkv=l.attn.qkv, o=l.attn.o,
+                           gate_up=l.mlp.gate_up, down=l.mlp.down) for l in self.layers]
+            stack = kernels.cpu.DecodeStack(
+                layers, cache.k, cache.v, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                dim=cfg.dim, ffn_dim=cfg.ffn_dim, eps=cfg.norm_eps, window=cfg.sliding_window)
+        self._stack = (key, stack)
+        return stack
+
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache=None, last_only: bool = False):
         """tokens (B, T) at positions start_pos..start_pos+T-1 -> logits (B, T, V) fp32 ((B, 1, V) if last_only).
 
@@ -113,8 +133,12 @@ class Transformer(nn.Module):
         cos, sin = self._rope_tables(start_pos + T, x.device)
         cos = cos[start_pos : start_pos + T].to(x.dtype).contiguous()  # (T, D)
         sin = sin[start_pos : start_pos + T].to(x.dtype).contiguous()
-        for layer in self.layers:
-            x = layer(x, cos, sin, start_pos, cache, self.config.sliding_window)
+        stack = self._decode_stack(x, cache) if T == 1 and B == 1 and cache is not None else None
+        if stack is not None:  # one C call for all layers: the same kernels as the loop below, bit for bit
+            x = stack(x, start_pos, cos, sin)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, start_pos, cache, self.config.sliding_window)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)
