@@ -67,19 +67,24 @@ def open_engine(files, settings: Settings):
     import torch
 
     from llmrun.generate import Engine
-    from llmrun.loading import load_weights
+    from llmrun.loading import load_weights, resolve_dtype
 
     if files.source.format == "random":
         from llmrun.shapes import check_fits, load_random
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[settings.dtype]
         device = torch.device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
         name = files.source.spec.removeprefix("random:")
         check_fits(name, files.config, device, dtype, settings.ctx)
         loaded = load_random(files, device, dtype)
     else:
         loaded = load_weights(files, device=settings.device, dtype=settings.dtype, weights=settings.weights)
     return Engine(loaded, settings.ctx)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line for a table cell: its message's first line, or its type when it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def release(device_type: str) -> None:
@@ -191,17 +196,23 @@ def reset_peak_memory(device) -> None:
         pass  # elsewhere the peak covers the whole process, loading included
 
 
-def peak_rss() -> int:
-    """The process's peak resident memory since the last reset_peak_memory, bytes."""
+def proc_bytes(path: str, key: str) -> int | None:
+    """A `Key:  N kB` line of a Linux /proc file, in bytes; None where there is no such file or line."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss() -> int:
+    """The process's peak resident memory since the last reset_peak_memory, bytes."""
     from llmrun.memory import process_peak_rss
 
-    return process_peak_rss()
+    peak = proc_bytes("/proc/self/status", "VmHWM")
+    return process_peak_rss() if peak is None else peak
 
 
 def memory_figures(engine) -> dict:
@@ -328,8 +339,7 @@ def compare_rows(files, settings: Settings, figures: dict, workload, progress) -
         try:
             rows.append(peers.row("llmrun eager", config, measure_settings(files, eager, workload), version=__version__))
         except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
-            rows.append(peers.row("llmrun eager", config, version=__version__,
-                                  skipped=f"failed: {str(e).splitlines()[0]}"))
+            rows.append(peers.row("llmrun eager", config, version=__version__, skipped=f"failed: {one_line(e)}"))
     rows += peers.peer_rows(files, settings, workload, progress)
     return peers.add_ratios(rows)
 

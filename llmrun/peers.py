@@ -9,8 +9,8 @@ tokens, the same warm-up and repeats), so its figures mean what llmrun's do.
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
+import io
+from contextlib import redirect_stderr
 from pathlib import Path
 
 PEERS = ("llama.cpp", "transformers")
@@ -22,8 +22,8 @@ class PeerSkipped(Exception):
 
 
 def _one_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0][:200]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def row(name: str, config: str, figures: dict | None = None, *, version: str | None = None,
@@ -111,6 +111,8 @@ def _start_llama_cpp(files, settings):
         import llama_cpp
     except ImportError:
         raise PeerSkipped("skipped: llama-cpp-python not installed (pip install llama-cpp-python)") from None
+    if files.source.format == "random":
+        raise PeerSkipped("skipped: llama.cpp reads GGUF files; random weights have none")
     if files.source.format != "gguf":
         raise PeerSkipped(f"skipped: llama.cpp reads GGUF files, the model is {files.source.format}")
     try:
@@ -180,18 +182,9 @@ def hf_config(cfg) -> dict:
     return kw
 
 
-@contextmanager
 def _quiet_progress_bars():
-    """transformers draws tqdm bars on stderr while it expands GGUF tensors; TQDM_DISABLE turns them off."""
-    before = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TQDM_DISABLE"]
-        else:
-            os.environ["TQDM_DISABLE"] = before
+    """transformers draws tqdm bars on stderr while it expands GGUF tensors: keep them off llmrun's stderr."""
+    return redirect_stderr(io.StringIO())
 
 
 def _start_transformers(files, settings):
@@ -203,8 +196,10 @@ def _start_transformers(files, settings):
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[settings.dtype]
+    from llmrun.loading import resolve_dtype
+
     device = torch.device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
     source = files.source
     try:
         with _quiet_progress_bars():

@@ -82,19 +82,16 @@ def random_model_files(name: str):
 
 def free_memory(device) -> int:
     """Bytes that can still be allocated on `device`: MemAvailable on CPU, the driver's free memory on CUDA."""
+    import os
+
     import torch
+
+    from llmrun.bench import proc_bytes
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if available is None else available
 
 
 def check_fits(name: str, config, device, dtype, ctx: int) -> None:

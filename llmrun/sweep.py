@@ -142,6 +142,8 @@ def _is_reference(settings) -> bool:
 
 def _reference_logprobs(files, base, workload, progress):
     """Log-probabilities of the reference configuration, or None (with why) when it cannot be loaded here."""
+    import torch
+
     from llmrun import bench
 
     reference = dataclasses.replace(base, **REFERENCE, ctx=min(base.ctx, QUALITY_POSITIONS + 1))
@@ -154,8 +156,8 @@ def _reference_logprobs(files, base, workload, progress):
             finally:
                 del engine
                 bench.release(base.device)
-    except (LlmrunError, MemoryError) as e:
-        return None, f"no quality figures: the fp32 reference does not load ({str(e).splitlines()[0]})"
+    except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
+        return None, f"no quality figures: the fp32 reference does not load ({bench.one_line(e)})"
 
 
 def run_sweep(files, base, workload, overrides: dict[str, tuple], known: dict | None = None,
@@ -196,7 +198,7 @@ def run_sweep(files, base, workload, overrides: dict[str, tuple], known: dict | 
                     del engine
                     bench.release(s.device)
         except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
-            rows.append({**row, "error": str(e).splitlines()[0] or type(e).__name__})
+            rows.append({**row, "error": bench.one_line(e)})
             continue
         rows.append({**row, **_sweep_figures(figures)})
     if reference is None and not notes:
@@ -224,15 +226,18 @@ def plot(rows: list[dict], recommended: dict | None, path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for row in rows:
-        if row.get("error"):
-            continue
-        x, y = peak_memory(row) / 2**20, row["decode_tok_s"]["median"]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    points = sorted((r for r in rows if not r.get("error")), key=lambda r: r["decode_tok_s"]["median"])
+    speeds = [r["decode_tok_s"]["median"] for r in points]
+    close = 0.05 * (max(speeds, default=0) - min(speeds, default=0))
+    for i, row in enumerate(points):
+        x, y = peak_memory(row) / 2**20, speeds[i]
         best = recommended is not None and row["flags"] == recommended["flags"]
         ax.scatter([x], [y], s=80 if best else 40, color="tab:red" if best else "tab:blue", zorder=3)
-        label = row["flags"] + (f"\nKL {row['kl']:.4f}" if row.get("kl") is not None else "")
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        label = row["flags"] + (f" · KL {row['kl']:.4f}" if row.get("kl") is not None else "")
+        below = i + 1 < len(points) and speeds[i + 1] - y <= close  # a point just above: write under this one
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, -12 if below else 6), fontsize=8)
+    ax.margins(x=0.35, y=0.15)
     ax.set_xlabel("peak memory (MiB)")
     ax.set_ylabel("decode tok/s (median)")
     ax.set_title(title + (f" — recommended for {recommended['goal']}: {recommended['flags']}" if recommended else ""),

@@ -3,9 +3,9 @@ user's own text, as token ids of an exact length.
 
 - `open`: a short open-ended question. Little of the answer can be copied from the prompt (a drafter's worst
   case).
-- `code-edit`: a ~300-token Python file and "rename this function, return the whole file". Copy heavy: most
+- `code-edit`: a ~330-token Python file and "rename this function, return the whole file". Copy heavy: most
   of the answer repeats the prompt (the best case for n-gram / prompt-lookup drafting).
-- `summarize`: a ~400-token English passage and "summarize it": a long prefill, a partly copied answer.
+- `summarize`: a ~390-token English passage and "summarize it": a long prefill, a partly copied answer.
 """
 
 from __future__ import annotations

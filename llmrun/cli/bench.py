@@ -31,7 +31,7 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 @run_options(sampling=False)
 def bench(
     model: Annotated[Optional[str], typer.Argument(help=f"Model, as for the other commands (default '{DEFAULT_MODEL}'); not with --random-weights.", show_default=False)] = None,
-    kind: Annotated[Optional[Kind], typer.Option(help="Built-in prompt: open (open-ended question), code-edit (rename in a ~300-token file: copy heavy), summarize (~400-token passage). Default: open.", rich_help_panel=WORKLOAD, show_default=False)] = None,
+    kind: Annotated[Optional[Kind], typer.Option(help="Built-in prompt: open (open-ended question), code-edit (rename in a ~330-token file: copy heavy), summarize (~390-token passage). Default: open.", rich_help_panel=WORKLOAD, show_default=False)] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Use the text of this file as the prompt instead of a built-in kind.", rich_help_panel=WORKLOAD, show_default=False)] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="Cut or repeat the prompt to exactly N tokens.", rich_help_panel=WORKLOAD, show_default=False)] = None,
     new_tokens: Annotated[int, typer.Option(min=2, help="Tokens decoded per run (greedy, never stopping early; at least 2: the first comes from the prefill).", rich_help_panel=WORKLOAD)] = 128,
