@@ -95,6 +95,19 @@ static inline __m256i dot_s8_s8(__m256i w, __m256i x) {
     return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
+/* e^x for 8 floats: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error ~1e-7) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  /* ln 2 split in two for precision */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    static const float c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[i]));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 /* p[j] holds 8 partial sums of block j; returns lane j = block j's total */
 static inline __m256i block_totals(const __m256i p[8]) {
     __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
@@ -270,11 +283,20 @@ void rope(float *x, long ld, const float *cos_t, const float *sin_t, int T, int 
 
 /* out (M, F) = silu(gate) * up, gate and up (M, F) with row strides ld (so both may be halves of one tensor) */
 void silu_mul(const float *gate, const float *up, int M, int F, int ld, float *out) {
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < F; j++) {
+    for (int i = 0; i < M; i++) {
+        int j = 0;
+#ifdef USE_AVX2
+        for (; j + 8 <= F; j += 8) {
+            __m256 g = _mm256_loadu_ps(gate + (size_t)i * ld + j), u = _mm256_loadu_ps(up + (size_t)i * ld + j);
+            __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(out + (size_t)i * F + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+        }
+#endif
+        for (; j < F; j++) {
             float g = gate[(size_t)i * ld + j];
             out[(size_t)i * F + j] = g / (1.0f + expf(-g)) * up[(size_t)i * ld + j];
         }
+    }
 }
 
 /* Causal attention of T new queries against S keys, grouped-query heads.
@@ -300,28 +322,62 @@ int attention(const float *q, long q_ld, const float *k, const float *v, long he
                 const float *kh = k + (size_t)(h / group) * head_stride, *vh = v + (size_t)(h / group) * head_stride;
                 int last = S - T + t, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
                 float mx = -INFINITY;
-                for (int s = first; s <= last; s++) {
+                int s = first;
+#ifdef USE_AVX2
+                if (D % 8 == 0) {  /* eight keys at a time: their dot products reduce together */
+                    for (; s + 8 <= last + 1; s += 8) {
+                        __m256 acc[8];
+                        for (int j = 0; j < 8; j++) {
+                            const float *kr = kh + (size_t)(s + j) * D;
+                            acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
+                            for (int i = 8; i < D; i += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc[j]);
+                        }
+                        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+                        __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+                        __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+                        _mm256_storeu_ps(p + s, _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
+                        for (int j = 0; j < 8; j++) mx = fmaxf(mx, p[s + j]);
+                    }
+                }
+#endif
+                for (; s <= last; s++) {
                     const float *kr = kh + (size_t)s * D;
                     float dot = 0.0f;
-#ifdef USE_AVX2
-                    if (D % 8 == 0) {
-                        __m256 acc = _mm256_setzero_ps();
-                        for (int i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc);
-                        dot = hsum(acc);
-                    } else
-#endif
-                        for (int i = 0; i < D; i++) dot += qr[i] * kr[i];
+                    for (int i = 0; i < D; i++) dot += qr[i] * kr[i];
                     p[s] = dot * scale;
                     mx = fmaxf(mx, p[s]);
                 }
                 float sum = 0.0f;
-                for (int s = first; s <= last; s++) sum += (p[s] = expf(p[s] - mx));
+                s = first;
+#ifdef USE_AVX2
+                __m256 acc = _mm256_setzero_ps();
+                for (; s + 8 <= last + 1; s += 8) {
+                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), _mm256_set1_ps(mx)));
+                    _mm256_storeu_ps(p + s, e);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                sum = hsum(acc);
+#endif
+                for (; s <= last; s++) sum += (p[s] = expf(p[s] - mx));
                 float *o = out + ((size_t)t * Hq + h) * D, inv = 1.0f / sum;
-                for (int i = 0; i < D; i++) o[i] = 0.0f;
+                int i0 = 0;
+#ifdef USE_AVX2
+                for (; i0 + 64 <= D; i0 += 64) {  /* 64 output values stay in registers over all keys */
+                    __m256 acc[8];
+                    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+                    for (int s = first; s <= last; s++) {
+                        const float *vr = vh + (size_t)s * D + i0;
+                        __m256 a = _mm256_set1_ps(p[s] * inv);
+                        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+                    }
+                    for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
+                }
+#endif
+                for (int i = i0; i < D; i++) o[i] = 0.0f;
                 for (int s = first; s <= last; s++) {
                     const float *vr = vh + (size_t)s * D;
                     float a = p[s] * inv;
-                    for (int i = 0; i < D; i++) o[i] += a * vr[i];
+                    for (int i = i0; i < D; i++) o[i] += a * vr[i];
                 }
             }
         free(p);
