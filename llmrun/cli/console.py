@@ -71,7 +71,7 @@ def open_engine(model: str, opts):
         if opts.ctx is not None and opts.ctx > trained:
             raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
         loaded = load_weights(files, device=opts.device, dtype=opts.dtype, weights=opts.weights)
-    for warning in loaded.tokenizer.warnings:
+    for warning in [*loaded.tokenizer.warnings, *loaded.notes]:
         err.print(Text(f"warning: {warning}", style="yellow"))
     return Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP))
 
