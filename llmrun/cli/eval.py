@@ -53,7 +53,7 @@ def _config(engine, weights: str) -> dict:
     """How a configuration ran: device, dtype, the --weights asked for and what it became (packed or dequant)."""
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
     return {"device": engine.device.type, "dtype": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype),
-            "weights": weights, "weights_loaded": getattr(engine.loaded, "weights", "dequant")}
+            "weights": weights, "weights_loaded": engine.loaded.weights}
 
 
 def _check_same_vocabulary(engine, reference, ids: list[int], text: str) -> None:
