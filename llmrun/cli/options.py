@@ -72,7 +72,7 @@ _RUNTIME = [
     ("dtype", DType, DType.auto, typer.Option(help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=RUNTIME)),
     ("weights", Weights, Weights.auto, typer.Option(help="auto: keep a quantized file packed and run it with llmrun's kernels where they exist; dequant: expand the weights to --dtype and run plain PyTorch.", rich_help_panel=RUNTIME)),
     ("threads", Optional[int], None, typer.Option(min=1, help="CPU threads (default: PyTorch's choice, one per core).", rich_help_panel=RUNTIME)),
-    ("ctx", Optional[int], None, typer.Option(min=16, help="Context length to allocate (default: the model's, at most 8192).", rich_help_panel=RUNTIME)),
+    ("ctx", Optional[int], None, typer.Option(min=16, help="Context length in tokens (default: the model's, at most 8192; for eval, the window: 512).", rich_help_panel=RUNTIME)),
 ]
 DEFAULT_CTX_CAP = 8192  # a 128k-context model would otherwise preallocate gigabytes of KV cache
 
