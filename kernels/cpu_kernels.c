@@ -54,19 +54,25 @@ static float half_to_float(uint16_t h) {
 #endif
 }
 
-static void quantize_row(const float *x, int nb, int8_t *q, float *d, float *s) {
+/* Where block b's values and scale go in the activation planes. For 4-bit weights (`paired`, AVX2 only) the
+ * layout follows the kernel: blocks pair up (b, b+1) as [lo16(b) lo16(b+1) hi16(b) hi16(b+1)], matching 32
+ * bytes of packed nibbles, and within each group of eight blocks the scales sit in the order the kernel's
+ * reduction produces its sums, [0 2 4 6 1 3 5 7]. Otherwise values and scales are in natural order. */
+static void quantize_row(const float *x, int nb, int8_t *q, float *d, float *s, int paired) {
     for (int b = 0; b < nb; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        int sum = 0;
+        int sum = 0, in_pair = paired && (b ^ 1) < nb, pair = b & ~1, odd = b & 1;
         for (int i = 0; i < 32; i++) {
             int v = (int)nearbyintf(xb[i] * inv);  /* ties to even, as torch.round */
-            q[32 * b + i] = (int8_t)v;
+            int at = in_pair ? 32 * pair + (i < 16 ? i : 16 + i) + 16 * odd : 32 * b + i;
+            q[at] = (int8_t)v;
             sum += v;
         }
-        d[b] = scale;
+        int j = b % 8, in_group = paired && b < nb / 8 * 8;
+        d[in_group ? b - j + (j % 2 ? 4 + j / 2 : j / 2) : b] = scale;
         s[b] = scale * (float)sum;
     }
 }
@@ -116,7 +122,13 @@ static inline __m256i block_totals(const __m256i p[8]) {
 }
 #endif
 
-enum { TILE = 32 };  /* activation rows per pass over a weight row: its unpacked blocks are reused TILE times */
+enum { TILE = 32 };
+
+#ifdef USE_AVX2
+#define PAIRED(bits) ((bits) == 4)
+#else
+#define PAIRED(bits) 0
+#endif  /* activation rows per pass over a weight row: its unpacked blocks are reused TILE times */
 
 /* out[i] = W row . activation row i, for the T <= TILE activation rows in `a` starting at row i0.
  * Every row's arithmetic is the same whatever T is, so a token's result does not depend on how many tokens
@@ -129,24 +141,64 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
     __m256i w[8];
     for (int t = 0; t < T; t++) acc[t] = acc_m[t] = _mm256_setzero_ps(), tail[t] = 0.0f;
     int b = 0;
-    for (; b + 8 <= nb; b += 8) {  /* eight blocks at a time: their scales are one vector */
-        for (int j = 0; j < 8; j++)
-            w[j] = bits == 4 ? unpack_nibbles(qs + 16 * (b + j)) : _mm256_loadu_si256((const __m256i *)(qs + 32 * (b + j)));
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
-        __m256 mw = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))) : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
-        for (int t = 0; t < T; t++) {
-            const int8_t *aq = a->q + (size_t)(i0 + t) * K + 32 * b;
-            __m256i p[8];
-            for (int j = 0; j < 8; j++) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)(aq + 32 * j));
-                p[j] = bits == 4 ? dot_u8_s8(w[j], x) : dot_s8_s8(w[j], x);
+    if (bits == 4) {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        for (; b + 8 <= nb; b += 8) {  /* eight blocks, as four pairs sharing one 32-byte load each */
+            __m256i lo[4], hi[4];
+            for (int j = 0; j < 4; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 16 * (b + 2 * j)));
+                lo[j] = _mm256_and_si256(v, low);
+                hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
-            const float *ad = a->d + (size_t)(i0 + t) * (K / 32) + b, *as = a->s + (size_t)(i0 + t) * (K / 32) + b;
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(ad)), _mm256_cvtepi32_ps(block_totals(p)), acc[t]);
-            if (bits == 4) acc_m[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(as), acc_m[t]);
+            /* scales in the order the reduction below leaves the sums: blocks 0 2 4 6 1 3 5 7 */
+            __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+            __m256 dw = _mm256_permutevar8x32_ps(d8, order);
+            __m256 mw = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))) : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
+            for (int t = 0; t < T; t++) {
+                const int8_t *aq = a->q + (size_t)(i0 + t) * K + 32 * b;
+                __m256i p[4];
+                for (int j = 0; j < 4; j++) {  /* int16 sums stay below 2 * 2 * 15 * 127 */
+                    __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i *)(aq + 64 * j))),
+                                                   _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i *)(aq + 64 * j + 32))));
+                    p[j] = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));  /* [block 2j x4 | block 2j+1 x4] */
+                }
+                __m256i totals = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+                const float *ad = a->d + (size_t)(i0 + t) * (K / 32) + b, *as = a->s + (size_t)(i0 + t) * (K / 32) + b;
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(ad)), _mm256_cvtepi32_ps(totals), acc[t]);
+                acc_m[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(as), acc_m[t]);
+            }
+        }
+        for (; b + 2 <= nb; b += 2) {  /* the remaining pairs */
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 16 * b));
+            __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            float d0 = half_to_float(d[b]), d1 = half_to_float(d[b + 1]);
+            float m0 = m ? half_to_float(m[b]) : -8.0f * d0, m1 = m ? half_to_float(m[b + 1]) : -8.0f * d1;
+            for (int t = 0; t < T; t++) {
+                size_t row = (size_t)(i0 + t);
+                const int8_t *aq = a->q + row * K + 32 * b;
+                __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(l, _mm256_loadu_si256((const __m256i *)aq)),
+                                               _mm256_maddubs_epi16(h, _mm256_loadu_si256((const __m256i *)(aq + 32))));
+                __m256i p = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+                __m256 sc = _mm256_set_m128(_mm_set1_ps(d1 * a->d[row * nb + b + 1]), _mm_set1_ps(d0 * a->d[row * nb + b]));
+                acc[t] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[t]);
+                tail[t] += m0 * a->s[row * nb + b] + m1 * a->s[row * nb + b + 1];
+            }
+        }
+    } else {
+        for (; b + 8 <= nb; b += 8) {  /* eight blocks at a time: their scales are one vector */
+            for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(qs + 32 * (b + j)));
+            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+            for (int t = 0; t < T; t++) {
+                const int8_t *aq = a->q + (size_t)(i0 + t) * K + 32 * b;
+                __m256i p[8];
+                for (int j = 0; j < 8; j++) p[j] = dot_s8_s8(w[j], _mm256_loadu_si256((const __m256i *)(aq + 32 * j)));
+                const float *ad = a->d + (size_t)(i0 + t) * (K / 32) + b;
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(ad)), _mm256_cvtepi32_ps(block_totals(p)), acc[t]);
+            }
         }
     }
-    for (; b < nb; b++) {  /* the last nb % 8 blocks, one at a time */
+    for (; b < nb; b++) {  /* a last single block, natural order */
         __m256i wb = bits == 4 ? unpack_nibbles(qs + 16 * b) : _mm256_loadu_si256((const __m256i *)(qs + 32 * b));
         float db = half_to_float(d[b]), mb = m ? half_to_float(m[b]) : -8.0f * db;
         for (int t = 0; t < T; t++) {
@@ -196,7 +248,8 @@ int quant_matmul(int bits, const void *qs, const uint16_t *d, const uint16_t *m,
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int i = 0; i < M; i++) quantize_row(x + (size_t)i * K, nb, a.q + (size_t)i * K, a.d + (size_t)i * nb, a.s + (size_t)i * nb);
+        for (int i = 0; i < M; i++)
+            quantize_row(x + (size_t)i * K, nb, a.q + (size_t)i * K, a.d + (size_t)i * nb, a.s + (size_t)i * nb, PAIRED(bits));
         /* each thread streams its share of W's rows once, unpacking each block once per TILE tokens */
 #pragma omp for schedule(static) collapse(2)
         for (int i0 = 0; i0 < (M + TILE - 1) / TILE * TILE; i0 += TILE) {
