@@ -120,7 +120,9 @@ def _start_llama_cpp(files, settings):
     except Exception as e:  # a third-party engine's failure: reported, never fatal
         raise PeerSkipped(f"llama.cpp failed to load the model: {_one_line(e)}") from None
     stored = "+".join(sorted(files.stored_bytes)) or "?"
-    offload = ", all layers on the GPU" if settings.device == "cuda" else ""
+    offload = ""
+    if settings.device == "cuda":  # a CPU-only build of llama.cpp ignores n_gpu_layers: say where it ran
+        offload = ", all layers on the GPU" if llama_cpp.llama_supports_gpu_offload() else ", CPU-only build: on the CPU"
     return runner, llama_cpp.__version__, f"GGUF as stored ({stored}){offload}"
 
 
