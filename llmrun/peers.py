@@ -107,14 +107,14 @@ class LlamaCppRunner:
 
 
 def _start_llama_cpp(files, settings):
-    try:
-        import llama_cpp
-    except ImportError:
-        raise PeerSkipped("skipped: llama-cpp-python not installed (pip install llama-cpp-python)") from None
     if files.source.format == "random":
         raise PeerSkipped("skipped: llama.cpp reads GGUF files; random weights have none")
     if files.source.format != "gguf":
         raise PeerSkipped(f"skipped: llama.cpp reads GGUF files, the model is {files.source.format}")
+    try:
+        import llama_cpp
+    except ImportError:
+        raise PeerSkipped("skipped: llama-cpp-python not installed (pip install llama-cpp-python)") from None
     try:
         runner = LlamaCppRunner(llama_cpp, files.source.path, settings)
     except Exception as e:  # a third-party engine's failure: reported, never fatal
