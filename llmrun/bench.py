@@ -280,7 +280,7 @@ def measure(engine, workload) -> dict:
     return {
         **figures,
         # what --weights auto became: "packed" (quantized blocks, llmrun's kernels) or "dequant"
-        "weights_loaded": getattr(engine.loaded, "weights", "dequant"),
+        "weights_loaded": engine.loaded.weights,
         "memory": memory,
         "weight_bytes": memory["weights"],
         "kv_bytes_per_token": kv_per_token,
@@ -291,7 +291,7 @@ def measure(engine, workload) -> dict:
         "bandwidth_share": round(achieved / peak, 4),
         "acceptance_rate": None,  # speculative decoding (issue #6): accepted / proposed draft tokens
         "tokens_per_step": None,  # speculative decoding: mean tokens committed per target-model step
-        "notes": list(getattr(engine.loaded, "notes", [])),  # e.g. why the fast path is off
+        "notes": list(engine.loaded.notes),  # e.g. why the fast path is off
     }
 
 
