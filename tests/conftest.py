@@ -46,3 +46,28 @@ def smollm2_dequant():
     from llmrun.loading import load_model
 
     return load_model("smollm2", device="cpu", dtype="fp32", weights="dequant")
+
+
+def run_main(args, monkeypatch, capsys, cwd=None) -> tuple[int, str, str]:
+    """`llmrun ARGS` through the entry point, in-process, with an empty stdin -> (exit code, stdout, stderr).
+    An exception escaping `main()` is written to stderr as the interpreter would (a traceback, exit code 1)."""
+    import io
+    import sys
+    import traceback
+
+    from llmrun.cli import main
+
+    if cwd is not None:
+        monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["llmrun", *map(str, args)])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    capsys.readouterr()
+    code, escaped = 0, ""
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:  # what would end the process with a traceback
+        code, escaped = 1, "".join(traceback.format_exception(e))
+    out, err = capsys.readouterr()
+    return code, out, err + escaped

@@ -6,21 +6,19 @@ written as GGUF / HF directories, and once on the embedded model; runs are a few
 """
 
 import importlib.util
-import io
 import json
 import math
 import sys
-import traceback
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from llmrun import bench, peers, shapes, sweep
-from llmrun.cli import main
 from llmrun.errors import LlmrunError
 from llmrun.workloads import KINDS, exact_length, make_workload
 
+from .conftest import run_main
 from .tiny import CONFIGS, random_model, write_gguf, write_hf_dir
 
 FAST = ["--prompt-tokens", "8", "--new-tokens", "3", "--repeat", "2", "--no-warmup", "--threads", "1"]
@@ -63,18 +61,7 @@ def cli(monkeypatch, capsys):
     monkeypatch.setattr(err, "width", 250)  # tables unwrapped, whatever the terminal
 
     def run(*args) -> Outcome:
-        monkeypatch.setattr(sys, "argv", ["llmrun", "bench", *map(str, args)])
-        monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-        capsys.readouterr()
-        code, escaped = 0, ""
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except Exception as e:
-            code, escaped = 1, "".join(traceback.format_exception(e))
-        out, err = capsys.readouterr()
-        return Outcome(code, out, err + escaped)
+        return Outcome(*run_main(["bench", *args], monkeypatch, capsys))
 
     return run
 

@@ -7,7 +7,6 @@ cases. `test_in_a_real_process` runs one case of each kind as a real process of 
 """
 
 import functools
-import io
 import json
 import os
 import random
@@ -15,13 +14,12 @@ import shutil
 import struct
 import subprocess
 import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from llmrun.cli import main
+from .conftest import run_main
 
 _installed = Path(sys.executable).with_name("llmrun")
 LLMRUN = [str(_installed)] if _installed.is_file() else [sys.executable, "-m", "llmrun"]
@@ -60,20 +58,7 @@ def cli(one_model_load, monkeypatch, capsys):
     escaping `main()` is written to stderr as the interpreter would write it (a traceback, exit code 1)."""
 
     def run(*args, cwd=None) -> Outcome:
-        if cwd is not None:
-            monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", ["llmrun", *args])
-        monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-        capsys.readouterr()
-        code, escaped = 0, ""
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except Exception as e:  # what would end the process with a traceback
-            code, escaped = 1, "".join(traceback.format_exception(e))
-        out, err = capsys.readouterr()
-        return Outcome(code, out, err + escaped)
+        return Outcome(*run_main(args, monkeypatch, capsys, cwd))
 
     return run
 

@@ -9,7 +9,6 @@ import math
 import subprocess
 import sys
 import tarfile
-import traceback
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -17,9 +16,9 @@ import pytest
 import torch
 
 from llmrun import corpus
-from llmrun.cli import main
 from llmrun.errors import LlmrunError
 from llmrun.eval import read_text, sliding_windows
+from tests.conftest import run_main
 from tests.tiny import CONFIGS, random_model, write_hf_dir
 
 CFG = CONFIGS["llama"]  # untied output head, vocab 128, context 256
@@ -51,18 +50,7 @@ def cli(monkeypatch, capsys):
     traceback on stderr, as the interpreter would print it."""
 
     def run(*args) -> Outcome:
-        monkeypatch.setattr(sys, "argv", ["llmrun", *map(str, args)])
-        monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-        capsys.readouterr()
-        code, escaped = 0, ""
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except Exception as e:
-            code, escaped = 1, "".join(traceback.format_exception(e))
-        out, err = capsys.readouterr()
-        return Outcome(code, out, err + escaped)
+        return Outcome(*run_main(args, monkeypatch, capsys))
 
     return run
 
