@@ -51,7 +51,7 @@ def bench(
     """Measure a configuration: time to first token, prefill and decode tok/s, memory, achieved bandwidth.
 
     Each run prefills the whole prompt into an empty KV cache and decodes exactly --new-tokens tokens greedily.
-    The table goes to stderr; --json prints one JSON document on stdout instead.
+    The table goes to stderr; --json also prints one JSON document on stdout.
     """
     from llmrun import bench as lib
     from llmrun import shapes
@@ -83,10 +83,9 @@ def bench(
         from llmrun.sweep import plot as draw
 
         draw(doc["sweep"], doc["recommended"], plot, f"{name}: {workload.kind} prompt, {len(workload.prompt)} + {new_tokens} tokens")
+    _render(doc)
     if json_out:
         print(json.dumps(doc))
-        return
-    _render(doc)
     if plot is not None:
         err.print(Text(f"plot: {plot}", style="dim"))
 
