@@ -48,8 +48,13 @@ def test_prompt_token_ids_match_llama_cpp(smollm2, which):
     ("q4_1", 0.96, 0.5, 0.4),
 ])
 def test_teacher_forced_top1_matches_llama_cpp(smollm2, smollm2_dequant, which, min_agreement, max_margin, max_mean_diff):
+    from llmrun.kernels import cpu
+
+    if which == "q4_1":
+        if not cpu.available():
+            pytest.skip(f"the packed path needs the CPU kernels: {cpu.unavailable_reason()}")
+        assert smollm2.weights == "packed"
     model = smollm2_dequant.model if which == "f32" else smollm2.model
-    assert (smollm2_dequant.weights, smollm2.weights) == ("dequant", "packed")
     rows = teacher_forced(model, REFERENCE[which])
     assert len(rows) >= 128
     agree = sum(ours == theirs for ours, theirs, _, _ in rows) / len(rows)

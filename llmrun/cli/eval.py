@@ -134,10 +134,9 @@ def eval_(
         doc["kl"] = {"reference": {"model": ref_model, **_config(ref_engine, reference.get("weights", opts.weights))},
                      "mean": kl.mean, "max": kl.max, "p99": kl.p99, "top1_agreement": kl.top1_agreement,
                      "ppl_reference": kl.ppl_reference}
+    err.print(_table(doc))
     if json_out:
         print(json.dumps(doc))
-    else:
-        err.print(_table(doc))
 
 
 def _table(doc: dict) -> Table:
