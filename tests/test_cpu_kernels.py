@@ -113,15 +113,19 @@ def test_attention_matches_reference_on_cache_views(Hq, Hkv, D, T, S, window):
         assert torch.equal(alone[0, 0], got[0, t])
 
 
-@pytest.fixture(scope="module", params=["Q4_1", "Q4_0", "Q8_0"])
+@pytest.fixture(scope="module", params=[("smollm2", "Q4_1"), ("smollm2", "Q4_0"), ("smollm2", "Q8_0"),
+                                        ("qwen2", "Q4_1"), ("mistral", "Q8_0")])
 def tiny_quantized(request, tmp_path_factory):
+    """A tiny GGUF with quantized matrices: SmolLM2's GQA 9/3 and tied embeddings, Qwen2's q/k/v biases,
+    Mistral's sliding window (5 positions, shorter than the 12 tokens run below)."""
     import dataclasses
 
     from .tiny import CONFIGS, random_model, write_gguf
 
-    # GQA 9/3 and tied embeddings as SmolLM2; head_dim 32 so every matrix has whole blocks of 32 columns
-    model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32))
-    return write_gguf(tmp_path_factory.mktemp("q") / f"tiny-{request.param}.gguf", model, qtype=request.param)
+    arch, qtype = request.param
+    # head_dim 32 so every matrix has whole blocks of 32 columns
+    model = random_model(dataclasses.replace(CONFIGS[arch], head_dim=32))
+    return write_gguf(tmp_path_factory.mktemp("q") / f"tiny-{arch}-{qtype}.gguf", model, qtype=qtype)
 
 
 def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized):
@@ -132,7 +136,8 @@ def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized)
     packed = load_model(str(tiny_quantized), "cpu", "fp32", "auto")
     plain = load_model(str(tiny_quantized), "cpu", "fp32", "dequant")
     assert (packed.weights, plain.weights) == ("packed", "dequant")
-    assert isinstance(packed.model.layers[0].attn.qkv, QuantLinear) and isinstance(packed.model.embed, QuantEmbedding)
+    assert isinstance(packed.model.layers[0].attn.qkv, QuantLinear)
+    assert isinstance(packed.model.embed if packed.model.lm_head is None else packed.model.lm_head, (QuantEmbedding, QuantLinear))
     assert packed.weight_bytes < plain.weight_bytes / 3
     tokens = torch.randint(0, packed.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -142,6 +147,7 @@ def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized)
         torch.testing.assert_close(prefill, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
         cache = KVCache.for_model(packed.config, 16, torch.float32, "cpu")
         steps = torch.cat([packed.model(tokens[:, i : i + 1], i, cache)[0] for i in range(12)])
+    assert packed.model._stack[1] is not None  # the steps ran as one C call per token (kernels.cpu.DecodeStack)
     assert torch.equal(steps, prefill)  # one token at a time: the same bits
 
 
