@@ -1,12 +1,13 @@
 """Kernels for the model's hot ops. `kernels.ref` is the specification; the names exported here are the one
-dispatch point the models call: the C kernels of `kernels.cpu` for fp32 tensors on the CPU when they could be
-built, the reference ops elsewhere (the Triton kernels for CUDA come next)."""
+dispatch point the models call: Triton kernels for CUDA tensors (imported on first use, so a machine without
+Triton still runs), the C kernels of `kernels.cpu` for fp32 tensors on the CPU when they could be built, and
+the reference ops elsewhere."""
 
 import torch
 
 from . import cpu, ref
 
-__all__ = ["apply_rope", "attention", "quant_matmul", "quant_rows", "rms_norm", "silu_mul"]
+__all__ = ["add_rms_norm", "apply_rope", "attention", "quant_matmul", "quant_rows", "rms_norm", "silu_mul"]
 
 
 def _use_cpu_kernels(x: torch.Tensor) -> bool:
@@ -15,9 +16,23 @@ def _use_cpu_kernels(x: torch.Tensor) -> bool:
 
 def rms_norm(x, weight, eps: float):
     """x (..., dim) * rsqrt(mean(x^2) + eps) * weight."""
+    if x.is_cuda:
+        from .norm import rms_norm as triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps)
     if _use_cpu_kernels(x) and x.is_contiguous() and weight.dtype == torch.float32:
         return cpu.rms_norm(x, weight, eps)
     return ref.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, y, weight, eps: float):
+    """(h, rms_norm(h)) with h = x + y: a block's residual add and the norm after it (one pass on CUDA)."""
+    if x.is_cuda:
+        from .norm import add_rms_norm as triton_add_rms_norm
+
+        return triton_add_rms_norm(x, y, weight, eps)
+    h = x + y
+    return h, rms_norm(h, weight, eps)
 
 
 def _heads_contiguous(x) -> bool:  # (1, T, H, D) whose heads are packed within each token
@@ -26,6 +41,10 @@ def _heads_contiguous(x) -> bool:  # (1, T, H, D) whose heads are packed within 
 
 def apply_rope(x, cos, sin):
     """x (B, T, H, D) rotated by cos/sin (T, D) ("rotate half"). May rotate x in place and return it."""
+    if x.is_cuda and x.stride(3) == 1 and x.stride(2) == x.shape[3]:
+        from .rotary import rope_ as triton_rope_
+
+        return triton_rope_(x, cos, sin)
     if _use_cpu_kernels(x) and _heads_contiguous(x) and cos.is_contiguous() and sin.is_contiguous():
         return cpu.rope_(x, cos, sin)
     return ref.apply_rope(x, cos, sin)
@@ -33,6 +52,10 @@ def apply_rope(x, cos, sin):
 
 def silu_mul(gate, up):
     """silu(gate) * up, both (..., ffn_dim)."""
+    if gate.is_cuda and gate.stride(-1) == 1 and up.stride(-1) == 1 and gate.stride() == up.stride():
+        from .activation import silu_mul as triton_silu_mul
+
+        return triton_silu_mul(gate, up)
     if _use_cpu_kernels(gate) and gate.dim() == 3 and gate.shape[0] == 1 and gate.stride(-1) == 1 \
             and gate.stride() == up.stride():
         return cpu.silu_mul(gate, up)

@@ -73,8 +73,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, start_pos, cache, window):
-        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos, cache, window)
-        return x + self.mlp(self.mlp_norm(x))
+        h, normed = kernels.add_rms_norm(x, self.attn(self.attn_norm(x), cos, sin, start_pos, cache, window),
+                                         self.mlp_norm.weight, self.mlp_norm.eps)
+        return h + self.mlp(normed)
 
 
 class Transformer(nn.Module):

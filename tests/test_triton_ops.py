@@ -1,0 +1,62 @@
+"""The small Triton kernels (RMSNorm with the fused residual add, RoPE in place, SiLU gate) against kernels/ref.py.
+
+On a machine without CUDA they run under the Triton interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1); bf16 runs only on a GPU. Tolerance: within 2 x torch's own error in the same dtype
+(against fp32) + atol.
+"""
+
+import pytest
+import torch
+
+from llmrun.kernels import ref
+from llmrun.kernels.norm import add_rms_norm, rms_norm
+from llmrun.kernels.rotary import rope_
+from llmrun.kernels.activation import silu_mul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+
+
+def assert_within_torch_error(got, want_fp32, torch_same_dtype, atol=1e-5):
+    """|got - ref| <= 2 |torch in this dtype - ref| + atol, elementwise at the maximum."""
+    limit = 2 * (torch_same_dtype.float() - want_fp32).abs().max().item() + atol
+    assert (got.float() - want_fp32).abs().max().item() <= limit
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 576), (7, 100), (3, 4096)])
+def test_rms_norm_and_fused_residual(dtype, rows, dim):
+    x = torch.randn(rows, dim, device=DEVICE) * 2
+    y = torch.randn(rows, dim, device=DEVICE)
+    w = torch.randn(dim, device=DEVICE)
+    want = ref.rms_norm(x, w, 1e-5)
+    same = ref.rms_norm(x.to(dtype), w.to(dtype), 1e-5)
+    assert_within_torch_error(rms_norm(x.to(dtype), w.to(dtype), 1e-5), want, same)
+    h, normed = add_rms_norm(x.to(dtype), y.to(dtype), w.to(dtype), 1e-5)
+    hd = x.to(dtype) + y.to(dtype)
+    assert_within_torch_error(h, x + y, hd)
+    assert_within_torch_error(normed, ref.rms_norm(x + y, w, 1e-5), ref.rms_norm(hd, w.to(dtype), 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, D", [(1, 1, 12, 64), (2, 5, 3, 80), (1, 3, 7, 128)])
+def test_rope_in_place_on_a_slice_of_fused_heads(dtype, B, T, H, D):
+    fused = torch.randn(B, T, H + 2, D, device=DEVICE).to(dtype)  # rotate the first H heads only
+    angles = torch.randn(T, D // 2, device=DEVICE)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    want = ref.apply_rope(fused[:, :, :H].float(), cos, sin)
+    same = ref.apply_rope(fused[:, :, :H], cos.to(dtype), sin.to(dtype))
+    rest = fused[:, :, H:].clone()
+    got = rope_(fused[:, :, :H], cos, sin)
+    assert got.data_ptr() == fused.data_ptr()
+    assert_within_torch_error(got, want, same)
+    assert torch.equal(fused[:, :, H:], rest)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, F", [(1, 1536), (4, 100), (2, 3000)])
+def test_silu_mul_on_the_halves_of_one_tensor(dtype, rows, F):
+    gate_up = (torch.randn(rows, 2 * F, device=DEVICE) * 3).to(dtype)
+    g, u = gate_up[:, :F], gate_up[:, F:]
+    want = ref.silu_mul(g.float(), u.float())
+    assert_within_torch_error(silu_mul(g, u), want, ref.silu_mul(g, u))
