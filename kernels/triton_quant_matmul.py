@@ -1,0 +1,242 @@
+"""Weight-only quantized matmul in Triton (W4A16, W8A16): y = x @ W^T with W kept packed, activations not rounded.
+
+W (N, K) is cut along K in groups of G (32, 64 or 128) sharing one fp16 scale d (and offset m):
+  4-bit  qs uint8 (N, K/2): within each block of 32 along K, byte i holds q_i (low nibble) and q_{i+16} (high
+         nibble), GGML's order; w = d * q + m, or m = -8 d when m is None. G = 32 is GGUF's Q4_0/Q4_1; G = 128
+         is AWQ's, whose zero point z maps to m = -d * z.
+  8-bit  qs int8 (N, K); w = d * q.
+  d, m   fp16 (N, K/G).
+G = 32 is exactly the layout of `ref.dequantize_blocks` (and of the CPU kernels); `dequantize_groups` below is
+the plain-torch definition for any G.
+
+Two paths, chosen by the number of activation rows M:
+- decode (M <= 8): `_gemv_kernel`, one program per BLOCK_N output columns and per slice of K. It dequantizes
+  each weight tile in registers to fp32 once and reuses it for every row of x, so W is read once per call and
+  never materialized. When N alone gives too few programs, K is split: each slice writes an fp32 partial sum
+  (split_k, M, N) and torch adds them up (no atomics, so the result does not depend on scheduling).
+- prefill (M > 8): `_dequantize_kernel` writes W (N, K) in x's dtype and torch.matmul (cuBLAS) does the GEMM.
+  Compute-bound at these M, the extra N*K*2 bytes of traffic are small next to the matmul; a fused tiled
+  `tl.dot` kernel is the next step if profiles say otherwise.
+
+The 4-bit kernels never interleave nibbles: the low nibbles of a tile's bytes are the first 16 of each block of
+32 along K and the high nibbles the last 16, so the kernels gather x (small, cached) at those two index sets.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+DECODE_ROWS = 8  # up to this many rows of x take the GEMV path
+
+
+def dequantize_groups(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, group: int = 32) -> torch.Tensor:
+    """Packed W (see the module docstring) -> W (N, K) fp32; equal to `ref.dequantize_blocks` bit for bit at G = 32.
+
+    qs: uint8 (N, K/2) for 4 bits, int8 (N, K) for 8 bits; d, m: fp16 (N, K/G), m only for 4 bits (None:
+    symmetric, m = -8 d).
+    """
+    N = qs.shape[0]
+    if bits == 4:
+        packed = qs.view(N, -1, 16)
+        q = torch.cat((packed & 0xF, packed >> 4), dim=-1).reshape(N, -1, group).float()  # (N, K/G, G)
+        scale = d.float()[..., None]
+        w = scale * q + (m.float()[..., None] if m is not None else -8.0 * scale)
+    else:
+        w = d.float()[..., None] * qs.view(N, -1, group).float()
+    return w.reshape(N, -1)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr,
+    M, N, K, K_SPLIT,  # K_SPLIT: a multiple of 32, the slice of K one program covers
+    stride_xm, stride_qn, stride_dn, stride_os,  # stride_os: between split-K partials
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    n_mask = offs_n < N
+    rows = tl.arange(0, BLOCK_M)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if BITS == 4:
+            j = tl.arange(0, BLOCK_K // 2)  # byte within the tile
+            k_lo = k0 + (j // 16) * 32 + j % 16  # column of the low nibble; the high one is k_lo + 16
+            k_ok = k_lo < k_end  # whole blocks of 32: K and the split points are multiples of 32
+            mask = n_mask[:, None] & k_ok[None, :]
+            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=mask, other=0)
+            g = k_lo // GROUP
+            scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
+            if HAS_M:
+                offset = tl.load(m_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
+            else:
+                offset = -8.0 * scale
+            w_lo = scale * (q & 0xF).to(tl.float32) + offset  # (BLOCK_N, BLOCK_K/2)
+            w_hi = scale * (q >> 4).to(tl.float32) + offset
+            for r in tl.static_range(BLOCK_M):
+                x_row = x_ptr + r * stride_xm
+                x_ok = k_ok & (r < M)
+                x_lo = tl.load(x_row + k_lo, mask=x_ok, other=0).to(tl.float32)
+                x_hi = tl.load(x_row + k_lo + 16, mask=x_ok, other=0).to(tl.float32)
+                part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)  # (BLOCK_N,)
+                acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_end
+            mask = n_mask[:, None] & k_ok[None, :]
+            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=mask, other=0)
+            scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + (k // GROUP)[None, :], mask=mask, other=0)
+            w = scale.to(tl.float32) * q.to(tl.float32)  # (BLOCK_N, BLOCK_K)
+            for r in tl.static_range(BLOCK_M):
+                x_r = tl.load(x_ptr + r * stride_xm + k, mask=k_ok & (r < M), other=0).to(tl.float32)
+                part = tl.sum(w * x_r[None, :], axis=1)
+                acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+    out = out_ptr + pid_k * stride_os + rows[:, None] * N + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & n_mask[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(
+    qs_ptr, d_ptr, m_ptr, w_ptr,
+    N, K, stride_qn, stride_dn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_mask = offs_n < N
+    w_row = w_ptr + offs_n[:, None] * K  # W is contiguous (N, K)
+    if BITS == 4:
+        j = tl.arange(0, BLOCK_K // 2)
+        k_lo = k0 + (j // 16) * 32 + j % 16
+        mask = n_mask[:, None] & (k_lo < K)[None, :]
+        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=mask, other=0)
+        g = k_lo // GROUP
+        scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
+        if HAS_M:
+            offset = tl.load(m_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
+        else:
+            offset = -8.0 * scale
+        tl.store(w_row + k_lo[None, :], (scale * (q & 0xF).to(tl.float32) + offset).to(w_ptr.dtype.element_ty), mask=mask)
+        tl.store(w_row + k_lo[None, :] + 16, (scale * (q >> 4).to(tl.float32) + offset).to(w_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = n_mask[:, None] & (k < K)[None, :]
+        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=mask, other=0)
+        scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + (k // GROUP)[None, :], mask=mask, other=0)
+        tl.store(w_row + k[None, :], (scale.to(tl.float32) * q.to(tl.float32)).to(w_ptr.dtype.element_ty), mask=mask)
+
+
+_GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+    for bn, bk, w in [(16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8)]
+]
+_INTERPRETER_BLOCKS = {"BLOCK_N": 64, "BLOCK_K": 128}  # big tiles: the interpreter's cost is per op, not per element
+
+
+@functools.cache
+def _gemv_launcher(cuda: bool):
+    # Autotuning benchmarks on a GPU; without one (the interpreter) the decorator itself fails, so decide per call.
+    if cuda:
+        return triton.autotune(_GEMV_CONFIGS, key=["M", "N", "K", "K_SPLIT", "BITS", "GROUP"])(_gemv_kernel), {}
+    return _gemv_kernel, _INTERPRETER_BLOCKS
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_split_k(x: torch.Tensor, N: int, K: int) -> int:
+    """Slices of K so that roughly two programs per SM run, each still covering at least 512 columns of K."""
+    if not x.is_cuda:
+        return 1
+    programs = triton.cdiv(N, 64)
+    split = 1
+    while programs * split * 2 <= 2 * _sm_count(x.device.index or 0) and K // (split * 2) >= 512:
+        split *= 2
+    return split
+
+
+def _check(x, qs, d, m, bits: int, group: int) -> tuple[int, int]:
+    """-> (N, K) after checking that the packed planes describe one W (N, K) for x (..., K)."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantized weights must have 4 or 8 bits, got {bits}")
+    if group % 32:
+        raise ValueError(f"the quantization group must be a multiple of 32 columns (32, 64, 128), got {group}")
+    N, K = qs.shape[0], x.shape[-1]
+    want_qs = (N, K // 2) if bits == 4 else (N, K)
+    if K % group or tuple(qs.shape) != want_qs or tuple(d.shape) != (N, K // group):
+        raise ValueError(f"packed shapes qs {tuple(qs.shape)}, d {tuple(d.shape)} do not fit x (..., {K}) with "
+                         f"{bits}-bit groups of {group}: want qs {want_qs}, d {(N, K // group)}")
+    if m is not None and (bits != 4 or m.shape != d.shape):
+        raise ValueError("offsets m belong to 4-bit weights and have the shape of d")
+    if qs.dtype != (torch.uint8 if bits == 4 else torch.int8):
+        raise ValueError(f"{bits}-bit qs must be {'uint8' if bits == 4 else 'int8'}, got {qs.dtype}")
+    return N, K
+
+
+def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None) -> torch.Tensor:
+    """x2 (M, K) contiguous, M <= DECODE_ROWS -> (M, N) in x2's dtype. split_k: slices of K (None: by device)."""
+    M, K = x2.shape
+    N = qs.shape[0]
+    split_k = split_k or _default_split_k(x2, N, K)
+    k_split = triton.cdiv(K // 32, split_k) * 32
+    split_k = triton.cdiv(K, k_split)
+    out = torch.empty((split_k, M, N), device=x2.device, dtype=x2.dtype if split_k == 1 else torch.float32)
+    kernel, blocks = _gemv_launcher(x2.is_cuda)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
+    kernel[grid](
+        x2, qs, d, d if m is None else m, out,
+        M, N, K, k_split,
+        x2.stride(0), qs.stride(0), d.stride(0), out.stride(0),
+        BITS=bits, GROUP=group, HAS_M=m is not None, BLOCK_M=triton.next_power_of_2(M), **blocks,
+    )
+    return out[0] if split_k == 1 else out.sum(0).to(x2.dtype)
+
+
+def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed W -> W (N, K) in `dtype`, each weight computed in fp32 then rounded once (`dequantize_groups`).
+    Runs the Triton kernel; qs, d, m as in `dequantize_groups`, on one device."""
+    N = qs.shape[0]
+    K = qs.shape[1] * (2 if bits == 4 else 1)
+    w = torch.empty((N, K), device=qs.device, dtype=dtype)
+    block_n, block_k = (32, 128) if qs.is_cuda else (64, 256)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+    _dequantize_kernel[grid](
+        qs, d, d if m is None else m, w, N, K, qs.stride(0), d.stride(0),
+        BITS=bits, GROUP=group, HAS_M=m is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return w
+
+
+def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
+                 group: int = 32) -> torch.Tensor:
+    """y = x @ W^T for W (N, K) packed in `bits`-bit groups of `group` columns; activations stay as they are.
+
+    x: (..., K) fp16, bf16 or fp32. qs: uint8 (N, K/2) for 4 bits (GGML nibble order within blocks of 32),
+    int8 (N, K) for 8 bits. d: fp16 (N, K/group) scales. m: fp16 (N, K/group) offsets, 4-bit only, or None
+    (symmetric, m = -8 d). group: 32, 64 or 128 (any multiple of 32 dividing K).
+    Returns (..., N) in x's dtype, accumulated in fp32. Up to DECODE_ROWS rows of x: the GEMV kernel (W never
+    materialized); more: W dequantized to x's dtype, then torch.matmul.
+    """
+    N, K = _check(x, qs, d, m, bits, group)
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    qs, d = qs.contiguous(), d.contiguous()
+    m = None if m is None else m.contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], N)
+    if x2.shape[0] <= DECODE_ROWS:
+        y = _gemv(x2, qs, d, m, bits, group)
+    else:
+        y = x2 @ dequantize(qs, d, m, bits, group, x.dtype).T
+    return y.reshape(*x.shape[:-1], N)
