@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -344,6 +345,40 @@ def compare_rows(files, settings: Settings, figures: dict, workload, progress) -
     return peers.add_ratios(rows)
 
 
+def environment(device: str) -> dict:
+    """What produced the figures: the device's name, the versions, the commit (`git`, else $LLMRUN_COMMIT)."""
+    import platform
+    import subprocess
+
+    import torch
+
+    from llmrun import __version__
+
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"device_name": name, "cpu_count": os.cpu_count(), "torch": torch.__version__, "triton": triton_version,
+            "llmrun": __version__, "commit": commit or os.environ.get("LLMRUN_COMMIT"),
+            "python": platform.python_version()}
+
+
 def benchmark(files, settings: Settings, workload, *, model: str, compare: bool = False,
               sweep_axes: dict | None = None, goal: str = "latency", progress=lambda message: None) -> dict:
     """Everything `llmrun bench` reports, as one JSON-ready document: the configured run's figures, and with
@@ -353,7 +388,7 @@ def benchmark(files, settings: Settings, workload, *, model: str, compare: bool 
     progress(f"measuring {model} ({describe(settings)})")
     figures = measure_settings(files, settings, workload)
     doc = {"model": model, "config": settings.describe(), "workload": workload.describe(), **figures,
-           "compare": None, "sweep": None, "recommended": None}
+           "compare": None, "sweep": None, "recommended": None, "environment": environment(settings.device)}
     doc["notes"] = doc.pop("notes")  # last, after the sweep's
     if compare:
         doc["compare"] = compare_rows(files, settings, figures, workload, progress)

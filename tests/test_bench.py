@@ -30,8 +30,10 @@ SCHEMA = {
     "decode_tok_s": dict, "e2e_tok_s": NUMBER, "weights_loaded": str, "memory": dict, "weight_bytes": int, "kv_bytes_per_token": int,
     "kv_bytes_in_use": int, "bytes_per_token": int, "bandwidth_gb_s": NUMBER, "bandwidth_peak_gb_s": NUMBER,
     "bandwidth_share": NUMBER, "acceptance_rate": type(None), "tokens_per_step": type(None),
-    "compare": (list, type(None)), "sweep": (list, type(None)), "recommended": (dict, type(None)), "notes": list,
+    "compare": (list, type(None)), "sweep": (list, type(None)), "recommended": (dict, type(None)),
+    "environment": dict, "notes": list,
 }
+ENVIRONMENT_KEYS = {"device_name", "cpu_count", "torch", "triton", "llmrun", "commit", "python"}
 CONFIG_KEYS = {"device", "dtype", "weights", "threads", "ctx"}
 WORKLOAD_KEYS = {"kind", "prompt_tokens", "new_tokens", "repeat", "warmup", "batch", "chat_template"}
 MEMORY_KEYS = {"weights", "kv_allocated", "kv_in_use", "process_peak_rss", "device_peak_allocated", "device_peak_reserved"}
@@ -98,6 +100,7 @@ def check_schema(doc: dict) -> None:
         assert isinstance(doc[key], kind), (key, doc[key])
     assert set(doc["config"]) == CONFIG_KEYS and set(doc["workload"]) == WORKLOAD_KEYS
     assert set(doc["memory"]) == MEMORY_KEYS and set(doc["decode_tok_s"]) == {"median", "min", "max"}
+    assert set(doc["environment"]) == ENVIRONMENT_KEYS and doc["environment"]["torch"]
     d = doc["decode_tok_s"]
     assert 0 < d["min"] <= d["median"] <= d["max"]
     assert doc["ttft_s"] > 0 and doc["prefill_tok_s"] > 0 and doc["e2e_tok_s"] > 0
