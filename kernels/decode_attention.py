@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 SPLIT_ALIGN = 128  # split boundaries fall on multiples of this many keys (every BLOCK_N divides it)
-MAX_BLOCK_M = 64   # rows (tokens x grouped heads) per program; more become another grid dimension
+MAX_TILE = 64 * 128  # rows (tokens x grouped heads) x padded head_dim per program, to bound the fp32
+                     # accumulator's registers; more rows become another grid dimension
 MAX_SPLITS = 64
 
 
@@ -52,7 +53,7 @@ def _split_kernel(
     pid_bh = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
-    b = pid_bh // Hkv
+    b = (pid_bh // Hkv).to(tl.int64)  # b * stride_kb passes 2^31 elements in a large batched cache
     kvh = pid_bh % Hkv
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = t * G + g
@@ -176,8 +177,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         q = q.contiguous()
     G = Hq // Hkv
     out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
-    BLOCK_M = min(max(16, triton.next_power_of_2(T * G)), MAX_BLOCK_M)  # tl.dot wants >= 16 rows
     BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_M = min(max(16, triton.next_power_of_2(T * G)), MAX_TILE // BLOCK_D)  # tl.dot wants >= 16 rows
     m_blocks = triton.cdiv(T * G, BLOCK_M)
 
     lo = 0 if window is None else max(0, S - T + 1 - window)  # the earliest key any query sees
