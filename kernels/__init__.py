@@ -3,20 +3,40 @@ dispatch point the models call: Triton kernels for CUDA tensors (imported on fir
 Triton still runs), the C kernels of `kernels.cpu` for fp32 tensors on the CPU when they could be built, and
 the reference ops elsewhere."""
 
+import contextvars
+from contextlib import contextmanager
+
 import torch
 
 from . import cpu, ref
 
-__all__ = ["add_rms_norm", "apply_rope", "attention", "quant_matmul", "quant_rows", "rms_norm", "silu_mul"]
+# Inside `reference_ops()`, every op below is the plain-torch reference: the "plain PyTorch" baseline.
+_reference = contextvars.ContextVar("llmrun_reference_ops", default=False)
+
+
+@contextmanager
+def reference_ops(on: bool = True):
+    """Within this block (when `on`), run the reference op of `kernels.ref` for every op, on every device."""
+    token = _reference.set(on)
+    try:
+        yield
+    finally:
+        _reference.reset(token)
+
+__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "quant_matmul", "quant_rows", "rms_norm", "silu_mul"]
 
 
 def _use_cpu_kernels(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu.available()
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not _reference.get() and cpu.available()
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and not _reference.get()
 
 
 def rms_norm(x, weight, eps: float):
     """x (..., dim) * rsqrt(mean(x^2) + eps) * weight."""
-    if x.is_cuda:
+    if _use_triton(x):
         from .norm import rms_norm as triton_rms_norm
 
         return triton_rms_norm(x, weight, eps)
@@ -27,7 +47,7 @@ def rms_norm(x, weight, eps: float):
 
 def add_rms_norm(x, y, weight, eps: float):
     """(h, rms_norm(h)) with h = x + y: a block's residual add and the norm after it (one pass on CUDA)."""
-    if x.is_cuda:
+    if _use_triton(x):
         from .norm import add_rms_norm as triton_add_rms_norm
 
         return triton_add_rms_norm(x, y, weight, eps)
@@ -41,7 +61,7 @@ def _heads_contiguous(x) -> bool:  # (1, T, H, D) whose heads are packed within 
 
 def apply_rope(x, cos, sin):
     """x (B, T, H, D) rotated by cos/sin (T, D) ("rotate half"). May rotate x in place and return it."""
-    if x.is_cuda and x.stride(3) == 1 and x.stride(2) == x.shape[3]:
+    if _use_triton(x) and x.stride(3) == 1 and x.stride(2) == x.shape[3]:
         from .rotary import rope_ as triton_rope_
 
         return triton_rope_(x, cos, sin)
@@ -52,7 +72,7 @@ def apply_rope(x, cos, sin):
 
 def silu_mul(gate, up):
     """silu(gate) * up, both (..., ffn_dim)."""
-    if gate.is_cuda and gate.stride(-1) == 1 and up.stride(-1) == 1 and gate.stride() == up.stride():
+    if _use_triton(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1 and gate.stride() == up.stride():
         from .activation import silu_mul as triton_silu_mul
 
         return triton_silu_mul(gate, up)
@@ -79,7 +99,7 @@ def quant_matmul(x, qs, d, m, bits: int):
 
 def quant_rows(ids, qs, d, m, bits: int, dtype):
     """Rows `ids` (...) of W (N, K) in blocks -> (..., K) in `dtype`: an embedding lookup."""
-    if ids.device.type == "cpu" and dtype == torch.float32 and cpu.available():
+    if ids.device.type == "cpu" and dtype == torch.float32 and not _reference.get() and cpu.available():
         return cpu.quant_rows(ids, qs, d, m, bits)
     flat = ids.reshape(-1)
     w = ref.dequantize_blocks(qs[flat], d[flat], None if m is None else m[flat], bits)

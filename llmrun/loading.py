@@ -331,6 +331,7 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
         raise ModelFormatError(f"{files.source.path}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     model.load_state_dict(state, assign=True)
     model.eval().requires_grad_(False)
+    model.reference_ops = weights == "dequant"  # the plain-PyTorch path, every op from kernels.ref
     return LoadedModel(files, model, dev, dt, "packed" if keep else "dequant", notes)
 
 

@@ -90,6 +90,7 @@ class Transformer(nn.Module):
         self.rope_freq_factors: list[float] | None = None
         self._cos = self._sin = None  # (positions, D) fp32 tables, grown on demand
         self._stack = None  # (cache buffers' addresses, kernels.cpu.DecodeStack or None)
+        self.reference_ops = False  # True: every op is kernels.ref's plain PyTorch (the eager baseline)
 
     def _rope_tables(self, end: int, device):
         if self._cos is None or self._cos.shape[0] < end or self._cos.device != device:
@@ -129,12 +130,17 @@ class Transformer(nn.Module):
         `cache` is a KV cache holding positions [0, start_pos); the new keys/values are written into it.
         Without a cache the tokens attend only to each other (start_pos then only shifts RoPE).
         """
+        with kernels.reference_ops(self.reference_ops):
+            return self._forward(tokens, start_pos, cache, last_only)
+
+    def _forward(self, tokens, start_pos, cache, last_only):
         B, T = tokens.shape
         x = self.embed(tokens)  # (B, T, dim)
         cos, sin = self._rope_tables(start_pos + T, x.device)
         cos = cos[start_pos : start_pos + T].to(x.dtype).contiguous()  # (T, D)
         sin = sin[start_pos : start_pos + T].to(x.dtype).contiguous()
-        stack = self._decode_stack(x, cache) if T == 1 and B == 1 and cache is not None else None
+        one_token = T == 1 and B == 1 and cache is not None and not self.reference_ops
+        stack = self._decode_stack(x, cache) if one_token else None
         if stack is not None:  # one C call for all layers: the same kernels as the loop below, bit for bit
             x = stack(x, start_pos, cos, sin)
         else:

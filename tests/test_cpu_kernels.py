@@ -178,3 +178,22 @@ def test_no_compiler_is_reported_not_raised(monkeypatch):
         monkeypatch.undo()
         cpu._lib.cache_clear()
     assert cpu.available()
+
+
+def test_dequant_weights_run_plain_pytorch_only(tiny_quantized, monkeypatch):
+    """`--weights dequant` is the eager baseline: no llmrun kernel runs, only kernels.ref's torch ops."""
+    from llmrun.loading import load_model
+
+    plain = load_model(str(tiny_quantized), "cpu", "fp32", "dequant")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a C kernel ran on the plain-PyTorch path")
+
+    for name in ("quant_matmul", "quant_rows", "rms_norm", "rope_", "silu_mul", "attention"):
+        monkeypatch.setattr(cpu, name, forbidden)
+    from llmrun.kv_cache import KVCache
+
+    cache = KVCache.for_model(plain.config, 8, torch.float32, "cpu")
+    with torch.no_grad():
+        plain.model(torch.tensor([[1, 2, 3]]), 0, cache)
+        plain.model(torch.tensor([[4]]), 3, cache)
