@@ -166,8 +166,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
        head h // (Hq / Hkv).
     window: if given, query t (at position S - T + t) sees only keys in (pos - window, pos]; else [0, pos].
     num_splits: how many pieces the keys are cut into (FlashDecoding); by default enough to fill the GPU.
-    q, k, v share one dtype (fp32, fp16 or bf16) and device; D any size (tested 64-256). Returns (B, T, Hq, D) contiguous in
-    q's dtype; scores use scale 1/sqrt(D) and fp32 softmax.
+    q, k, v share one dtype (fp32, fp16 or bf16) and device; D any size (tested 64-256).
+    Returns (B, T, Hq, D) contiguous in q's dtype; scores use scale 1/sqrt(D) and an fp32 softmax.
     """
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
