@@ -138,7 +138,7 @@ _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in [(16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8)]
 ]
-_INTERPRETER_BLOCKS = {"BLOCK_N": 64, "BLOCK_K": 128}  # big tiles: the interpreter's cost is per op, not per element
+_INTERPRETER_BLOCKS = {"BLOCK_N": 256, "BLOCK_K": 512}  # the interpreter costs per program and op, hardly per element
 
 
 @functools.cache
@@ -208,7 +208,7 @@ def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype) -> torch.Ten
     N = qs.shape[0]
     K = qs.shape[1] * (2 if bits == 4 else 1)
     w = torch.empty((N, K), device=qs.device, dtype=dtype)
-    block_n, block_k = (32, 128) if qs.is_cuda else (64, 256)
+    block_n, block_k = (32, 128) if qs.is_cuda else (128, 512)
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
     _dequantize_kernel[grid](
         qs, d, d if m is None else m, w, N, K, qs.stride(0), d.stride(0),

@@ -1,0 +1,135 @@
+"""The Triton weight-only quantized matmul (kernels/triton_quant_matmul.py) against the fp32 reference
+x.float() @ dequantize_groups(W).T, on fresh random inputs with awkward shapes; under the interpreter on a CPU.
+
+Tolerance (flash-attention's rule): kernel error <= 2 x (error of torch's own matmul in x's dtype) + atol, both
+measured against the fp32 reference computed from the same (already rounded) x.
+"""
+
+import pytest
+import torch
+
+from llmrun.kernels import ref
+from llmrun.kernels import triton_quant_matmul as tqm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = [(4, True), (4, False), (8, False)]  # (bits, offsets): Q4_1 / AWQ, Q4_0, Q8_0
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # times max |y|: about one rounding
+
+
+def random_planes(N, K, bits, offsets, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+    else:
+        qs = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    shape = (N, K // group)
+    d = ((torch.rand(shape, generator=g) * 0.02 + 0.001) * (1 - 2 * (torch.rand(shape, generator=g) < 0.3))).half()
+    m = (torch.randn(shape, generator=g) * 0.05).half() if offsets else None
+    move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return move(qs), move(d), move(m)
+
+
+def pack_nibbles(q):
+    """q (N, K) in 0..15 -> uint8 (N, K/2) in GGML's order: byte i of each block of 32 holds q_i | q_{i+16} << 4."""
+    blocks = q.view(q.shape[0], -1, 2, 16).to(torch.uint8)
+    return (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(q.shape[0], -1)
+
+
+def check_close(y, x, W):
+    """y: the kernel's x @ W^T; x in its dtype, W (N, K) fp32."""
+    assert y.dtype == x.dtype
+    expected = x.float() @ W.T
+    torch_err = ((x @ W.to(x.dtype).T).float() - expected).abs().max().item()
+    err = (y.float() - expected).abs().max().item()
+    atol = ATOL[x.dtype] * max(expected.abs().max().item(), 1.0)
+    assert err <= 2 * torch_err + atol, f"error {err:.3g}, torch's own {torch_err:.3g}, atol {atol:.3g}"
+
+
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_groups_of_32_are_the_blocks_of_ref(bits, offsets):
+    qs, d, m = random_planes(9, 160, bits, offsets, 32, seed=1)
+    assert torch.equal(tqm.dequantize_groups(qs, d, m, bits, 32), ref.dequantize_blocks(qs, d, m, bits))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("offsets", [True, False])
+def test_dequantize_groups_definition(group, offsets):
+    """Each weight is d * q + m with the scale and offset of its group of `group` columns (AWQ: m = -d * z)."""
+    N, K = 5, 256
+    g = torch.Generator().manual_seed(group)
+    q = torch.randint(0, 16, (N, K), generator=g)
+    d = torch.rand(N, K // group, generator=g).half()
+    z = torch.randint(0, 16, (N, K // group), generator=g)
+    m = (-d.float() * z).half() if offsets else None
+    full = lambda t: t.float().repeat_interleave(group, dim=1)  # noqa: E731
+    want = full(d) * q + (full(m) if offsets else -8 * full(d))
+    assert torch.equal(tqm.dequantize_groups(pack_nibbles(q), d, m, 4, group), want)
+    q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    assert torch.equal(tqm.dequantize_groups(q8, d, None, 8, group), full(d) * q8)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_dequantize_kernel(bits, offsets, group):
+    qs, d, m = random_planes(37, 384, bits, offsets, group, seed=2)
+    W = tqm.dequantize_groups(qs, d, m, bits, group)
+    assert torch.equal(tqm.dequantize(qs, d, m, bits, group, torch.float32), W)
+    assert torch.equal(tqm.dequantize(qs, d, m, bits, group, torch.float16), W.half())
+
+
+# (N, K, group) with group dividing K; the largest shape is marked slow
+SHAPES = [(1, 64, 32), (1, 64, 64), (7, 96, 32), (100, 576, 32), (100, 576, 64),
+          pytest.param(576, 1536, 32, marks=pytest.mark.slow), pytest.param(576, 1536, 128, marks=pytest.mark.slow)]
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 8, 33])  # 33: the prefill path
+@pytest.mark.parametrize("N, K, group", SHAPES)
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_quant_linear(bits, offsets, N, K, group, M, dtype):
+    qs, d, m = random_planes(N, K, bits, offsets, group, seed=N * K + M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+    check_close(tqm.quant_linear(x, qs, d, m, bits, group), x, tqm.dequantize_groups(qs, d, m, bits, group))
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_gemv_split_k(bits, offsets, split_k):
+    """Slices of K (ragged: 576 = 18 blocks of 32) summed outside the kernel give the same product."""
+    qs, d, m = random_planes(70, 576, bits, offsets, 64, seed=split_k)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
+    check_close(tqm._gemv(x, qs, d, m, bits, 64, split_k=split_k), x, tqm.dequantize_groups(qs, d, m, bits, 64))
+
+
+@pytest.mark.parametrize("M", [2, 12])
+def test_leading_dims_and_strided_x(M):
+    qs, d, m = random_planes(48, 128, 4, True, 64, seed=M)
+    x = torch.randn(2, M, 256, generator=torch.Generator().manual_seed(M)).to(DEVICE)[:, :, ::2]  # (2, M, 128)
+    y = tqm.quant_linear(x, qs, d, m, 4, 64)
+    assert y.shape == (2, M, 48)
+    check_close(y.reshape(-1, 48), x.reshape(-1, 128), tqm.dequantize_groups(qs, d, m, 4, 64))
+
+
+def test_bad_shapes_say_what_fits():
+    qs, d, m = random_planes(8, 128, 4, True, 64, seed=0)
+    x = torch.randn(1, 128, device=DEVICE)
+    with pytest.raises(ValueError, match="want qs"):
+        tqm.quant_linear(x, qs, d, m, 4, 32)  # d has K/64 columns, not K/32
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tqm.quant_linear(x, qs, d, m, 4, 48)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        tqm.quant_linear(x, qs, d, m, 3, 64)
+    with pytest.raises(ValueError, match="offsets"):
+        tqm.quant_linear(x, qs.view(torch.int8).repeat(1, 2), d, m, 8, 64)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the autotuner runs every config")
+@pytest.mark.parametrize("config", tqm._GEMV_CONFIGS, ids=lambda c: "{BLOCK_N}x{BLOCK_K}".format(**c.kwargs))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_tile_sizes_under_the_interpreter(bits, config, monkeypatch):
+    """The autotuner's tiles (smaller than the interpreter's): several programs along N and steps along K."""
+    monkeypatch.setattr(tqm, "_INTERPRETER_BLOCKS", dict(config.kwargs))
+    qs, d, m = random_planes(40, 320, bits, bits == 4, 64, seed=5)
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(5)).half()
+    check_close(tqm._gemv(x, qs, d, m, bits, 64, split_k=2), x, tqm.dequantize_groups(qs, d, m, bits, 64))
