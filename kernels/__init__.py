@@ -83,7 +83,12 @@ def silu_mul(gate, up):
 
 
 def attention(q, k, v, window: int | None = None):
-    """Causal GQA attention: q (B, T, Hq, D), k/v (B, Hkv, S, D) -> (B, T, Hq, D) (see `ref.attention`)."""
+    """Causal GQA attention: q (B, T, Hq, D), k/v (B, Hkv, S, D) -> (B, T, Hq, D) (see `ref.attention`).
+    On CUDA, decoding and verification (T <= 16) run the split-K Triton kernel; prefill stays on SDPA."""
+    if _use_triton(q) and q.shape[1] <= 16 and k.stride(-1) == 1 and v.stride(-1) == 1:
+        from .decode_attention import decode_attention
+
+        return decode_attention(q, k, v, window)
     if _use_cpu_kernels(q) and _heads_contiguous(q) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] \
             and k.stride() == v.stride():
         return cpu.attention(q, k, v, window)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements, in one command, for a session that has a GPU:
+#
+#     LLMRUN_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu.sh [SHAPE ...]
+#
+# 1. The Triton kernels natively on CUDA (the bf16 cases, marked `gpu`, run here and only here).
+# 2. Correctness at a real shape: `llmrun bench --sweep` on the first SHAPE scores the Triton path (bf16) and
+#    the plain-PyTorch path against fp32 plain PyTorch on the same random weights (KL, top-1 agreement).
+# 3. Every random-weight SHAPE (default: llama3.2-1b llama3-8b) at a short and a long context: `llmrun bench
+#    --compare` (llmrun against its own plain-PyTorch path, same prompt ids). Each run's JSON goes to
+#    bench/results/; a summary table of every run comes last.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+shapes=("$@")
+[ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
+results=bench/results
+mkdir -p "$results"
+gpu=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
+stamp=$(date +%Y-%m-%d)
+
+python -m pytest -q -rs tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py
+
+written=("$results/$stamp-$gpu-${shapes[0]}-sweep.json")
+llmrun bench --random-weights "${shapes[0]}" --prompt-tokens 128 --new-tokens 64 --sweep --goal quality \
+    --axis dtype=bf16 --axis weights=auto,dequant --json > "${written[0]}"
+for shape in "${shapes[@]}"; do
+    for prompt in 128 8000; do
+        out="$results/$stamp-$gpu-$shape-$prompt+128.json"
+        llmrun bench --random-weights "$shape" --prompt-tokens "$prompt" --new-tokens 128 --ctx 8192 \
+            --compare --json > "$out"
+        written+=("$out")
+    done
+done
+python bench/results_tables.py "${written[@]}"
