@@ -31,7 +31,8 @@ import triton.language as tl
 DECODE_ROWS = 8  # up to this many rows of x take the GEMV path
 
 
-def dequantize_groups(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, group: int = 32) -> torch.Tensor:
+def dequantize_groups(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
+                      group: int = 32) -> torch.Tensor:
     """Packed W (see the module docstring) -> W (N, K) fp32; equal to `ref.dequantize_blocks` bit for bit at G = 32.
 
     qs: uint8 (N, K/2) for 4 bits, int8 (N, K) for 8 bits; d, m: fp16 (N, K/G), m only for 4 bits (None:
@@ -46,6 +47,39 @@ def dequantize_groups(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
     else:
         w = d.float()[..., None] * qs.view(N, -1, group).float()
     return w.reshape(N, -1)
+
+
+@triton.jit
+def _w4_tile(qs_ptr, d_ptr, m_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
+             GROUP: tl.constexpr, HAS_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of 4-bit W for rows offs_n, dequantized to fp32 -> (w_lo, w_hi, k_lo, k_ok):
+    w_lo, w_hi (BLOCK_N, BLOCK_K/2) at columns k_lo and k_lo + 16, k_ok (BLOCK_K/2,) where k_lo < k_end."""
+    j = tl.arange(0, BLOCK_K // 2)  # byte within the tile
+    k_lo = k0 + (j // 16) * 32 + j % 16  # column of the low nibble; the high one is k_lo + 16
+    k_ok = k_lo < k_end  # whole blocks of 32: K, k0 and the split points are multiples of 32
+    mask = n_mask[:, None] & k_ok[None, :]
+    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=mask, other=0)
+    g = k_lo // GROUP  # both nibbles of a byte share a block of 32, hence a group
+    scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
+    if HAS_M:
+        offset = tl.load(m_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
+    else:
+        offset = -8.0 * scale
+    w_lo = scale * (q & 0xF).to(tl.float32) + offset
+    w_hi = scale * (q >> 4).to(tl.float32) + offset
+    return w_lo, w_hi, k_lo, k_ok
+
+
+@triton.jit
+def _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
+             GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of 8-bit W for rows offs_n in fp32 -> (w (BLOCK_N, BLOCK_K), k, k_ok)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = k < k_end
+    mask = n_mask[:, None] & k_ok[None, :]
+    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=mask, other=0)
+    scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + (k // GROUP)[None, :], mask=mask, other=0)
+    return scale.to(tl.float32) * q.to(tl.float32), k, k_ok
 
 
 @triton.jit
@@ -65,34 +99,18 @@ def _gemv_kernel(
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
+        # one weight tile, dequantized once, serves every row of x; row r's sums land in acc[r] by a select
         if BITS == 4:
-            j = tl.arange(0, BLOCK_K // 2)  # byte within the tile
-            k_lo = k0 + (j // 16) * 32 + j % 16  # column of the low nibble; the high one is k_lo + 16
-            k_ok = k_lo < k_end  # whole blocks of 32: K and the split points are multiples of 32
-            mask = n_mask[:, None] & k_ok[None, :]
-            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=mask, other=0)
-            g = k_lo // GROUP
-            scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
-            if HAS_M:
-                offset = tl.load(m_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
-            else:
-                offset = -8.0 * scale
-            w_lo = scale * (q & 0xF).to(tl.float32) + offset  # (BLOCK_N, BLOCK_K/2)
-            w_hi = scale * (q >> 4).to(tl.float32) + offset
+            w_lo, w_hi, k_lo, k_ok = _w4_tile(qs_ptr, d_ptr, m_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
+                                              GROUP, HAS_M, BLOCK_K)
             for r in tl.static_range(BLOCK_M):
-                x_row = x_ptr + r * stride_xm
                 x_ok = k_ok & (r < M)
-                x_lo = tl.load(x_row + k_lo, mask=x_ok, other=0).to(tl.float32)
-                x_hi = tl.load(x_row + k_lo + 16, mask=x_ok, other=0).to(tl.float32)
+                x_lo = tl.load(x_ptr + r * stride_xm + k_lo, mask=x_ok, other=0).to(tl.float32)
+                x_hi = tl.load(x_ptr + r * stride_xm + k_lo + 16, mask=x_ok, other=0).to(tl.float32)
                 part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)  # (BLOCK_N,)
                 acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
         else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < k_end
-            mask = n_mask[:, None] & k_ok[None, :]
-            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=mask, other=0)
-            scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + (k // GROUP)[None, :], mask=mask, other=0)
-            w = scale.to(tl.float32) * q.to(tl.float32)  # (BLOCK_N, BLOCK_K)
+            w, k, k_ok = _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn, GROUP, BLOCK_K)
             for r in tl.static_range(BLOCK_M):
                 x_r = tl.load(x_ptr + r * stride_xm + k, mask=k_ok & (r < M), other=0).to(tl.float32)
                 part = tl.sum(w * x_r[None, :], axis=1)
@@ -113,25 +131,14 @@ def _dequantize_kernel(
     n_mask = offs_n < N
     w_row = w_ptr + offs_n[:, None] * K  # W is contiguous (N, K)
     if BITS == 4:
-        j = tl.arange(0, BLOCK_K // 2)
-        k_lo = k0 + (j // 16) * 32 + j % 16
-        mask = n_mask[:, None] & (k_lo < K)[None, :]
-        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=mask, other=0)
-        g = k_lo // GROUP
-        scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
-        if HAS_M:
-            offset = tl.load(m_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
-        else:
-            offset = -8.0 * scale
-        tl.store(w_row + k_lo[None, :], (scale * (q & 0xF).to(tl.float32) + offset).to(w_ptr.dtype.element_ty), mask=mask)
-        tl.store(w_row + k_lo[None, :] + 16, (scale * (q >> 4).to(tl.float32) + offset).to(w_ptr.dtype.element_ty),
-                 mask=mask)
+        w_lo, w_hi, k_lo, k_ok = _w4_tile(qs_ptr, d_ptr, m_ptr, offs_n, n_mask, k0, K, stride_qn, stride_dn,
+                                          GROUP, HAS_M, BLOCK_K)
+        mask = n_mask[:, None] & k_ok[None, :]
+        tl.store(w_row + k_lo[None, :], w_lo.to(w_ptr.dtype.element_ty), mask=mask)
+        tl.store(w_row + k_lo[None, :] + 16, w_hi.to(w_ptr.dtype.element_ty), mask=mask)
     else:
-        k = k0 + tl.arange(0, BLOCK_K)
-        mask = n_mask[:, None] & (k < K)[None, :]
-        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=mask, other=0)
-        scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + (k // GROUP)[None, :], mask=mask, other=0)
-        tl.store(w_row + k[None, :], (scale.to(tl.float32) * q.to(tl.float32)).to(w_ptr.dtype.element_ty), mask=mask)
+        w, k, k_ok = _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, K, stride_qn, stride_dn, GROUP, BLOCK_K)
+        tl.store(w_row + k[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & k_ok[None, :])
 
 
 _GEMV_CONFIGS = [
