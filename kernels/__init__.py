@@ -4,6 +4,7 @@ Triton still runs), the C kernels of `kernels.cpu` for fp32 tensors on the CPU w
 the reference ops elsewhere."""
 
 import contextvars
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -34,12 +35,28 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and not _reference.get()
 
 
+_failed: set[str] = set()  # Triton kernels that failed to build here: their reference op serves instead
+
+
+def _triton(name: str, run, fallback):
+    """run() the Triton kernel `name`; if it cannot be compiled on this machine (a Triton or driver version it
+    was never built on), say so once and use the reference op from then on."""
+    if name not in _failed:
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - a compiler error of any kind; CUDA faults are not recoverable anyway
+            _failed.add(name)
+            warnings.warn(f"llmrun: the Triton kernel {name} failed ({type(e).__name__}: {e}); using PyTorch",
+                          RuntimeWarning, stacklevel=3)
+    return fallback()
+
+
 def rms_norm(x, weight, eps: float):
     """x (..., dim) * rsqrt(mean(x^2) + eps) * weight."""
     if _use_triton(x):
         from .norm import rms_norm as triton_rms_norm
 
-        return triton_rms_norm(x, weight, eps)
+        return _triton("rms_norm", lambda: triton_rms_norm(x, weight, eps), lambda: ref.rms_norm(x, weight, eps))
     if _use_cpu_kernels(x) and x.is_contiguous() and weight.dtype == torch.float32:
         return cpu.rms_norm(x, weight, eps)
     return ref.rms_norm(x, weight, eps)
@@ -50,7 +67,8 @@ def add_rms_norm(x, y, weight, eps: float):
     if _use_triton(x):
         from .norm import add_rms_norm as triton_add_rms_norm
 
-        return triton_add_rms_norm(x, y, weight, eps)
+        return _triton("add_rms_norm", lambda: triton_add_rms_norm(x, y, weight, eps),
+                       lambda: (x + y, ref.rms_norm(x + y, weight, eps)))
     h = x + y
     return h, rms_norm(h, weight, eps)
 
@@ -64,7 +82,7 @@ def apply_rope(x, cos, sin):
     if _use_triton(x) and x.stride(3) == 1 and x.stride(2) == x.shape[3]:
         from .rotary import rope_ as triton_rope_
 
-        return triton_rope_(x, cos, sin)
+        return _triton("rope", lambda: triton_rope_(x, cos, sin), lambda: ref.apply_rope(x, cos, sin))
     if _use_cpu_kernels(x) and _heads_contiguous(x) and cos.is_contiguous() and sin.is_contiguous():
         return cpu.rope_(x, cos, sin)
     return ref.apply_rope(x, cos, sin)
@@ -75,7 +93,7 @@ def silu_mul(gate, up):
     if _use_triton(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1 and gate.stride() == up.stride():
         from .activation import silu_mul as triton_silu_mul
 
-        return triton_silu_mul(gate, up)
+        return _triton("silu_mul", lambda: triton_silu_mul(gate, up), lambda: ref.silu_mul(gate, up))
     if _use_cpu_kernels(gate) and gate.dim() == 3 and gate.shape[0] == 1 and gate.stride(-1) == 1 \
             and gate.stride() == up.stride():
         return cpu.silu_mul(gate, up)
@@ -88,7 +106,8 @@ def attention(q, k, v, window: int | None = None):
     if _use_triton(q) and q.shape[1] <= 16 and k.stride(-1) == 1 and v.stride(-1) == 1:
         from .decode_attention import decode_attention
 
-        return decode_attention(q, k, v, window)
+        return _triton("decode_attention", lambda: decode_attention(q, k, v, window),
+                       lambda: ref.attention(q, k, v, window))
     if _use_cpu_kernels(q) and _heads_contiguous(q) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] \
             and k.stride() == v.stride():
         return cpu.attention(q, k, v, window)
@@ -96,7 +115,13 @@ def attention(q, k, v, window: int | None = None):
 
 
 def quant_matmul(x, qs, d, m, bits: int):
-    """x (..., K) @ W^T -> (..., N) in x's dtype, W (N, K) in 4- or 8-bit blocks (`ref.dequantize_blocks`)."""
+    """x (..., K) @ W^T -> (..., N) in x's dtype, W (N, K) in 4- or 8-bit blocks (`ref.dequantize_blocks`).
+    On CUDA the Triton kernel keeps activations in 16 bits (W4A16 / W8A16); the CPU kernel rounds them to 8."""
+    if _use_triton(x):
+        from .triton_quant_matmul import quant_linear
+
+        return _triton("quant_matmul", lambda: quant_linear(x, qs, d, m, bits),
+                       lambda: (x.float() @ ref.dequantize_blocks(qs, d, m, bits).T).to(x.dtype))
     if _use_cpu_kernels(x):
         return cpu.quant_matmul(x, qs, d, m, bits)
     return ref.quant_matmul(x, qs, d, m, bits).to(x.dtype)

@@ -60,3 +60,19 @@ def test_silu_mul_on_the_halves_of_one_tensor(dtype, rows, F):
     g, u = gate_up[:, :F], gate_up[:, F:]
     want = ref.silu_mul(g.float(), u.float())
     assert_within_torch_error(silu_mul(g, u), want, ref.silu_mul(g, u))
+
+
+def test_a_triton_kernel_that_fails_to_build_falls_back_to_pytorch_once(monkeypatch):
+    import llmrun.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_failed", set())
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("PTX not supported")
+
+    with pytest.warns(RuntimeWarning, match="rms_norm failed"):
+        assert kernels._triton("rms_norm", broken, lambda: "reference") == "reference"
+    assert kernels._triton("rms_norm", broken, lambda: "reference") == "reference"  # not tried again
+    assert calls == [1]
