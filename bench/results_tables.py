@@ -12,6 +12,11 @@ def mib(n):
     return f"{n / 2**20:.0f} MiB" if n is not None else "–"
 
 
+def header(*columns):
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
 def main(paths):
     for path in map(Path, paths):
         doc = json.loads(path.read_text())
@@ -22,8 +27,7 @@ def main(paths):
         if doc.get("compare"):
             print(f"\n{where}: {w['kind']}, {w['prompt_tokens']} + {w['new_tokens']} tokens, {c['threads']} threads, "
                   f"median of {w['repeat']}\n")
-            print("| engine | config | TTFT ms | prefill tok/s | decode tok/s | decode ratio | prefill ratio |")
-            print("|---|---|---|---|---|---|---|")
+            header("engine", "config", "TTFT ms", "prefill tok/s", "decode tok/s", "decode ratio", "prefill ratio")
             for row in doc["compare"]:
                 if row.get("skipped"):
                     print(f"| {row['name']} | {row['skipped']} | | | | | |")
@@ -34,8 +38,7 @@ def main(paths):
                       f"{row['prefill_tok_s']:.0f} | {d:.1f} | {row['decode_ratio']:.2f} | {row['prefill_ratio']:.2f} |")
         elif doc.get("sweep"):
             print(f"\n{where}: {w['kind']}, {w['prompt_tokens']} + {w['new_tokens']} tokens\n")
-            print("| rank | flags | decode tok/s | TTFT ms | peak RSS | KL to fp32 | top-1 |")
-            print("|---|---|---|---|---|---|---|")
+            header("rank", "flags", "decode tok/s", "TTFT ms", "peak RSS", "KL to fp32", "top-1")
             for row in doc["sweep"]:
                 if row.get("error"):
                     print(f"| – | `{row['flags']}` | {row['error']} | | | | |")
