@@ -52,19 +52,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     return y.transpose(1, 2)
 
 
-def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """Weights stored in blocks of 32 along K -> W (N, K) fp32.
+def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
+                      group: int = 32) -> torch.Tensor:
+    """Weights stored in blocks of 32 along K, with a scale (and offset) per group of G columns -> W (N, K) fp32.
 
     4-bit: qs uint8 (N, K/2), byte j of each 16-byte block holding q_j (low nibble) and q_{j+16} (high);
-    w = d * q + m, or d * (q - 8) when m is None. 8-bit: qs int8 (N, K); w = d * q. d, m: fp16 (N, K/32).
+    w = d * q + m, or d * (q - 8) when m is None. 8-bit: qs int8 (N, K); w = d * q. d, m: fp16 (N, K/G), G a
+    multiple of 32 (32: GGUF's Q4_0/Q4_1/Q8_0; 128: AWQ's, whose zero-point z is m = -d * z).
     """
     N = qs.shape[0]
     if bits == 4:
         packed = qs.view(N, -1, 16)
-        q = torch.cat((packed & 0xF, packed >> 4), dim=-1).float()  # (N, K/32, 32)
-        w = d.float()[..., None] * q + (m.float()[..., None] if m is not None else -8.0 * d.float()[..., None])
+        q = torch.cat((packed & 0xF, packed >> 4), dim=-1).reshape(N, -1, group).float()  # (N, K/G, G)
+        scale = d.float()[..., None]
+        w = scale * q + (m.float()[..., None] if m is not None else -8.0 * scale)
     else:
-        w = d.float()[..., None] * qs.view(N, -1, 32).float()
+        w = d.float()[..., None] * qs.view(N, -1, group).float()
     return w.reshape(N, -1)
 
 

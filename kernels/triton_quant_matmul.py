@@ -6,8 +6,7 @@ W (N, K) is cut along K in groups of G (32, 64 or 128) sharing one fp16 scale d 
          is AWQ's, whose zero point z maps to m = -d * z.
   8-bit  qs int8 (N, K); w = d * q.
   d, m   fp16 (N, K/G).
-G = 32 is exactly the layout of `ref.dequantize_blocks` (and of the CPU kernels); `dequantize_groups` below is
-the plain-torch definition for any G.
+`ref.dequantize_blocks` is the plain-torch definition for any G; G = 32 is also the CPU kernels' layout.
 
 Two paths, chosen by the number of activation rows M:
 - decode (M <= 8): `_gemv_kernel`, one program per BLOCK_N output columns and per slice of K. It dequantizes
@@ -28,25 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ref
+
 DECODE_ROWS = 8  # up to this many rows of x take the GEMV path
 
 
-def dequantize_groups(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
-                      group: int = 32) -> torch.Tensor:
-    """Packed W (see the module docstring) -> W (N, K) fp32; equal to `ref.dequantize_blocks` bit for bit at G = 32.
-
-    qs: uint8 (N, K/2) for 4 bits, int8 (N, K) for 8 bits; d, m: fp16 (N, K/G), m only for 4 bits (None:
-    symmetric, m = -8 d).
-    """
-    N = qs.shape[0]
-    if bits == 4:
-        packed = qs.view(N, -1, 16)
-        q = torch.cat((packed & 0xF, packed >> 4), dim=-1).reshape(N, -1, group).float()  # (N, K/G, G)
-        scale = d.float()[..., None]
-        w = scale * q + (m.float()[..., None] if m is not None else -8.0 * scale)
-    else:
-        w = d.float()[..., None] * qs.view(N, -1, group).float()
-    return w.reshape(N, -1)
+# The plain-torch definition of the layout, for any group size: kernels.ref.dequantize_blocks.
+dequantize_groups = ref.dequantize_blocks
 
 
 @triton.jit
