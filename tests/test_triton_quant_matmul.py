@@ -8,7 +8,6 @@ measured against the fp32 reference computed from the same (already rounded) x.
 import pytest
 import torch
 
-from llmrun.kernels import ref
 from llmrun.kernels import triton_quant_matmul as tqm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
