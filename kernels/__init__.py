@@ -27,8 +27,10 @@ def reference_ops(on: bool = True):
 __all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "quant_matmul", "quant_rows", "rms_norm", "silu_mul"]
 
 
-def _use_cpu_kernels(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not _reference.get() and cpu.available()
+def _use_cpu_kernels(x: torch.Tensor, dtype=None) -> bool:
+    """Whether the C kernels serve x (or, with `dtype`, a result of that dtype computed on x's device)."""
+    return (x.device.type == "cpu" and (dtype or x.dtype) == torch.float32 and not _reference.get()
+            and cpu.available())
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -129,7 +131,7 @@ def quant_matmul(x, qs, d, m, bits: int):
 
 def quant_rows(ids, qs, d, m, bits: int, dtype):
     """Rows `ids` (...) of W (N, K) in blocks -> (..., K) in `dtype`: an embedding lookup."""
-    if ids.device.type == "cpu" and dtype == torch.float32 and not _reference.get() and cpu.available():
+    if _use_cpu_kernels(ids, dtype):
         return cpu.quant_rows(ids, qs, d, m, bits)
     flat = ids.reshape(-1)
     w = ref.dequantize_blocks(qs[flat], d[flat], None if m is None else m[flat], bits)

@@ -83,9 +83,13 @@ def open_engine(files, settings: Settings):
     return Engine(loaded, settings.ctx)
 
 
-def one_line(e: BaseException) -> str:
-    """An exception as one line for a table cell: its message's first line, or its type when it has none."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+def one_line(e: BaseException, with_type: bool = False) -> str:
+    """An exception as one line for a table cell: its message's first line (after its type, when asked; a
+    third-party engine's errors need it), or its type when it has no message."""
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return f"{type(e).__name__}: {lines[0][:200]}" if with_type else lines[0][:200]
 
 
 def release(device_type: str) -> None:

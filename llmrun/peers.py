@@ -22,8 +22,9 @@ class PeerSkipped(Exception):
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+    from llmrun.bench import one_line
+
+    return one_line(e, with_type=True)
 
 
 def row(name: str, config: str, figures: dict | None = None, *, version: str | None = None,
