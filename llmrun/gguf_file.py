@@ -1,8 +1,8 @@
 """Reading GGUF files: metadata and tensors, memory-mapped, with clear errors for damaged files.
 
 The header is parsed here (the `gguf` package's reader spends seconds building objects for every vocabulary
-entry); block dequantization is the `gguf` package's. GGUF lists tensor dims fastest-varying first, so a
-(rows, cols) matrix appears as [cols, rows].
+entry); the common block types are unpacked in torch (`gguf_quants`), the others by the `gguf` package. GGUF
+lists tensor dims fastest-varying first, so a (rows, cols) matrix appears as [cols, rows].
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmrun import gguf_quants
 from llmrun.errors import ModelFormatError
 
 _SCALARS = {  # GGUF value type -> struct format
@@ -38,34 +39,30 @@ class GGUFTensor:
         return GGMLQuantizationType(self.ggml_type).name
 
     def dequantize(self):
-        """Float32 torch tensor of `shape`. The common block types are unpacked in torch (the `gguf`
+        """Float32 torch tensor of `shape`. The block types of `gguf_quants` are unpacked in torch (the `gguf`
         package's numpy path takes seconds on a small model); the others go through `gguf.quants`."""
-        unpack = _TORCH_DEQUANT.get(self.ggml_type)
+        if self.ggml_type in gguf_quants.BLOCK:
+            return gguf_quants.dequantize(self.ggml_type, self._rows()).reshape(self.shape)
         with warnings.catch_warnings():  # the memory map is read-only, and only ever read
             warnings.simplefilter("ignore", UserWarning)
-            if unpack is None:
-                return torch.from_numpy(np.ascontiguousarray(self.to_numpy()))
-            blocks = torch.from_numpy(self.data)  # (rows, bytes per row)
-        return unpack(blocks.reshape(-1, _BLOCK_BYTES[self.ggml_type])).reshape(self.shape)
+            return torch.from_numpy(np.ascontiguousarray(self.to_numpy()))
 
     @property
-    def has_blocks(self) -> bool:
-        """Whether `blocks()` can give this tensor's quantized planes (Q4_0, Q4_1, Q8_0 matrices)."""
-        return self.ggml_type in _BLOCK_BYTES and len(self.shape) == 2
+    def plane_format(self) -> tuple[int, bool] | None:
+        """(bits, with offsets) of the planes `blocks()` gives for this tensor; None when it has none (a vector,
+        a float tensor or a block type without a conversion)."""
+        return gguf_quants.PLANE_FORMATS.get(self.ggml_type) if len(self.shape) == 2 else None
 
     def blocks(self):
-        """The quantized weights as planes (qs, d, m, bits), as `kernels.ref.dequantize_blocks` reads them:
-        the same bits as the file, its interleaved blocks split into fields. m is None for symmetric types."""
-        rows = self.shape[0]
-        with warnings.catch_warnings():
+        """The quantized weights as planes (qs, d, m, bits), as `kernels.ref.dequantize_blocks` reads them: the
+        file's own bits for Q4_0/Q4_1/Q8_0, a conversion for Q5_0/Q4_K/Q6_K (`gguf_quants`: exact but for fp16
+        rounding, or requantized to 8 bits for Q6_K). m is None for symmetric planes."""
+        return gguf_quants.planes(self.ggml_type, self._rows())
+
+    def _rows(self):  # the blocks as a (rows, bytes per row) uint8 tensor viewing the memory map
+        with warnings.catch_warnings():  # the memory map is read-only, and only ever read
             warnings.simplefilter("ignore", UserWarning)
-            b = torch.from_numpy(self.data).reshape(rows, -1, _BLOCK_BYTES[self.ggml_type])  # (N, K/32, bytes)
-        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
-        if self.ggml_type == 8:  # Q8_0
-            return b[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), d, None, 8
-        if self.ggml_type == 3:  # Q4_1
-            return b[..., 4:].reshape(rows, -1).contiguous(), d, b[..., 2:4].contiguous().view(torch.float16)[..., 0], 4
-        return b[..., 2:].reshape(rows, -1).contiguous(), d, None, 4  # Q4_0
+            return torch.from_numpy(self.data)
 
     def to_numpy(self) -> np.ndarray:
         """Dequantized float32 array of `shape`."""
@@ -79,31 +76,6 @@ class GGUFTensor:
         except NotImplementedError as e:
             raise ModelFormatError(f"tensor {self.name}: GGML type {qtype.name} cannot be dequantized") from e
         return out.reshape(self.shape).astype(np.float32, copy=False)
-
-
-def _fp16(blocks, start):  # (n, bytes) uint8 -> (n, 1) fp32 from the fp16 at byte `start`
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs):  # (n, 16) packed bytes -> (n, 32): low nibbles are elements 0-15, high ones 16-31
-    return torch.cat((qs & 0xF, qs >> 4), dim=1).float()
-
-
-def _dequant_q4_0(b):  # block: fp16 scale d, 16 bytes of nibbles q; x = d * (q - 8)
-    return _fp16(b, 0) * (_nibbles(b[:, 2:]) - 8)
-
-
-def _dequant_q4_1(b):  # block: fp16 scale d, fp16 min m, 16 bytes of nibbles q; x = d * q + m
-    return _fp16(b, 0) * _nibbles(b[:, 4:]) + _fp16(b, 2)
-
-
-def _dequant_q8_0(b):  # block: fp16 scale d, 32 int8 q; x = d * q
-    return _fp16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
-
-
-# GGML type id -> (torch unpacker, bytes per 32-element block)
-_TORCH_DEQUANT = {2: _dequant_q4_0, 3: _dequant_q4_1, 8: _dequant_q8_0}
-_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 
 
 class GGUFFile:

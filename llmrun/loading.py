@@ -192,11 +192,15 @@ def _safetensors_headers(path: Path):
             yield name, entry
 
 
-def _iter_weights(files: ModelFiles, keep_blocks=frozenset()):
+def _iter_weights(files: ModelFiles, keep_blocks=None):
     """(our name, float tensor) for every weight of the model, Q/K rows in HF order. GGUF tensors named in
-    `keep_blocks` come as their quantized planes (qs, d, m, bits) instead (`GGUFTensor.blocks`)."""
+    `keep_blocks` (our name -> planes' (bits, offsets)) come as quantized planes (qs, d, m, bits) of that
+    format instead (`GGUFTensor.blocks`, `gguf_quants.convert_planes`)."""
+    keep_blocks = keep_blocks or {}
     cfg = files.config
     if files.gguf is not None:
+        from llmrun import gguf_quants
+
         permuted = files.gguf.metadata.get("general.architecture") == "llama"
         for name, t in files.gguf.tensors.items():
             if name == "rope_freqs.weight":
@@ -211,7 +215,7 @@ def _iter_weights(files: ModelFiles, keep_blocks=frozenset()):
             elif permuted and ".attn.k." in ours:
                 heads = cfg.n_kv_heads
             if ours in keep_blocks:  # rows are whole blocks, so the planes' rows permute like the weight's
-                qs, d, m, bits = t.blocks()
+                qs, d, m, bits = gguf_quants.convert_planes(*t.blocks(), *keep_blocks[ours])
                 planes = [p if p is None or heads is None else _unpermute_rope_rows(p, heads) for p in (qs, d, m)]
                 yield ours, (*planes, bits)
             else:
@@ -297,14 +301,14 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = files.config
-    keep, notes = _packed_weights(files, weights, dev, dt)  # our tensor name -> GGML type
+    keep, notes = _packed_weights(files, weights, dev, dt)  # our tensor name -> planes' (bits, offsets)
     with torch.device("meta"):
         model = build_model(cfg)
-        for module, ggml_type in {_fused_name(n)[0].removesuffix(".weight"): t for n, t in keep.items()}.items():
-            _swap_in_quantized(model, module, ggml_type, dt)
+        for module, (bits, offsets) in {_fused_name(n)[0].removesuffix(".weight"): f for n, f in keep.items()}.items():
+            _swap_in_quantized(model, module, bits, offsets, dt)
     expected = dict(model.state_dict())
     state, parts = {}, {}
-    for name, w in _iter_weights(files, frozenset(keep)):
+    for name, w in _iter_weights(files, keep):
         if name == "rope_freq_factors":
             model.rope_freq_factors = w.tolist()
             continue
@@ -360,13 +364,15 @@ def _concat_rows(parts: list):
     return torch.cat(parts)
 
 
-def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str, int], list[str]]:
-    """Our names of the GGUF tensors to keep quantized with their GGML types, and notes on why none are when
-    that is surprising.
+def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str, tuple[int, bool]], list[str]]:
+    """Our names of the GGUF tensors to keep quantized, each with the format of its planes (bits, offsets), and
+    notes on what runs slower than it could.
 
-    Today the kept formats are Q4_0, Q4_1 and Q8_0 on the CPU with fp32 activations (`kernels.cpu`);
-    everything else is dequantized to `dt`. Projections the model fuses (q/k/v, gate/up) are kept only when
-    all parts share one format.
+    Kept on the CPU with fp32 activations (`kernels.cpu`): every matrix whose GGML type has planes
+    (`gguf_quants.PLANE_FORMATS`: Q4_0, Q4_1, Q8_0 as stored; Q5_0, Q4_K converted exactly but for fp16
+    rounding; Q6_K requantized to 8 bits). Everything else is dequantized to `dt`. Projections the model fuses
+    (q/k/v, gate/up) hold one format: parts that differ are all converted to the widest of theirs (4-bit with
+    offsets, else 8-bit), and a group with a part that has no planes is dequantized whole.
     """
     import torch
 
@@ -374,33 +380,42 @@ def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str,
 
     if weights == "dequant" or files.gguf is None:
         return {}, []
-    keep = {}
+    keep, expanded = {}, set()
     for gguf_name, t in files.gguf.tensors.items():
         ours = _our_name(gguf_name, _GGUF_NAMES)
-        if t.has_blocks and ours is not None and ours.endswith(".weight"):
-            keep[ours] = t.ggml_type
+        if ours is None or not ours.endswith(".weight") or len(t.shape) != 2:
+            continue
+        if t.plane_format is not None:
+            keep[ours] = t.plane_format
+        elif t.type_name not in ("F32", "F16", "BF16"):
+            expanded.add(t.type_name)
     groups = {}
-    for name, ggml_type in keep.items():
+    for name, fmt in keep.items():
         target, _, count = _fused_name(name)
-        groups.setdefault(target, (count, []))[1].append((name, ggml_type))
+        groups.setdefault(target, (count, []))[1].append(name)
     for count, members in groups.values():
-        if len(members) != count or len({t for _, t in members}) != 1:
-            for name, _ in members:
+        if len(members) != count:
+            for name in members:
                 del keep[name]
+            continue
+        widest = max(keep[name] for name in members)  # (4, False) < (4, True) < (8, False)
+        for name in members:
+            keep[name] = widest
     if not keep or dev.type != "cpu" or dt != torch.float32:
         return {}, []  # the GPU kernels for quantized weights come with the Triton path
     if not kernels.cpu.available():
         return {}, [f"the CPU kernels are off ({kernels.cpu.unavailable_reason()}); running the slower dequantized path"]
-    return keep, []
+    notes = [f"no packed format for {', '.join(sorted(expanded))} weights; they run dequantized to fp32 (slower)"]
+    return keep, notes if expanded else []
 
 
-def _swap_in_quantized(model, module_name: str, ggml_type: int, dt) -> None:
-    """Replace the nn.Linear / nn.Embedding `module_name` with its `models.quant` twin for `ggml_type`."""
+def _swap_in_quantized(model, module_name: str, bits: int, offsets: bool, dt) -> None:
+    """Replace the nn.Linear / nn.Embedding `module_name` with its `models.quant` twin holding planes of `bits`
+    (with offsets m when `offsets`)."""
     import torch.nn as nn
 
     from llmrun.models.quant import QuantEmbedding, QuantLinear
 
-    bits, offsets = (8, False) if ggml_type == 8 else (4, ggml_type == 3)
     parent_name, _, child = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     old = getattr(parent, child)
