@@ -88,7 +88,7 @@ def _lib():
     lib.rope.argtypes = [p, ctypes.c_long, p, p, i, i, i]
     lib.silu_mul.argtypes = [p, p, i, i, i, p]
     lib.attention.argtypes = [p, ctypes.c_long, p, p, ctypes.c_long, i, i, i, i, i, i, p]
-    lib.decode_layers.argtypes = [p, p, i, p, p]
+    lib.decode_layers.argtypes = [p, p, i, i, p, p]
     return lib
 
 
@@ -192,7 +192,7 @@ class _Stack(ctypes.Structure):
 
 
 class DecodeStack:
-    """One decode step through all layers in a single C call (`decode_layers`): the same kernels in the same
+    """A decode step (or a short speculative block) through all layers in a single C call (`decode_layers`): the same kernels in the same
     order as the layer-by-layer forward, without the Python between them.
 
     `layers`: per layer a dict of fp32 tensors `attn_norm`, `mlp_norm` and quantized linears `qkv`, `o`,
@@ -217,8 +217,9 @@ class DecodeStack:
         self._ref = ctypes.byref(self._params)
 
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (1, 1, dim) fp32 hidden state of the token at `pos` -> after the last layer (a new tensor);
-        cos/sin (1, D) its angles. Writes the token's K/V at `pos` in every layer's cache."""
+        """x (1, T, dim) fp32 hidden states of the tokens at pos .. pos+T-1 -> after the last layer (a new
+        tensor); cos/sin (T, D) their angles. Writes the tokens' K/V at those positions in every layer's cache."""
         x = x.contiguous().clone()
-        _check(_lib().decode_layers(self._ref, x.data_ptr(), pos, cos.data_ptr(), sin.data_ptr()), "decode_layers")
+        _check(_lib().decode_layers(self._ref, x.data_ptr(), x.shape[1], pos, cos.data_ptr(), sin.data_ptr()),
+               "decode_layers")
         return x

@@ -459,37 +459,44 @@ typedef struct {
     const layer_params *layers;
 } stack_params;
 
-static int linear(const qlinear *w, const float *x, float *y, int accumulate) {
-    int rc = quant_matmul(w->bits, w->qs, w->d, w->m, w->N, w->K, x, 1, y, accumulate);
+static int linear(const qlinear *w, const float *x, int M, float *y, int accumulate) {
+    int rc = quant_matmul(w->bits, w->qs, w->d, w->m, w->N, w->K, x, M, y, accumulate);
     if (w->bias && !rc)
-        for (int j = 0; j < w->N; j++) y[j] += w->bias[j];
+        for (int t = 0; t < M; t++)
+            for (int j = 0; j < w->N; j++) y[(long)t * w->N + j] += w->bias[j];
     return rc;
 }
 
-/* x (dim): the hidden state of the token at position pos, updated in place through every layer; its K/V are
- * written into the caches. The same kernels, in the same order, as the model's layer-by-layer forward, so
- * the results are bit-identical to it. cos/sin (D): the angles of position pos. */
-int decode_layers(const stack_params *p, float *x, int pos, const float *cos_t, const float *sin_t) {
+/* x (T, dim): the hidden states of T consecutive tokens at positions pos .. pos+T-1 (one decode step, or a
+ * speculative block to verify), updated in place through every layer; their K/V are written into the caches.
+ * The same kernels, in the same order, as the model's layer-by-layer forward, so the results are
+ * bit-identical to it. cos/sin (T, D): the angles of those positions. */
+int decode_layers(const stack_params *p, float *x, int T, int pos, const float *cos_t, const float *sin_t) {
     int Hq = p->n_heads, Hkv = p->n_kv_heads, D = p->head_dim, F = p->ffn_dim, rc = 0;
     long qkv_ld = (long)(Hq + 2 * Hkv) * D, head_stride = (long)p->max_len * D;
-    float *xn = malloc(sizeof(float) * p->dim), *qkv = malloc(sizeof(float) * qkv_ld),
-          *att = malloc(sizeof(float) * Hq * D), *gu = malloc(sizeof(float) * 2 * F), *h = malloc(sizeof(float) * F);
+    float *xn = malloc(sizeof(float) * T * p->dim), *qkv = malloc(sizeof(float) * T * qkv_ld),
+          *att = malloc(sizeof(float) * T * Hq * D), *gu = malloc(sizeof(float) * T * 2 * F),
+          *h = malloc(sizeof(float) * T * F);
     if (!xn || !qkv || !att || !gu || !h) rc = -2;
     for (int l = 0; l < p->n_layers && !rc; l++) {
         const layer_params *L = p->layers + l;
-        rms_norm(x, L->attn_norm, p->eps, 1, p->dim, xn);
-        if ((rc = linear(&L->qkv, xn, qkv, 0))) break;
-        rope(qkv, qkv_ld, cos_t, sin_t, 1, Hq + Hkv, D);
-        for (int j = 0; j < Hkv; j++) {
-            memcpy(L->k_cache + j * head_stride + (long)pos * D, qkv + (Hq + j) * D, sizeof(float) * D);
-            memcpy(L->v_cache + j * head_stride + (long)pos * D, qkv + (Hq + Hkv + j) * D, sizeof(float) * D);
-        }
-        if ((rc = attention(qkv, qkv_ld, L->k_cache, L->v_cache, head_stride, 1, pos + 1, Hq, Hkv, D, p->window, att))) break;
-        if ((rc = linear(&L->o, att, x, 1))) break;  /* x += o(attention) */
-        rms_norm(x, L->mlp_norm, p->eps, 1, p->dim, xn);
-        if ((rc = linear(&L->gate_up, xn, gu, 0))) break;
-        silu_mul(gu, gu + F, 1, F, 2 * F, h);
-        if ((rc = linear(&L->down, h, x, 1))) break;  /* x += down(silu(gate) * up) */
+        rms_norm(x, L->attn_norm, p->eps, T, p->dim, xn);
+        if ((rc = linear(&L->qkv, xn, T, qkv, 0))) break;
+        rope(qkv, qkv_ld, cos_t, sin_t, T, Hq + Hkv, D);
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < Hkv; j++) {
+                const float *row = qkv + t * qkv_ld;
+                long at = j * head_stride + (long)(pos + t) * D;
+                memcpy(L->k_cache + at, row + (Hq + j) * D, sizeof(float) * D);
+                memcpy(L->v_cache + at, row + (Hq + Hkv + j) * D, sizeof(float) * D);
+            }
+        if ((rc = attention(qkv, qkv_ld, L->k_cache, L->v_cache, head_stride, T, pos + T, Hq, Hkv, D, p->window, att)))
+            break;
+        if ((rc = linear(&L->o, att, T, x, 1))) break;  /* x += o(attention) */
+        rms_norm(x, L->mlp_norm, p->eps, T, p->dim, xn);
+        if ((rc = linear(&L->gate_up, xn, T, gu, 0))) break;
+        silu_mul(gu, gu + F, T, F, 2 * F, h);
+        if ((rc = linear(&L->down, h, T, x, 1))) break;  /* x += down(silu(gate) * up) */
     }
     free(xn), free(qkv), free(att), free(gu), free(h);
     return rc;

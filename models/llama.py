@@ -9,6 +9,9 @@ quantized.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -17,6 +20,9 @@ from llmrun import kernels
 
 from .config import ModelConfig, rope_inv_freq
 from .quant import QuantEmbedding, QuantLinear
+
+
+STACK_MAX_TOKENS = 16  # forwards of up to this many tokens run through the CPU's whole-stack call
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +98,45 @@ class Transformer(nn.Module):
         self._stack = None  # (cache buffers' addresses, kernels.cpu.DecodeStack or None)
         self.reference_ops = False  # True: every op is kernels.ref's plain PyTorch (the eager baseline)
 
+    def with_layers(self, keep: list[int]) -> Transformer:
+        """A model that shares every weight with this one but runs only the layers `keep`, renumbered 0.. for
+        its own KV cache (a self-speculative draft: no second model, no extra weights)."""
+        sub = copy.copy(self)
+        sub._modules = dict(self._modules)  # its own module table: setting `layers` must not touch ours
+        sub.config = dataclasses.replace(self.config, n_layers=len(keep))
+        blocks = []
+        for j, i in enumerate(keep):
+            block, attn = copy.copy(self.layers[i]), copy.copy(self.layers[i].attn)
+            block._modules = dict(block._modules)
+            attn.layer_idx = j
+            block.attn = attn
+            blocks.append(block)
+        sub.layers = nn.ModuleList(blocks)
+        sub._stack = None
+        return sub
+
+    def with_int4_weights(self) -> Transformer:
+        """A copy whose linear layers (output head included) are 4-bit round-to-nearest blocks of the weights;
+        norms and the embedding lookup are shared. A cheap draft of a wider-weighted model."""
+        from .quant import int4_linear
+
+        sub = copy.copy(self)
+        sub._modules = dict(self._modules)
+        sub.reference_ops = False  # the draft always runs llmrun's kernels
+        sub._stack = None
+        blocks = []
+        for block in self.layers:
+            block, attn, mlp = copy.copy(block), copy.copy(block.attn), copy.copy(block.mlp)
+            block._modules, attn._modules, mlp._modules = dict(block._modules), dict(attn._modules), dict(mlp._modules)
+            attn.qkv, attn.o = int4_linear(attn.qkv), int4_linear(attn.o)
+            mlp.gate_up, mlp.down = int4_linear(mlp.gate_up), int4_linear(mlp.down)
+            block.attn, block.mlp = attn, mlp
+            blocks.append(block)
+        sub.layers = nn.ModuleList(blocks)
+        # a tied head becomes an untied quantized copy of the embedding table
+        sub.lm_head = int4_linear(self.embed if self.lm_head is None else self.lm_head)
+        return sub
+
     def _rope_tables(self, end: int, device):
         if self._cos is None or self._cos.shape[0] < end or self._cos.device != device:
             cfg = self.config
@@ -139,8 +184,9 @@ class Transformer(nn.Module):
         cos, sin = self._rope_tables(start_pos + T, x.device)
         cos = cos[start_pos : start_pos + T].to(x.dtype).contiguous()  # (T, D)
         sin = sin[start_pos : start_pos + T].to(x.dtype).contiguous()
-        one_token = T == 1 and B == 1 and cache is not None and not self.reference_ops
-        stack = self._decode_stack(x, cache) if one_token else None
+        # decode steps and speculative blocks; longer prompts amortize the Python of the layer loop anyway
+        short = T <= STACK_MAX_TOKENS and B == 1 and cache is not None and not self.reference_ops
+        stack = self._decode_stack(x, cache) if short else None
         if stack is not None:  # one C call for all layers: the same kernels as the loop below, bit for bit
             x = stack(x, start_pos, cos, sin)
         else:

@@ -129,6 +129,7 @@ def tiny_quantized(request, tmp_path_factory):
 
 
 def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized):
+    from llmrun.models.llama import STACK_MAX_TOKENS
     from llmrun.kv_cache import KVCache
     from llmrun.loading import load_model
     from llmrun.models.quant import QuantEmbedding, QuantLinear
@@ -139,16 +140,25 @@ def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized)
     assert isinstance(packed.model.layers[0].attn.qkv, QuantLinear)
     assert isinstance(packed.model.embed if packed.model.lm_head is None else packed.model.lm_head, (QuantEmbedding, QuantLinear))
     assert packed.weight_bytes < plain.weight_bytes / 3
-    tokens = torch.randint(0, packed.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    n = STACK_MAX_TOKENS + 4  # a prefill longer than the whole-stack call takes: it runs the layer loop
+    tokens = torch.randint(0, packed.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(3))
+
+    def run(sizes):  # forward the tokens in consecutive pieces of these sizes through one cache
+        cache, out, start = KVCache.for_model(packed.config, n + 4, torch.float32, "cpu"), [], 0
+        for size in sizes:
+            out.append(packed.model(tokens[:, start : start + size], start, cache)[0])
+            start += size
+        return torch.cat(out)
+
     with torch.no_grad():
         exact = plain.model(tokens)[0]
-        cache = KVCache.for_model(packed.config, 16, torch.float32, "cpu")
-        prefill = packed.model(tokens, 0, cache)[0]  # all 12 at once
+        prefill = run([n])
         torch.testing.assert_close(prefill, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
-        cache = KVCache.for_model(packed.config, 16, torch.float32, "cpu")
-        steps = torch.cat([packed.model(tokens[:, i : i + 1], i, cache)[0] for i in range(12)])
-    assert packed.model._stack[1] is not None  # the steps ran as one C call per token (kernels.cpu.DecodeStack)
+        steps = run([1] * n)
+        assert packed.model._stack[1] is not None  # the steps ran as one C call each (kernels.cpu.DecodeStack)
+        blocks = run([3, 1, 7, STACK_MAX_TOKENS - 7, 4])  # speculative blocks through the same C call
     assert torch.equal(steps, prefill)  # one token at a time: the same bits
+    assert torch.equal(blocks, prefill)
 
 
 def test_without_cpu_kernels_the_dequantized_path_runs_with_a_note(tiny_quantized, monkeypatch):
