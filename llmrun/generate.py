@@ -15,6 +15,7 @@ from llmrun.errors import ContextOverflowError, LlmrunError
 from llmrun.kv_cache import KVCache
 from llmrun.loading import LoadedModel
 from llmrun.sampling import SamplingParams, make_generator, sample
+from llmrun.speculative import Proposal, verify
 from llmrun.tokenizer import StreamDecoder
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the (T, S) attention scores of long prompts
@@ -25,7 +26,11 @@ class GenerationStats:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens whose K/V were already cached (earlier turns)
     new_tokens: int = 0
-    decode_steps: int = 0  # forwards of one token (the first token comes from the prefill's logits)
+    decode_steps: int = 0  # target forwards after the prefill: one token each, or a speculative block
+    decode_tokens: int = 0  # tokens those steps produced (an end token included)
+    drafted: int = 0  # speculative decoding: draft tokens proposed ...
+    accepted: int = 0  # ... and accepted by the target
+    draft_k: int | None = None  # the draft length chosen for the latest step (None: no drafter)
     ttft_s: float = 0.0  # from the call to the first sampled token: prefill plus one sampling
     prefill_s: float = 0.0
     decode_s: float = 0.0  # from the first generated token to the last
@@ -43,7 +48,15 @@ class GenerationStats:
 
     @property
     def decode_tok_s(self) -> float:
-        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return self.decode_tokens / self.decode_steps if self.decode_steps else None
 
     def as_dict(self) -> dict:
         return {
@@ -52,7 +65,11 @@ class GenerationStats:
             "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
             "prefill_tok_s": round(self.prefill_tok_s, 2), "decode_tok_s": round(self.decode_tok_s, 2),
             "context_used": self.context_used, "context_max": self.context_max,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason, "decode_steps": self.decode_steps,
+            "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+            "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
+            "tokens_per_step": None if self.tokens_per_step is None else round(self.tokens_per_step, 3),
+            "draft_k": self.draft_k,
         }
 
 
@@ -85,19 +102,27 @@ class StopMatcher:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_len: int | None = None):
-        cfg = loaded.config
+    """`model` overrides the loaded one (a view of it sharing its weights, e.g. with layers skipped);
+    `speculator` (see `llmrun.speculative`) makes generation speculative."""
+
+    def __init__(self, loaded: LoadedModel, max_len: int | None = None, model=None):
         self.loaded = loaded
-        self.model = loaded.model
+        self.model = model or loaded.model
+        cfg = self.model.config
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
         self.cache = KVCache.for_model(cfg, self.max_len, loaded.dtype, loaded.device)
         self.tokens: list[int] = []  # the tokens whose K/V the cache holds, in order
+        self.speculator = None
 
     def reset(self) -> None:
-        self.cache.truncate(0)
-        self.tokens = []
+        self.rollback(0)
+
+    def rollback(self, length: int) -> None:
+        """Forget every token from position `length` on (a rejected speculation, an edited conversation)."""
+        self.cache.truncate(length)
+        del self.tokens[length:]
 
     @torch.inference_mode()
     def forward(self, ids: list[int], last_only: bool = True) -> torch.Tensor:
@@ -125,8 +150,7 @@ class Engine:
                 break
             common += 1
         common = min(common, len(prompt) - 1)  # always run at least one token to get its logits
-        self.cache.truncate(common)
-        del self.tokens[common:]
+        self.rollback(common)
         for i in range(common, len(prompt), PREFILL_CHUNK):
             logits = self.forward(prompt[i : i + PREFILL_CHUNK])
         return logits, common
@@ -144,6 +168,8 @@ class Generation:
 
     Stops at an end-of-generation token, a stop string, max_new_tokens, or a full context. When the consumer
     stops early (Ctrl-C), the engine's cache still matches its token list.
+    With a speculator on the engine, each step verifies a block of draft tokens; the emitted tokens are the
+    same as without (greedy) or have the same distribution (sampling).
     """
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams):
@@ -155,49 +181,97 @@ class Generation:
 
     def __iter__(self):
         engine, params, stats = self.engine, self.params, self.stats
-        eos = engine.tokenizer.eos_ids
+        spec = engine.speculator
+        self._eos = frozenset() if params.ignore_eos else engine.tokenizer.eos_ids
+        self._detok = StreamDecoder(engine.tokenizer)
+        self._stops = StopMatcher(params.stop)
         generator = make_generator(params.seed, engine.device)
-        detok = StreamDecoder(engine.tokenizer)
-        stops = StopMatcher(params.stop)
-        penalize = params.repetition_penalty != 1.0
         t0 = time.perf_counter()
         logits, stats.reused_tokens = engine.prefill(self.prompt)
+        if spec is not None:
+            spec.drafter.start(engine.tokens)
         stats.prefill_s = time.perf_counter() - t0
         t_first = None
         try:
+            tokens = [sample(logits, params, generator, self._history())]
+            t_first = time.perf_counter()
+            stats.ttft_s = t_first - t0
             while True:
-                history = torch.tensor(engine.tokens, device=engine.device) if penalize else None
-                token = sample(logits, params, generator, history)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    stats.ttft_s = t_first - t0
-                if token in eos:
-                    stats.finish_reason = "stop"
-                    break
-                self.token_ids.append(token)
-                stats.new_tokens += 1
-                piece = stops.feed(detok.push(token))
-                if piece:
-                    self.text += piece
-                    yield piece
-                if stops.stopped:
-                    stats.finish_reason = "stop"
-                    break
-                if stats.new_tokens >= params.max_new_tokens:
-                    stats.finish_reason = "length"
-                    break
-                if engine.cache.length >= engine.max_len:
-                    stats.finish_reason = "context"
-                    break
-                logits = engine.decode(token)
-                stats.decode_steps += 1
-            if not stops.stopped:
-                tail = stops.feed(detok.flush())
-                tail += "" if stops.stopped else stops.flush()
+                for token in tokens:
+                    piece = self._take(token)
+                    if piece:
+                        self.text += piece
+                        yield piece
+                    if stats.finish_reason != "interrupted":
+                        break
+                else:
+                    if engine.cache.length >= engine.max_len:
+                        stats.finish_reason = "context"
+                    else:
+                        tokens = self._step(tokens[-1], generator)
+                        continue
+                break
+            if not self._stops.stopped:
+                tail = self._stops.feed(self._detok.flush())
+                tail += "" if self._stops.stopped else self._stops.flush()
                 if tail:
                     self.text += tail
                     yield tail
         finally:
+            if spec is not None:  # accepted draft tokens past the end of the reply: not part of the conversation
+                engine.rollback(min(engine.cache.length, len(self.prompt) + len(self.token_ids)))
             stats.context_used = engine.cache.length
             if t_first is not None:
                 stats.decode_s = time.perf_counter() - t_first
+
+    def _history(self, length: int | None = None) -> torch.Tensor | None:
+        """The context's (first `length`) token ids, for the repetition penalty."""
+        if self.params.repetition_penalty == 1.0:
+            return None
+        return torch.tensor(self.engine.tokens[:length], device=self.engine.device)
+
+    def _take(self, token: int) -> str:
+        """Add a sampled token to the reply; return the text it releases. Sets `stats.finish_reason` when the
+        reply is complete."""
+        stats = self.stats
+        if token in self._eos:
+            stats.finish_reason = "stop"
+            return ""
+        self.token_ids.append(token)
+        stats.new_tokens += 1
+        piece = self._stops.feed(self._detok.push(token))
+        if self._stops.stopped:
+            stats.finish_reason = "stop"
+        elif stats.new_tokens >= self.params.max_new_tokens:
+            stats.finish_reason = "length"
+        return piece
+
+    def _step(self, token: int, generator) -> list[int]:
+        """Feed `token`, the latest sampled one, to the target (with draft tokens after it when speculating);
+        return the next tokens: the accepted drafts and the target's own token after them."""
+        engine, params, stats = self.engine, self.params, self.stats
+        spec = engine.speculator
+        start = engine.cache.length
+        proposal, k, t0 = Proposal(), 0, time.perf_counter()
+        if spec is not None:
+            room = min(params.max_new_tokens - stats.new_tokens - 1, engine.max_len - start - 1)
+            k = spec.length.choose(room)
+            stats.draft_k = k
+            if k:
+                proposal = spec.drafter.propose(engine.tokens + [token], k, params, generator)
+        t1 = time.perf_counter()
+        drafts = proposal.tokens
+        logits = engine.forward([token, *drafts], last_only=not drafts)  # (V,), or (1 + K, V) to verify
+        history = self._history(start + 1)
+        if drafts:
+            accepted, nxt = verify(logits, proposal, params, generator, history)
+            engine.rollback(start + 1 + accepted)
+        else:
+            accepted, nxt = 0, sample(logits, params, generator, history)
+        if spec is not None:
+            spec.length.observe(len(drafts), accepted, time.perf_counter() - t1, t1 - t0)
+        stats.decode_steps += 1
+        stats.decode_tokens += accepted + 1
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        return [*drafts[:accepted], nxt]

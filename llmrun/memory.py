@@ -13,7 +13,8 @@ def process_peak_rss() -> int:
 
 
 def memory_report(engine) -> dict:
-    """Bytes: weights, KV cache allocated and in use, process peak, and on CUDA the device's peaks."""
+    """Bytes: weights, KV cache allocated and in use, process peak; a draft model's own weights and KV cache;
+    on CUDA the device's peaks."""
     import torch
 
     report = {
@@ -22,6 +23,12 @@ def memory_report(engine) -> dict:
         "kv_in_use": engine.cache.bytes_in_use(),
         "process_peak_rss": process_peak_rss(),
     }
+    drafter = getattr(getattr(engine, "speculator", None), "drafter", None)
+    if getattr(drafter, "engine", None) is not None:  # a draft model: what it adds to the target's memory
+        shared = {t.data_ptr() for t in engine.model.state_dict().values()}
+        draft = drafter.engine
+        report["draft_weights"] = sum(t.nbytes for t in draft.model.state_dict().values() if t.data_ptr() not in shared)
+        report["draft_kv_allocated"] = draft.cache.nbytes
     if engine.device.type == "cuda":
         report["device_peak_allocated"] = torch.cuda.max_memory_allocated(engine.device)
         report["device_peak_reserved"] = torch.cuda.max_memory_reserved(engine.device)

@@ -21,6 +21,7 @@ class SamplingParams:
     seed: int | None = None  # same seed, same output
     max_new_tokens: int = 512
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these strings
+    ignore_eos: bool = False  # keep going past end-of-generation tokens (benchmarks: a fixed token count)
 
     @property
     def greedy(self) -> bool:

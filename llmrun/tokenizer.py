@@ -77,6 +77,10 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token string (added tokens included) -> its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 

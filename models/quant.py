@@ -48,3 +48,32 @@ class QuantEmbedding(_Blocks):
 
     def project(self, x):
         return kernels.quant_matmul(x, self.qs, self.d, self.m, self.bits)
+
+
+def rtn_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric 4-bit blocks of 32 (GGUF Q4_1's scheme) for w (N, K):
+    -> qs (N, K/2) uint8 in GGML nibble order, d and m (N, K/32) fp16, with w ~ d * q + m, q in 0..15."""
+    N, K = w.shape
+    blocks = w.float().reshape(N, K // 32, 32)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    scale = d.float().clamp(min=torch.finfo(torch.float16).tiny)  # quantize against the stored fp16 values
+    q = ((blocks - m.float()[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)  # byte j holds elements j (low nibble) and j + 16 (high)
+    return qs.reshape(N, K // 2), d, m
+
+
+def int4_linear(layer: nn.Module) -> QuantLinear:
+    """A 4-bit RTN copy of the matrix of an `nn.Linear`, `nn.Embedding` or quantized layer, as a linear layer
+    (the bias shared)."""
+    if isinstance(layer, _Blocks):
+        from llmrun.kernels import ref
+
+        w = ref.dequantize_blocks(layer.qs, layer.d, layer.m, layer.bits)
+    else:
+        w = layer.weight
+    out = QuantLinear(w.shape[1], w.shape[0], 4, True, bias=False)
+    out.qs, out.d, out.m = (t.to(w.device) for t in rtn_blocks(w.detach()))
+    out.bias = getattr(layer, "bias", None)
+    return out

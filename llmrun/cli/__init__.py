@@ -41,8 +41,10 @@ _click_errors = sys.modules[typer.BadParameter.__module__]
 
 def main() -> None:
     """Entry point: usage errors become one `error:` line (exit 2) instead of a help panel."""
+    from .options import expand_bare_ngram
+
     try:
-        code = app(standalone_mode=False)
+        code = app(args=expand_bare_ngram(sys.argv[1:]), standalone_mode=False)
     except _click_errors.NoArgsIsHelpError:
         code = 0  # bare `llmrun`: the help was the answer
     except _click_errors.UsageError as e:

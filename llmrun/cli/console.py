@@ -73,7 +73,25 @@ def open_engine(model: str, opts):
         loaded = load_weights(files, device=opts.device, dtype=opts.dtype, weights=opts.weights)
     for warning in [*loaded.tokenizer.warnings, *loaded.notes]:
         err.print(Text(f"warning: {warning}", style="yellow"))
-    return Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP))
+    engine = Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP))
+    if opts.draft is not None or opts.ngram is not None:
+        engine.speculator = _speculator(engine, opts)
+    return engine
+
+
+def _speculator(engine, opts):
+    from llmrun.loading import load_weights, open_model
+    from llmrun.speculative import make_speculator
+
+    def load(spec):
+        with spinner(f"loading draft {spec}"):
+            loaded = load_weights(open_model(spec), device=opts.device, dtype=opts.dtype, weights=opts.weights)
+        for warning in loaded.notes:
+            err.print(Text(f"warning: draft: {warning}", style="yellow"))
+        return loaded
+
+    return make_speculator(engine, draft=opts.draft, ngram=opts.ngram, draft_tokens=opts.draft_tokens,
+                           adaptive=opts.adaptive, load=load)
 
 
 def status_line(stats, memory: dict) -> Text:
@@ -86,9 +104,16 @@ def status_line(stats, memory: dict) -> Text:
         f"prefill {stats.prefilled_tokens} @ {stats.prefill_tok_s:.0f} tok/s"
         + (f" (+{stats.reused_tokens} cached)" if stats.reused_tokens else ""),
         f"ctx {stats.context_used}/{stats.context_max}",
+    ]
+    if stats.draft_k is not None:  # speculative decoding
+        rate = stats.acceptance_rate
+        parts.append(f"accepted {'-' if rate is None else f'{rate:.0%}'}, {stats.tokens_per_step or 0:.2f} tok/step, K {stats.draft_k}")
+    parts += [
         f"weights {human_bytes(memory['weights'])}",
         f"KV {human_bytes(memory['kv_in_use'])}/{human_bytes(memory['kv_allocated'])}",
     ]
+    if "draft_weights" in memory:
+        parts.append(f"draft {human_bytes(memory['draft_weights'] + memory['draft_kv_allocated'])}")
     if "device_peak_allocated" in memory:
         parts.append(f"GPU peak {human_bytes(memory['device_peak_allocated'])}")
     parts.append(f"peak {human_bytes(memory['process_peak_rss'])}")

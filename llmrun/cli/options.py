@@ -17,6 +17,8 @@ from llmrun.loading import DEFAULT_MODEL
 
 SAMPLING = "Sampling"
 RUNTIME = "Runtime"
+SPECULATIVE = "Speculative decoding"
+NGRAM_DEFAULT = 3  # `--ngram` without a value
 
 
 class Device(str, Enum):
@@ -55,6 +57,10 @@ class RunOptions:
     ctx: int | None
     weights: str = "auto"
     threads: int | None = None
+    draft: str | None = None  # speculative decoding: a draft model, or "self"
+    ngram: int | None = None  # ... or prompt lookup with n-grams up to this long
+    draft_tokens: int = 8  # the most draft tokens per step
+    adaptive: bool = True  # choose K per step (and turn drafting off when it does not pay)
 
 
 _SAMPLING = [
@@ -74,15 +80,22 @@ _RUNTIME = [
     ("threads", Optional[int], None, typer.Option(min=1, help="CPU threads (default: PyTorch's choice, one per core).", rich_help_panel=RUNTIME)),
     ("ctx", Optional[int], None, typer.Option(min=16, help="Context length in tokens (default: the model's, at most 8192; for eval, the window: 512).", rich_help_panel=RUNTIME)),
 ]
+_SPECULATIVE = [
+    ("draft", Optional[str], None, typer.Option(help="Speculative decoding with a draft model that shares the target's tokenizer (a .gguf, HF directory or hub id), or 'self': a 4-bit copy of the target ('self:skip': the target with layers skipped).", rich_help_panel=SPECULATIVE)),
+    ("ngram", Optional[int], None, typer.Option(help=f"Speculative decoding by prompt lookup: propose what followed the latest earlier match of the last N tokens (bare --ngram: {NGRAM_DEFAULT}). No extra model; best when the reply copies from the prompt.", rich_help_panel=SPECULATIVE)),
+    ("draft_tokens", int, 8, typer.Option(min=1, max=32, help="Most draft tokens verified per step (K).", rich_help_panel=SPECULATIVE)),
+    ("adaptive", bool, True, typer.Option("--adaptive/--fixed-k", help="Choose K each step from the measured acceptance and costs, drafting nothing when it does not pay; --fixed-k always drafts --draft-tokens.", rich_help_panel=SPECULATIVE)),
+]
 DEFAULT_CTX_CAP = 8192  # a 128k-context model would otherwise preallocate gigabytes of KV cache
 
 
 def _build(values: dict) -> RunOptions:
     from llmrun.sampling import SamplingParams
 
+    speculative = {name: values[name] for name, *_ in _SPECULATIVE if name in values}
     if "temperature" not in values:  # a command without sampling options
         return RunOptions(None, values["device"].value, values["dtype"].value, values["ctx"],
-                          values["weights"].value, values["threads"])
+                          values["weights"].value, values["threads"], **speculative)
     if not 0.0 < values["top_p"] <= 1.0:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
     if values["repetition_penalty"] <= 0:
@@ -93,18 +106,30 @@ def _build(values: dict) -> RunOptions:
         max_new_tokens=values["max_new_tokens"], stop=tuple(values["stop"] or ()),
     )
     return RunOptions(params, values["device"].value, values["dtype"].value, values["ctx"],
-                      values["weights"].value, values["threads"])
+                      values["weights"].value, values["threads"], **speculative)
 
 
-def run_options(command=None, *, sampling: bool = True):
+def expand_bare_ngram(argv: list[str]) -> list[str]:
+    """`--ngram` takes an optional value: a bare `--ngram` (not followed by a number) means N = 3."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--ngram" and not (i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit()):
+            arg = f"--ngram={NGRAM_DEFAULT}"
+        out.append(arg)
+    return out
+
+
+def run_options(command=None, *, sampling: bool = True, speculative: bool | None = None):
     """Decorator: append the shared options to `command`'s CLI signature; pass them as `opts: RunOptions`.
 
     `@run_options(sampling=False)` adds only the runtime options (device, dtype, weights, threads, ctx); then
-    `opts.params` is None.
+    `opts.params` is None. The speculative-decoding options come with the sampling ones unless `speculative`
+    says otherwise.
     """
     if command is None:
-        return functools.partial(run_options, sampling=sampling)
-    table = (_SAMPLING if sampling else []) + _RUNTIME
+        return functools.partial(run_options, sampling=sampling, speculative=speculative)
+    with_speculative = sampling if speculative is None else speculative
+    table = (_SAMPLING if sampling else []) + _RUNTIME + (_SPECULATIVE if with_speculative else [])
     sig = inspect.signature(command, eval_str=True)
     own = [p for p in sig.parameters.values() if p.name != "opts"]
     shared = [

@@ -1,0 +1,311 @@
+"""Speculative decoding: a cheap drafter proposes K tokens, the target checks all of them in one forward over
+K+1 positions, and the output is what the target alone would give.
+
+- Greedy (temperature 0): draft tokens are accepted while they equal the target's argmax; the first mismatch
+  is replaced by the target's own token. The output is token for token plain greedy decoding.
+- Sampling: the rejection rule of Leviathan et al. and Chen et al. (2023): accept draft token x with
+  probability min(1, p(x)/q(x)); on rejection draw from norm(max(0, p - q)); when all K pass, draw a bonus
+  token from the target. The emitted tokens are distributed exactly as the target's. p and q are both the
+  distributions actually sampled from (penalty, temperature, top-k, top-p, min-p: `sampling.token_probs`).
+
+Drafters propose from the verified context only, so rolling back a rejection is moving the caches' lengths:
+`NgramDrafter` (prompt lookup, no model) and `ModelDrafter` (a smaller model with the same tokenizer, or the
+target itself with layers skipped). `DraftLength` picks K before each step from the measured acceptance and
+step costs, and stops drafting when it does not pay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmrun.sampling import SamplingParams, sample, token_probs
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # (K, V) the draft's distribution for each token; None: chosen outright
+
+
+def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator: torch.Generator | None,
+           history: torch.Tensor | None = None) -> tuple[int, int]:
+    """Check a proposal against the target.
+
+    logits (K+1, V): the target's logits after the context and after each draft token; history (N,): the
+    context's token ids (for the repetition penalty, which also counts the accepted draft tokens).
+    Returns (how many draft tokens are accepted, the target's token that follows them).
+    """
+    drafts = proposal.tokens
+    k = len(drafts)
+    penalize = history is not None and params.repetition_penalty != 1.0
+
+    def seen(i):  # the tokens before position i
+        return torch.cat((history, history.new_tensor(drafts[:i]))) if penalize else None
+
+    if params.greedy:
+        if not penalize:
+            best = logits.argmax(-1).tolist()
+            n = 0
+            while n < k and drafts[n] == best[n]:
+                n += 1
+            return n, best[n]
+        for i in range(k + 1):
+            token = sample(logits[i], params, None, seen(i))
+            if i == k or token != drafts[i]:
+                return i, token
+    vocab = logits.shape[-1]
+    for i, x in enumerate(drafts):
+        p = token_probs(logits[i], params, seen(i))  # (V,)
+        if proposal.probs is None:
+            q = torch.zeros_like(p)
+            q[x] = 1.0
+        else:
+            q = _fit(proposal.probs[i].to(p.device, torch.float32), vocab)
+        qx, px = float(q[x]), float(p[x])
+        if torch.rand((), generator=generator, device=p.device).item() * qx < px:  # r < p(x)/q(x), qx > 0
+            continue
+        residual = (p - q).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q up to rounding
+            residual = p
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return k, int(torch.multinomial(token_probs(logits[k], params, seen(k)), 1, generator=generator))
+
+
+def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A draft distribution over the target's vocabulary size (embedding tables are often padded)."""
+    if q.shape[-1] == vocab:
+        return q
+    if q.shape[-1] > vocab:
+        return q[:vocab]
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from `max_n` down to
+    `min_n`, longest first) and propose the tokens that followed it. Free to run; pays off when the reply
+    copies from the prompt or from itself (code edits, summaries, answers quoting a document)."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int | None = None):
+        if max_n < 1:
+            raise ValueError("the n-gram length must be at least 1")
+        self.max_n = max_n
+        self.min_n = min(2, max_n) if min_n is None else min_n
+        self._indexed: list[int] = []  # the context the index describes
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
+
+    def start(self, context: list[int]) -> None:
+        self._sync(context)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator) -> Proposal:
+        self._sync(context)
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            at = self._index.get(tuple(context[-n:]))
+            if at is not None:
+                return Proposal(context[at : at + k])
+        return Proposal()
+
+    def _sync(self, context: list[int]) -> None:
+        """Index the n-grams ending at positions 1 .. len(context) - 1: each has a continuation, and the one
+        ending at the very end (the query) is left out, or it would find itself."""
+        last = len(context) - 1
+        done = len(self._indexed)  # n-grams ending at positions <= done are indexed already
+        if done > last or context[:done] != self._indexed:  # a new conversation or an edited prompt
+            self._index, done = {}, 0
+        for end in range(done + 1, last + 1):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._index[tuple(context[end - n : end])] = end
+        self._indexed = context[: max(last, 0)]
+
+
+class ModelDrafter:
+    """Drafts with a model of its own (an `Engine` with its own KV cache): K autoregressive steps, sampled with
+    the same settings as the target. Its cache follows the verified context by prefix reuse: tokens the target
+    rejected are simply overwritten on the next proposal."""
+
+    def __init__(self, engine, name: str):
+        self.engine = engine
+        self.name = name
+
+    def start(self, context: list[int]) -> None:
+        self.engine.prefill(context)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator) -> Proposal:
+        engine = self.engine
+        k = min(k, engine.max_len - len(context))
+        if k <= 0:
+            return Proposal()
+        logits, _ = engine.prefill(context)
+        penalize = params.repetition_penalty != 1.0
+        tokens, probs = [], []
+        for i in range(k):
+            history = torch.tensor(engine.tokens, device=engine.device) if penalize else None
+            if params.greedy:
+                token = sample(logits, params, None, history)
+            else:
+                q = token_probs(logits, params, history)
+                token = int(torch.multinomial(q, 1, generator=generator))
+                probs.append(q)
+            tokens.append(token)
+            if i + 1 < k:
+                logits = engine.decode(token)
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+
+class DraftLength:
+    """Chooses K before each step to maximize expected tokens per second, from three running estimates:
+
+    - the per-token acceptance rate a (exponentially forgetting counts), so that K draft tokens yield
+      (1 - a^(K+1)) / (1 - a) tokens per step;
+    - the target's step time for T tokens, fitted as base + slope * (T - 1) from measured steps;
+    - the drafter's time per proposed token.
+
+    K = 0 (a plain step) wins when speculation would be slower; then a short probe runs now and then, less
+    often while it keeps failing, so a change of text (into a copied passage, say) is noticed.
+    With `adaptive=False`, K is always `max_k`.
+    """
+
+    DECAY = 0.9  # weight of the past per step in the acceptance counts
+    SMOOTH = 0.3  # weight of a new timing in its running average
+
+    def __init__(self, max_k: int = 8, adaptive: bool = True):
+        if max_k < 1:
+            raise ValueError("the draft length must be at least 1")
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.accepted, self.rejected = 1.0, 1.0  # prior: half the draft tokens pass
+        self.step_s: dict[int, float] = {}  # tokens per target forward -> seconds
+        self.draft_s: float | None = None  # seconds per drafted token
+        self.k = max_k  # the latest choice
+        self._wait, self._patience = 0, 4  # plain steps before the next probe
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def choose(self, room: int) -> int:
+        """K for the next step, at most `room` (what the context and the token budget leave)."""
+        room = max(0, min(room, self.max_k))
+        if not self.adaptive or room == 0:
+            self.k = room
+            return room
+        if 1 not in self.step_s:  # measure a plain step first: the baseline every K is weighed against
+            self.k = 0
+            return 0
+        best_k, best = 0, 1.0 / self._target_s(1)
+        for k in range(1, room + 1):
+            rate = self._expected_tokens(k) / (self._target_s(k + 1) + k * (self.draft_s or 0.0))
+            if rate > best:
+                best_k, best = k, rate
+        if best_k == 0:
+            self._wait += 1
+            if self._wait >= self._patience:  # probe: the text may have changed
+                self._wait, self._patience = 0, min(2 * self._patience, 256)
+                best_k = min(2, room)
+        else:
+            self._wait, self._patience = 0, 4
+        self.k = best_k
+        return best_k
+
+    def observe(self, drafted: int, accepted: int, target_s: float, draft_s: float) -> None:
+        """Record one step: `drafted` tokens proposed (0: a plain step), `accepted` of them taken."""
+        _average(self.step_s, drafted + 1, target_s, self.SMOOTH)
+        if drafted:
+            self.draft_s = draft_s / drafted if self.draft_s is None else (
+                (1 - self.SMOOTH) * self.draft_s + self.SMOOTH * draft_s / drafted)
+            self.accepted = self.DECAY * self.accepted + accepted
+            self.rejected = self.DECAY * self.rejected + (accepted < drafted)
+
+    def _expected_tokens(self, k: int) -> float:
+        a = min(self.acceptance, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def _target_s(self, tokens: int) -> float:
+        """Measured, or from the least-squares line through the measured sizes."""
+        if tokens in self.step_s:
+            return self.step_s[tokens]
+        base = self.step_s[1]
+        if len(self.step_s) < 2:  # nothing measured beyond plain steps: assume extra tokens are cheap
+            return base * (1 + 0.1 * (tokens - 1))
+        xs, ys = zip(*self.step_s.items())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return max(base, my + max(slope, 0.0) * (tokens - mx))
+
+
+def _average(table: dict, key, value: float, weight: float) -> None:
+    table[key] = value if key not in table else (1 - weight) * table[key] + weight * value
+
+
+@dataclass
+class Speculator:
+    """What an `Engine` needs to decode speculatively: a drafter and the policy for K."""
+
+    drafter: NgramDrafter | ModelDrafter
+    length: DraftLength
+
+    @property
+    def name(self) -> str:
+        return self.drafter.name
+
+
+def self_draft_layers(n_layers: int) -> list[int]:
+    """The layers a self-draft keeps: every other one between the first and last two, about 55% of them.
+    The first and last layers matter most to the output (they map tokens in and logits out)."""
+    inner = range(2, n_layers - 2)
+    return sorted({0, 1, n_layers - 2, n_layers - 1, *inner[::2]} & set(range(n_layers)))
+
+
+def make_speculator(engine, *, draft: str | None = None, ngram: int | None = None, draft_tokens: int = 8,
+                    adaptive: bool = True, load=None) -> Speculator | None:
+    """The speculator for the CLI's options, or None without --draft / --ngram.
+
+    `draft`: "self" (the target with layers skipped), or a model to load with `load(spec) -> LoadedModel`
+    (same device, dtype and weight mode as the target); `ngram`: the longest n-gram to look up.
+    """
+    from llmrun.errors import LlmrunError
+    from llmrun.generate import Engine
+
+    if draft is not None and ngram is not None:
+        raise LlmrunError("--draft and --ngram both choose the drafter; pass one of them")
+    if draft is None and ngram is None:
+        return None
+    if not 1 <= draft_tokens <= 32:
+        raise LlmrunError(f"--draft-tokens {draft_tokens}: choose 1 to 32 tokens per step")
+    length = DraftLength(draft_tokens, adaptive)
+    if ngram is not None:
+        if not 1 <= ngram <= 8:
+            raise LlmrunError(f"--ngram {ngram}: choose an n-gram length from 1 to 8")
+        return Speculator(NgramDrafter(ngram), length)
+    if draft in ("self", "self:int4"):
+        sub = engine.model.with_int4_weights()
+        return Speculator(ModelDrafter(Engine(engine.loaded, engine.max_len, model=sub), "self (int4 copy)"), length)
+    if draft == "self:skip":
+        n = engine.model.config.n_layers
+        keep = self_draft_layers(n)
+        sub = engine.model.with_layers(keep)
+        return Speculator(ModelDrafter(Engine(engine.loaded, engine.max_len, model=sub),
+                                      f"self ({len(keep)}/{n} layers)"), length)
+    loaded = load(draft)
+    check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
+    return Speculator(ModelDrafter(Engine(loaded, engine.max_len), draft), length)
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """Raise unless both tokenizers map the same strings to the same ids (draft tokens are target tokens)."""
+    from llmrun.errors import LlmrunError
+
+    a, b = target.vocabulary(), draft.vocabulary()
+    if a == b:
+        return
+    if len(a) != len(b):
+        detail = f"{len(b)} tokens vs the target's {len(a)}"
+    else:
+        by_id = {i: t for t, i in a.items()}
+        token, i = next((t, i) for t, i in sorted(b.items(), key=lambda x: x[1]) if by_id.get(i) != t)
+        detail = f"id {i} is {token!r} in the draft but {by_id.get(i)!r} in the target"
+    raise LlmrunError(f"the draft model's tokenizer differs from the target's ({detail}); "
+                      "use a draft from the same model family, or --ngram / --draft self")

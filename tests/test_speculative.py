@@ -1,0 +1,333 @@
+"""Speculative decoding: greedy output identical to plain decoding, sampled output distributed as the target's,
+rollback leaving the caches as if the rejected tokens never came, and the drafters' and K-policy's logic."""
+
+import pytest
+import torch
+
+from llmrun.errors import LlmrunError
+from llmrun.generate import Engine
+from llmrun.sampling import SamplingParams, token_probs
+from llmrun.speculative import (
+    DraftLength, ModelDrafter, NgramDrafter, Proposal, Speculator, check_same_vocabulary, make_speculator, verify,
+)
+
+from .conftest import run_main
+
+PROMPTS = [
+    "The three primary colours are",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Copy this list exactly: apple, banana, cherry, apple, banana, cherry, apple,",
+    "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n",  # ends on the end-of-turn token
+]
+
+
+class OracleDrafter:
+    """Proposes a known continuation (the plain greedy reply), with every `wrong`-th token changed: blocks that
+    are accepted whole, cut at a rejection, or cross the end of the reply (the end token, a stop string)."""
+
+    name = "oracle"
+
+    def __init__(self, prompt, reply, wrong=0):
+        self.full = list(prompt) + list(reply)
+        self.wrong = wrong
+
+    def start(self, context):
+        pass
+
+    def propose(self, context, k, params, generator):
+        at = len(context)
+        tokens = self.full[at : at + k]
+        if self.wrong:
+            tokens = [t + 1 if (at + i) % self.wrong == 0 else t for i, t in enumerate(tokens)]
+        return Proposal(tokens)
+
+
+def _generate(engine, prompt, params, speculator=None):
+    engine.reset()
+    engine.speculator = speculator
+    reply = engine.generate(prompt, params)
+    text = "".join(reply)
+    return reply, text
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return Engine(smollm2, max_len=512)
+
+
+def _assert_cache_matches_a_fresh_prefill(engine):
+    """The valid part of the cache holds exactly what prefilling `engine.tokens` from scratch gives."""
+    fresh = Engine(engine.loaded, engine.max_len, model=engine.model)
+    fresh.prefill(engine.tokens + [0])  # the extra token makes the prefill cover every token of the list
+    n = len(engine.tokens)
+    assert engine.cache.length == n
+    assert torch.equal(engine.cache.k[:, :, :, :n], fresh.cache.k[:, :, :, :n])
+    assert torch.equal(engine.cache.v[:, :, :, :n], fresh.cache.v[:, :, :, :n])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculation_emits_exactly_the_plain_greedy_tokens(engine, smollm2, prompt):
+    tok = smollm2.tokenizer
+    ids = tok.encode(prompt, special=True)
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    plain, plain_text = _generate(engine, ids, params)
+    full_reply = plain.token_ids + [2]  # the oracle also proposes the end token after the reply
+    drafters = [
+        (OracleDrafter(ids, full_reply), DraftLength(6, adaptive=False)),
+        (OracleDrafter(ids, full_reply, wrong=3), DraftLength(4, adaptive=False)),
+        (OracleDrafter(ids, full_reply, wrong=7), DraftLength(8, adaptive=True)),
+        (NgramDrafter(3), DraftLength(5, adaptive=False)),
+        (NgramDrafter(2), DraftLength(8, adaptive=True)),
+    ]
+    for drafter, length in drafters:
+        spec, spec_text = _generate(engine, ids, params, Speculator(drafter, length))
+        assert spec.token_ids == plain.token_ids, (drafter.name, length.max_k)
+        assert spec_text == plain_text and spec.stats.finish_reason == plain.stats.finish_reason
+        _assert_cache_matches_a_fresh_prefill(engine)
+    engine.speculator = None
+
+
+def test_greedy_identity_holds_across_stop_strings_and_the_token_budget(engine, smollm2):
+    ids = smollm2.tokenizer.encode(PROMPTS[1])
+    free, free_text = _generate(engine, ids, SamplingParams(temperature=0, max_new_tokens=30))
+    # a stop string that first occurs in the middle of the reply
+    at = next(i for i in range(len(free_text) // 2, len(free_text)) if free_text.find(free_text[i : i + 4]) == i)
+    stop = free_text[at : at + 4]
+    for params in (SamplingParams(temperature=0, max_new_tokens=30, stop=(stop,)),
+                   SamplingParams(temperature=0, max_new_tokens=7),
+                   SamplingParams(temperature=0, max_new_tokens=30, repetition_penalty=1.3)):
+        plain, plain_text = _generate(engine, ids, params)
+        # what the target says past the end of the reply too, so drafted blocks run across the stop
+        unlimited, _ = _generate(engine, ids, SamplingParams(**{**params.__dict__, "stop": (), "max_new_tokens": 40}))
+        oracle = OracleDrafter(ids, unlimited.token_ids)
+        spec, spec_text = _generate(engine, ids, params, Speculator(oracle, DraftLength(8, adaptive=False)))
+        assert (spec.token_ids, spec_text, spec.stats.finish_reason) == (plain.token_ids, plain_text, plain.stats.finish_reason)
+        assert spec.stats.decode_steps <= max(1, len(plain.token_ids) // 3)  # whole blocks were accepted
+    engine.speculator = None
+
+
+def test_self_drafts_are_lossless_and_report_their_figures(engine, smollm2):
+    ids = smollm2.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    plain, _ = _generate(engine, ids, params)
+    for draft in ("self", "self:skip"):
+        spec = make_speculator(engine, draft=draft, draft_tokens=4, adaptive=False)
+        reply, _ = _generate(engine, ids, params, spec)
+        assert reply.token_ids == plain.token_ids, draft
+        stats = reply.stats
+        assert stats.drafted > 0 and 0 <= stats.acceptance_rate <= 1 and 0 <= stats.draft_k <= 4
+        assert stats.tokens_per_step == pytest.approx(1 + stats.accepted / stats.decode_steps)
+        draft_engine = spec.drafter.engine
+        assert draft_engine.tokens == engine.tokens[: len(draft_engine.tokens)]  # it follows the verified text
+    engine.speculator = None
+
+
+def test_the_int4_self_draft_shares_norms_and_agrees_with_the_target(smollm2_dequant):
+    from llmrun.models.quant import QuantLinear
+
+    model = smollm2_dequant.model
+    draft = model.with_int4_weights()
+    assert isinstance(draft.layers[3].mlp.down, QuantLinear) and isinstance(draft.lm_head, QuantLinear)
+    assert draft.layers[3].attn_norm is model.layers[3].attn_norm and draft.embed is model.embed
+    assert not isinstance(model.layers[3].mlp.down, QuantLinear) and model.lm_head is None  # the target is untouched
+    ids = torch.tensor([smollm2_dequant.tokenizer.encode(PROMPTS[1] * 3)])
+    with torch.no_grad():
+        agree = (draft(ids).argmax(-1) == model(ids).argmax(-1)).float().mean()
+    assert agree > 0.7
+
+
+def test_a_layer_skipping_view_shares_weights_and_renumbers_its_cache(smollm2):
+    model = smollm2.model
+    sub = model.with_layers([0, 5, 29])
+    assert sub.config.n_layers == 3 and len(model.layers) == 30
+    assert [b.attn.layer_idx for b in sub.layers] == [0, 1, 2] and model.layers[5].attn.layer_idx == 5
+    assert sub.layers[1].mlp is model.layers[5].mlp
+
+
+# --- sampling: the target's distribution, exactly ------------------------------------------------------------
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of observed counts against expected probabilities (cells with p > 0)."""
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token the target can never emit was emitted"
+    expected = n * probs[keep]
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "ngram"])
+def test_verification_samples_the_target_distribution(draft_kind):
+    gen = torch.Generator().manual_seed(0)
+    V, trials = 6, 20000
+    target = torch.randn(2, V, generator=gen) * 1.5
+    draft = torch.randn(V, generator=gen) * 1.5
+    params = SamplingParams(temperature=0.9, top_k=5, top_p=1.0, min_p=0.0)
+    p = token_probs(target[0], params)
+    q = token_probs(draft, params)
+    counts = torch.zeros(V)
+    for _ in range(trials):
+        x = int(torch.multinomial(q, 1, generator=gen)) if draft_kind == "model" else 2
+        proposal = Proposal([x], q[None] if draft_kind == "model" else None)
+        accepted, nxt = verify(target, proposal, params, gen)
+        counts[x if accepted else nxt] += 1
+    assert _chi_square_p_value(counts, p) > 1e-3
+    # The test can fail: the draft's own distribution is far from the target's.
+    assert _chi_square_p_value(torch.tensor([(q * trials).round().tolist()]).squeeze(0) * (p > 0), p) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny target and a different tiny draft (other weights, one layer) with the same vocabulary."""
+    import dataclasses
+
+    from llmrun.loading import load_model
+
+    from .tiny import CONFIGS, random_model, write_hf_dir
+
+    root = tmp_path_factory.mktemp("pair")
+    cfg = CONFIGS["llama"]
+    target = write_hf_dir(root / "target", random_model(cfg, seed=0))
+    draft = write_hf_dir(root / "draft", random_model(dataclasses.replace(cfg, n_layers=1), seed=7))
+    return load_model(str(target), "cpu", "fp32"), load_model(str(draft), "cpu", "fp32")
+
+
+def _sequence_probs(model, prompt, params, length, eos):
+    """Exact probability of every reply of up to `length` tokens (ending early at eos), by full forwards."""
+    out = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for seq, pr in out.items():
+            if seq and seq[-1] == eos:
+                nxt[seq] = pr
+                continue
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(seq)]))[0, -1]
+            for t, pt in enumerate(token_probs(logits, params).tolist()):
+                if pt > 0:
+                    nxt[seq + (t,)] = pr * pt
+        out = nxt
+    return out
+
+
+def test_sampled_speculation_matches_the_target_distribution_end_to_end(tiny_pair):
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, max_new_tokens=4)
+    prompt = [5, 17, 42]
+    exact = _sequence_probs(target.model, prompt, params, 4, target.tokenizer.eos_id)
+    wrong = _sequence_probs(draft.model, prompt, params, 4, target.tokenizer.eos_id)
+    cells = sorted(set(exact) | set(wrong))
+    engine = Engine(target, 32)
+    engine.speculator = Speculator(ModelDrafter(Engine(draft, 32), "tiny"), DraftLength(2, adaptive=False))
+    counts, runs = torch.zeros(len(cells)), 1500
+    for seed in range(runs):
+        reply = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}))
+        for _ in reply:
+            pass
+        ids = tuple(reply.token_ids) + ((target.tokenizer.eos_id,) if reply.stats.finish_reason == "stop" else ())
+        counts[cells.index(ids)] += 1
+    assert engine.speculator is not None and reply.stats.drafted > 0
+    probs = torch.tensor([exact.get(c, 0.0) for c in cells], dtype=torch.float64)
+    assert _chi_square_p_value(counts.double(), probs) > 1e-3
+    # power: the draft alone would be told apart from the target
+    wrong_counts = torch.tensor([wrong.get(c, 0.0) for c in cells], dtype=torch.float64) * runs
+    assert any(wrong.get(c, 0) > 0 and exact.get(c, 0) == 0 for c in cells) or \
+        _chi_square_p_value(wrong_counts.round(), probs) < 1e-6
+
+
+def test_same_seed_same_speculative_sample(tiny_pair):
+    target, draft = tiny_pair
+    engine = Engine(target, 64)
+    engine.speculator = Speculator(ModelDrafter(Engine(draft, 64), "tiny"), DraftLength(3, adaptive=False))
+    params = SamplingParams(temperature=0.9, seed=11, max_new_tokens=20)
+    first = engine.generate([1, 2, 3], params)
+    list(first)
+    second = engine.generate([1, 2, 3], params)
+    list(second)
+    assert first.token_ids == second.token_ids
+
+
+# --- drafters and the K policy ---------------------------------------------------------------------------------
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_longest_match():
+    d = NgramDrafter(3)
+    params = SamplingParams(temperature=0)
+    ctx = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    assert d.propose(ctx, 3, params, None).tokens == [4, 5, 9]  # "1 2 3": the longest match beats a later "2 3"
+    assert NgramDrafter(2).propose(ctx, 3, params, None).tokens == [7, 8, 1]  # "2 3": the latest occurrence
+    assert d.propose(ctx + [4], 2, params, None).tokens == [5, 9]
+    assert d.propose([6, 6, 6], 4, params, None).tokens == [6]  # a continuation reaching the query itself
+    assert d.propose([1, 2, 3, 10, 11], 4, params, None).tokens == []  # nothing to look up: a plain step
+    assert NgramDrafter(1).propose([4, 8, 4], 1, params, None).tokens == [8]
+
+
+def test_ngram_index_follows_rollbacks_and_new_conversations():
+    d = NgramDrafter(2)
+    params = SamplingParams(temperature=0)
+    d.start([1, 2, 3, 1, 2, 9])
+    assert d.propose([1, 2, 3, 1, 2], 2, params, None).tokens == [3, 1]  # the context shrank: re-indexed
+    assert d.propose([7, 8, 9, 7, 8], 1, params, None).tokens == [9]  # another text altogether
+
+
+def test_draft_length_turns_drafting_off_when_it_does_not_pay_and_probes_again():
+    length = DraftLength(8)
+    assert length.choose(100) == 0  # a plain step comes first: the baseline
+    length.observe(0, 0, target_s=0.010, draft_s=0.0)
+    for _ in range(20):  # drafts cost as much as the target and are always rejected
+        k = length.choose(100)
+        length.observe(k, 0, target_s=0.010 + 0.01 * k, draft_s=0.010 * k) if k else length.observe(0, 0, 0.010, 0)
+    ks = [length.choose(100) for _ in range(12)]
+    assert ks.count(0) >= 10 and max(ks) <= 2  # off, with the odd short probe
+
+
+def test_draft_length_grows_with_acceptance_and_respects_the_room():
+    length = DraftLength(8)
+    length.choose(100)
+    length.observe(0, 0, 0.010, 0.0)
+    for _ in range(10):
+        k = length.choose(100)
+        length.observe(k, k, target_s=0.011 + 0.001 * k, draft_s=0.0)  # cheap, always accepted
+    assert length.choose(100) == 8 and length.acceptance > 0.9
+    assert length.choose(3) == 3 and length.choose(0) == 0
+    assert DraftLength(5, adaptive=False).choose(100) == 5
+
+
+# --- wiring and errors -----------------------------------------------------------------------------------------
+
+
+def test_mismatched_tokenizers_are_rejected(smollm2, tiny_pair):
+    with pytest.raises(LlmrunError, match="tokenizer differs"):
+        check_same_vocabulary(smollm2.tokenizer, tiny_pair[0].tokenizer)
+    engine = Engine(smollm2, 64)
+    with pytest.raises(LlmrunError, match="tokenizer differs"):
+        make_speculator(engine, draft="other", load=lambda spec: tiny_pair[0])
+    check_same_vocabulary(smollm2.tokenizer, smollm2.tokenizer)
+
+
+def test_cli_speculative_json_reports_acceptance(monkeypatch, capsys):
+    import json
+
+    code, out, err = run_main(["generate", "--json", "--temperature", "0", "-n", "24", "--ngram",
+                               "one two three four one two three four one two"], monkeypatch, capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["drafted_tokens"] >= 0 and doc["draft_k"] is not None and doc["tokens_per_step"] >= 1
+    plain_code, plain_out, _ = run_main(["generate", "--json", "--temperature", "0", "-n", "24",
+                                         "one two three four one two three four one two"], monkeypatch, capsys)
+    assert plain_code == 0 and json.loads(plain_out)["text"] == doc["text"]
+    assert json.loads(plain_out)["draft_k"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "self", "--ngram", "2"], "pass one of them"),
+    (["--ngram", "0"], "--ngram 0"),
+    (["--draft-tokens", "0", "--ngram"], "--draft-tokens"),
+    (["--draft", "missing-draft.gguf"], "missing-draft.gguf"),
+])
+def test_cli_speculative_bad_options_give_one_line_errors(monkeypatch, capsys, args, message):
+    code, out, err = run_main(["chat", "-p", "hi", "-n", "4", *args], monkeypatch, capsys)
+    assert code != 0 and out == ""
+    assert message in err and "Traceback" not in err
