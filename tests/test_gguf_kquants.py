@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from gguf.constants import GGML_QUANT_SIZES
 
 from llmrun import gguf_quants
 from llmrun.gguf_quants import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0
@@ -17,14 +18,15 @@ from llmrun.kernels import cpu, ref
 
 from .tiny import CONFIGS, random_model, write_gguf
 
-_FP16_FIELDS = {Q4_0: [0], Q4_1: [0, 2], Q5_0: [0], Q8_0: [0], Q4_K: [0, 2], Q6_K: [208]}  # byte offsets
-TYPES = sorted(_FP16_FIELDS)
+Q5_1 = 7  # a type without planes: it loads dequantized
+_FP16_FIELDS = {Q4_0: [0], Q4_1: [0, 2], Q5_0: [0], Q5_1: [0, 2], Q8_0: [0], Q4_K: [0, 2], Q6_K: [208]}  # byte offsets
+TYPES = sorted(gguf_quants.BLOCK)
 
 
 def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
     """(rows, bytes per row) uint8 of random blocks whose fp16 scales are ~N(0, scale) (random bytes could be
     NaN or inf there)."""
-    nbytes, nvalues = gguf_quants.BLOCK[qtype]
+    nvalues, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows, cols // nvalues, nbytes), dtype=np.uint8)
     for offset in _FP16_FIELDS[qtype]:
@@ -141,7 +143,7 @@ def retyped_copy(src, dst, types) -> None:
         if qtype is None:
             writer.add_tensor(t.name, np.array(t.data).reshape(shape))
         else:  # weights ~0.1: values of random q times fp16 scales ~N(0, 0.1 / range of q)
-            scale = 0.1 / {Q4_K: 15 * 32, Q5_0: 16, Q6_K: 32 * 64}[qtype]
+            scale = 0.1 / {Q4_K: 15 * 32, Q5_0: 16, Q5_1: 31, Q6_K: 32 * 64}[qtype]
             blocks = random_blocks(qtype, shape[0], shape[1], seed=i, scale=scale)
             writer.add_tensor(t.name, blocks, raw_shape=blocks.shape, raw_dtype=GGMLQuantizationType(qtype))
     writer.write_header_to_file()
@@ -150,13 +152,16 @@ def retyped_copy(src, dst, types) -> None:
     writer.close()
 
 
+def write_tiny(tmp, types):
+    cfg = dataclasses.replace(CONFIGS["qwen2"], dim=256, head_dim=64, ffn_dim=512)  # k-quant rows: 256 columns
+    write_gguf(tmp / "f32.gguf", random_model(cfg), arch="qwen2")
+    retyped_copy(tmp / "f32.gguf", tmp / "tiny.gguf", types)
+    return tmp / "tiny.gguf"
+
+
 @pytest.fixture(scope="module")
 def tiny_q4_k_m(tmp_path_factory):
-    cfg = dataclasses.replace(CONFIGS["qwen2"], dim=256, head_dim=64, ffn_dim=512)  # k-quant rows: 256 columns
-    tmp = tmp_path_factory.mktemp("kquants")
-    write_gguf(tmp / "f32.gguf", random_model(cfg), arch="qwen2")
-    retyped_copy(tmp / "f32.gguf", tmp / "tiny-q4_k_m.gguf", _types)
-    return tmp / "tiny-q4_k_m.gguf"
+    return write_tiny(tmp_path_factory.mktemp("kquants"), _types)
 
 
 def test_dequant_path_is_the_exact_dequantization(tiny_q4_k_m):
@@ -197,3 +202,16 @@ def test_packed_q4_k_m_model_matches_dequantized(tiny_q4_k_m):
     # Q4_K, and the requantized Q6_K: small differences, the same ranking of the likely tokens
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+def test_a_type_without_planes_loads_dequantized_with_a_note(tmp_path):
+    """Q5_1 up projections: gate/up (fused) run dequantized, the rest stays packed, and the user is told."""
+    from llmrun.loading import load_model
+
+    path = write_tiny(tmp_path, lambda name: Q5_1 if ".ffn_up." in name else _types(name))
+    packed = load_model(str(path), "cpu", "fp32", "auto")
+    assert packed.weights == "packed"
+    assert [note for note in packed.notes if "Q5_1" in note]
+    assert isinstance(packed.model.layers[0].mlp.gate_up, torch.nn.Linear)
+    assert packed.model.layers[0].attn.qkv.bits == 8
