@@ -122,6 +122,17 @@ def test_self_drafts_are_lossless_and_report_their_figures(engine, smollm2):
     engine.speculator = None
 
 
+def test_greedy_identity_on_the_plain_pytorch_path(smollm2_dequant):
+    """fp32 matmuls of 1 and of K+1 rows need not round alike; at this model's margins the tokens agree."""
+    engine = Engine(smollm2_dequant, max_len=256)
+    for prompt in PROMPTS[:3]:
+        ids = smollm2_dequant.tokenizer.encode(prompt, special=True)
+        params = SamplingParams(temperature=0, max_new_tokens=32)
+        plain, _ = _generate(engine, ids, params)
+        spec, _ = _generate(engine, ids, params, make_speculator(engine, draft="self", draft_tokens=4, adaptive=False))
+        assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0
+
+
 def test_the_int4_self_draft_shares_norms_and_agrees_with_the_target(smollm2_dequant):
     from llmrun.models.quant import QuantLinear
 
@@ -319,6 +330,15 @@ def test_cli_speculative_json_reports_acceptance(monkeypatch, capsys):
                                          "one two three four one two three four one two"], monkeypatch, capsys)
     assert plain_code == 0 and json.loads(plain_out)["text"] == doc["text"]
     assert json.loads(plain_out)["draft_k"] is None
+
+
+def test_cli_draft_model_from_a_file_is_lossless(monkeypatch, capsys, embedded_path):
+    args = ["generate", "--temperature", "0", "-n", "16", "--quiet", "The capital of France is"]
+    code, plain, _ = run_main(args, monkeypatch, capsys)
+    code2, spec, err = run_main([*args[:-1], "--draft", str(embedded_path), "--fixed-k", "--draft-tokens", "3", args[-1]],
+                                monkeypatch, capsys)
+    assert code == code2 == 0, err
+    assert spec == plain
 
 
 @pytest.mark.parametrize("args, message", [
