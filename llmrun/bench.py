@@ -274,13 +274,21 @@ def copy_bandwidth(device_type: str) -> float:
 def measure(engine, workload) -> dict:
     """Every figure of one configuration on `workload` (see the README's Benchmarks section for the keys)."""
     runs = time_runs(EngineRunner(engine), workload, after_warmup=lambda: reset_peak_memory(engine.device))
+    return run_figures(engine, workload, runs)
+
+
+def run_figures(engine, workload, runs: list[Run], tokens_per_step: float | None = None,
+                acceptance_rate: float | None = None) -> dict:
+    """The figures of `runs` just timed on `engine`: speed, memory, bandwidth. Speculative runs give their
+    `tokens_per_step` (the target reads its weights once per step, not per token) and `acceptance_rate`."""
     memory = memory_figures(engine)  # before copy_bandwidth's buffers raise the peak
     figures = speed_figures(runs)
     prompt, new = len(workload.prompt), workload.new_tokens
     kv_per_token = engine.cache.nbytes // engine.cache.max_len
     # Decode step i (1..new-1) attends over prompt + i positions: on average prompt + new/2.
     read_per_token = weight_bytes_read_per_token(engine.loaded) + round(kv_per_token * (prompt + new / 2))
-    achieved = read_per_token * figures["decode_tok_s"]["median"]
+    steps_per_s = figures["decode_tok_s"]["median"] / (tokens_per_step or 1.0)
+    achieved = read_per_token * steps_per_s  # the target's reads; a draft model's are not counted
     peak = copy_bandwidth(engine.device.type)
     return {
         **figures,
@@ -294,8 +302,11 @@ def measure(engine, workload) -> dict:
         "bandwidth_gb_s": round(achieved / 1e9, 3),
         "bandwidth_peak_gb_s": round(peak / 1e9, 3),
         "bandwidth_share": round(achieved / peak, 4),
-        "acceptance_rate": None,  # speculative decoding (issue #6): accepted / proposed draft tokens
-        "tokens_per_step": None,  # speculative decoding: mean tokens committed per target-model step
+        # speculative decoding (`llmrun.bench_speculative`): accepted / proposed draft tokens, and the mean
+        # tokens committed per target-model step; None without a drafter
+        "acceptance_rate": None if acceptance_rate is None else round(acceptance_rate, 4),
+        "tokens_per_step": None if tokens_per_step is None else round(tokens_per_step, 3),
+        "speculative": None,  # with a drafter: the comparison with plain decoding
         "notes": list(engine.loaded.notes),  # e.g. why the fast path is off
     }
 
@@ -384,13 +395,25 @@ def environment(device: str) -> dict:
 
 
 def benchmark(files, settings: Settings, workload, *, model: str, compare: bool = False,
-              sweep_axes: dict | None = None, goal: str = "latency", progress=lambda message: None) -> dict:
+              sweep_axes: dict | None = None, goal: str = "latency", drafting=None,
+              progress=lambda message: None) -> dict:
     """Everything `llmrun bench` reports, as one JSON-ready document: the configured run's figures, and with
-    `compare` the peers side by side, with `sweep_axes` ({axis: values}; {} for the defaults) a ranked sweep."""
+    `compare` the peers side by side, with `sweep_axes` ({axis: values}; {} for the defaults) a ranked sweep.
+    With `drafting` (a `bench_speculative.Drafting`) the figures are the speculative runs', and `speculative`
+    compares them with plain decoding; not with `compare` or `sweep_axes`."""
     from llmrun import sweep
 
-    progress(f"measuring {model} ({describe(settings)})")
-    figures = measure_settings(files, settings, workload)
+    if drafting is not None:
+        from llmrun.bench_speculative import measure_speculative_settings
+
+        if compare or sweep_axes is not None:
+            raise LlmrunError("speculative decoding is measured against plain decoding on its own; run --compare"
+                              " or --sweep without --ngram/--draft")
+        progress(f"measuring {model} ({describe(settings)}), plain and {drafting.flags()}")
+        figures = measure_speculative_settings(files, settings, workload, drafting)
+    else:
+        progress(f"measuring {model} ({describe(settings)})")
+        figures = measure_settings(files, settings, workload)
     doc = {"model": model, "config": settings.describe(), "workload": workload.describe(), **figures,
            "compare": None, "sweep": None, "recommended": None, "environment": environment(settings.device)}
     doc["notes"] = doc.pop("notes")  # last, after the sweep's

@@ -30,7 +30,7 @@ SCHEMA = {
     "decode_tok_s": dict, "e2e_tok_s": NUMBER, "weights_loaded": str, "memory": dict, "weight_bytes": int, "kv_bytes_per_token": int,
     "kv_bytes_in_use": int, "bytes_per_token": int, "bandwidth_gb_s": NUMBER, "bandwidth_peak_gb_s": NUMBER,
     "bandwidth_share": NUMBER, "acceptance_rate": type(None), "tokens_per_step": type(None),
-    "compare": (list, type(None)), "sweep": (list, type(None)), "recommended": (dict, type(None)),
+    "speculative": type(None), "compare": (list, type(None)), "sweep": (list, type(None)), "recommended": (dict, type(None)),
     "environment": dict, "notes": list,
 }
 ENVIRONMENT_KEYS = {"device_name", "cpu_count", "torch", "triton", "llmrun", "commit", "python"}
@@ -40,6 +40,12 @@ MEMORY_KEYS = {"weights", "kv_allocated", "kv_in_use", "process_peak_rss", "devi
 COMPARE_KEYS = {"name", "version", "config", "skipped", "ttft_s", "prefill_tok_s", "decode_tok_s", "e2e_tok_s",
                 "decode_ratio", "prefill_ratio"}
 SWEEP_KEYS = {"rank", "config", "flags", "error", "kl", "top1_agreement", *sweep.SWEEP_FIGURES}
+SPECULATIVE = {  # with --ngram / --draft
+    "drafter": str, "flags": str, "max_k": int, "adaptive": bool, "temperature": NUMBER, "seeds": list,
+    "mean_final_k": NUMBER, "mean_k": NUMBER, "drafted_tokens": int, "accepted_tokens": int,
+    "plain_decode_tok_s": NUMBER, "speculative_decode_tok_s": NUMBER, "speedup": NUMBER,
+    "same_output": (bool, type(None)), "draft_weight_bytes": (int, type(None)), "draft_kv_bytes": (int, type(None)),
+}
 
 
 @dataclass
@@ -94,9 +100,12 @@ def assert_one_error_line(result: Outcome, *words: str, code: int) -> None:
     assert result.stdout == ""
 
 
-def check_schema(doc: dict) -> None:
-    assert set(doc) == set(SCHEMA)
-    for key, kind in SCHEMA.items():
+def check_schema(doc: dict, speculative: bool = False) -> None:
+    schema = SCHEMA
+    if speculative:
+        schema = {**SCHEMA, "acceptance_rate": (*NUMBER, type(None)), "tokens_per_step": NUMBER, "speculative": dict}
+    assert set(doc) == set(schema)
+    for key, kind in schema.items():
         assert isinstance(doc[key], kind), (key, doc[key])
     assert set(doc["config"]) == CONFIG_KEYS and set(doc["workload"]) == WORKLOAD_KEYS
     assert set(doc["memory"]) == MEMORY_KEYS and set(doc["decode_tok_s"]) == {"median", "min", "max"}
@@ -157,6 +166,81 @@ def test_hf_directory_and_prompt_file(cli, tiny_hf, tmp_path):
     doc = ok(cli(tiny_hf, "--prompt-file", text, "--new-tokens", "2", "--repeat", "1", "--no-warmup", "--json")).json()
     check_schema(doc)
     assert doc["workload"]["kind"] == "file" and doc["workload"]["prompt_tokens"] == 6
+
+
+# --- speculative decoding ---------------------------------------------------------------------------------------
+
+
+def check_speculative(doc: dict) -> dict:
+    check_schema(doc, speculative=True)
+    spec = doc["speculative"]
+    assert set(spec) == set(SPECULATIVE)
+    for key, kind in SPECULATIVE.items():
+        assert isinstance(spec[key], kind), (key, spec[key])
+    assert spec["seeds"] == list(range(doc["workload"]["repeat"]))
+    assert spec["speculative_decode_tok_s"] == doc["decode_tok_s"]["median"]  # the figures are the speculative runs'
+    assert spec["speedup"] == pytest.approx(spec["speculative_decode_tok_s"] / spec["plain_decode_tok_s"], rel=0.01)
+    assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"] and 0 <= spec["mean_final_k"] <= spec["max_k"]
+    rate = doc["acceptance_rate"]
+    assert rate == (round(spec["accepted_tokens"] / spec["drafted_tokens"], 4) if spec["drafted_tokens"] else None)
+    assert 1 <= doc["tokens_per_step"] <= spec["max_k"] + 1
+    return spec
+
+
+def test_ngram_on_the_embedded_model(cli):
+    result = ok(cli("--kind", "code-edit", "--ngram", "--prompt-tokens", "64", "--new-tokens", "8", "--repeat", "1",
+                    "--no-warmup", "--json"))
+    doc = result.json()
+    spec = check_speculative(doc)
+    assert doc["workload"]["kind"] == "code-edit" and doc["workload"]["new_tokens"] == 8
+    assert (spec["drafter"], spec["flags"]) == ("ngram 3", "--ngram 3 --draft-tokens 8 --adaptive")
+    assert (spec["max_k"], spec["adaptive"], spec["temperature"]) == (8, True, 0.0)
+    assert spec["same_output"] is True  # greedy: speculative decoding gives plain decoding's tokens
+    assert spec["draft_weight_bytes"] is None and doc["notes"] == []
+    for words in ("speculative", "ngram 3, K ≤ 8 adaptive", "greedy", "tokens/step", "speedup",
+                  f"{spec['speedup']:.2f}x", "plain"):
+        assert words in result.stderr
+
+
+def test_draft_model_sampling_fixed_k(cli, tiny_gguf):
+    doc = ok(cli(tiny_gguf, *FAST, "--draft", "self:skip", "--temperature", "0.8", "--fixed-k", "--draft-tokens", "2",
+                 "--json")).json()
+    spec = check_speculative(doc)
+    assert (spec["max_k"], spec["adaptive"], spec["temperature"]) == (2, False, 0.8)
+    assert spec["flags"] == "--draft self:skip --draft-tokens 2 --fixed-k" and spec["drafter"].startswith("self (")
+    assert spec["same_output"] is None  # sampling: only the distribution is the same
+    assert spec["drafted_tokens"] > 0 and spec["draft_kv_bytes"] > 0
+    assert spec["draft_weight_bytes"] == 0  # the skipped-layer draft shares the target's weights
+
+
+def test_speculative_without_warmup_or_repeats(cli, tiny_gguf):
+    doc = ok(cli(tiny_gguf, *FAST, "--repeat", "3", "--ngram", "2", "--json")).json()
+    assert check_speculative(doc)["seeds"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--ngram", "--compare"], ["--compare", "--ngram/--draft", "separate runs"]),
+    (["--draft", "self", "--sweep"], ["--sweep", "--ngram/--draft", "separate runs"]),
+    (["--ngram", "--random-weights", "smollm2-135m"], ["--random-weights", "real model"]),
+    (["--temperature", "0.8"], ["--temperature", "add --ngram or --draft"]),
+    (["--draft-tokens", "4"], ["--draft-tokens", "add --ngram or --draft"]),
+    (["--fixed-k"], ["--fixed-k", "add --ngram or --draft"]),
+    (["--ngram", "--temperature", "-1"], ["--temperature"]),
+])
+def test_bad_speculative_options(cli, args, words):
+    assert_one_error_line(cli(*args), *words, code=2)
+
+
+def test_bad_drafter_is_one_line(cli, tiny_gguf):
+    assert_one_error_line(cli(tiny_gguf, *FAST, "--ngram", "9"), "--ngram 9", code=1)
+    assert_one_error_line(cli(tiny_gguf, *FAST, "--ngram", "2", "--draft", "self"), "--draft", "--ngram", code=1)
+
+
+def test_speculative_library_refuses_compare():
+    from llmrun.bench_speculative import Drafting
+
+    with pytest.raises(LlmrunError, match="separate|on its own"):
+        bench.benchmark(None, bench.Settings(), None, model="x", compare=True, drafting=Drafting(ngram=3))
 
 
 # --- workloads ------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from llmrun.workloads import KINDS
 
 from . import app
 from .console import err, spinner, user_errors
-from .options import DEFAULT_CTX_CAP, JsonFlag, run_options
+from .options import DEFAULT_CTX_CAP, SPECULATIVE, JsonFlag, RunOptions, run_options
 
 WORKLOAD = "Workload"
 MODES = "Compare and sweep"
@@ -28,7 +28,7 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 @app.command()
 @user_errors
-@run_options(sampling=False)
+@run_options(sampling=False, speculative=True)
 def bench(
     model: Annotated[Optional[str], typer.Argument(help=f"Model, as for the other commands (default '{DEFAULT_MODEL}'); not with --random-weights.", show_default=False)] = None,
     kind: Annotated[Optional[Kind], typer.Option(help="Built-in prompt: open (open-ended question), code-edit (rename in a ~330-token file: copy heavy), summarize (~390-token passage). Default: open.", rich_help_panel=WORKLOAD, show_default=False)] = None,
@@ -44,6 +44,7 @@ def bench(
     axis: Annotated[Optional[list[str]], typer.Option(metavar="NAME=V1,V2", help="Sweep these values of an axis (dtype, weights, threads); repeatable.", rich_help_panel=MODES, show_default=False)] = None,
     goal: Annotated[Optional[Goal], typer.Option(help="What the sweep ranks by: latency (decode tok/s), memory (peak), quality (KL to fp32). Default: latency.", rich_help_panel=MODES, show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Draw the sweep (needs matplotlib: pip install 'llmrun[plot]').", rich_help_panel=MODES, show_default=False)] = None,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature of the runs with --ngram/--draft (0: greedy; above 0: the default top-k, top-p and min-p, timed run i with seed i).", rich_help_panel=SPECULATIVE)] = 0.0,
     json_out: JsonFlag = False,
     *,
     opts,
@@ -51,6 +52,8 @@ def bench(
     """Measure a configuration: time to first token, prefill and decode tok/s, memory, achieved bandwidth.
 
     Each run prefills the whole prompt into an empty KV cache and decodes exactly --new-tokens tokens greedily.
+    With --ngram or --draft, the same workload is decoded plainly and speculatively, runs alternating, and the
+    speedup, acceptance rate and tokens per step are reported.
     The table goes to stderr; --json also prints one JSON document on stdout.
     """
     from llmrun import bench as lib
@@ -59,6 +62,7 @@ def bench(
     from llmrun.workloads import make_workload, read_prompt_file
 
     _check_options(model, kind, prompt_file, batch, random_weights, compare, sweep, axis, goal, plot)
+    drafting = _drafting(opts, temperature, random_weights, compare, sweep)
     sweep_axes = _sweep_axes(axis) if sweep else None
     text = read_prompt_file(prompt_file) if prompt_file else None
     files = shapes.random_model_files(random_weights) if random_weights else open_model(model or DEFAULT_MODEL)
@@ -78,7 +82,8 @@ def bench(
     name = files.source.spec
     with spinner(f"measuring {name}") as status:
         doc = lib.benchmark(files, settings, workload, model=name, compare=compare, sweep_axes=sweep_axes,
-                            goal=(goal or Goal.latency).value, progress=status.update if status else lambda m: None)
+                            goal=(goal or Goal.latency).value, drafting=drafting,
+                            progress=status.update if status else lambda m: None)
     if plot is not None:
         from llmrun.sweep import plot as draw
 
@@ -119,6 +124,26 @@ def _check_options(model, kind, prompt_file, batch, random_weights, compare, swe
 
         if importlib.util.find_spec("matplotlib") is None:
             raise LlmrunError("--plot needs matplotlib; install it with: pip install 'llmrun[plot]'")
+
+
+def _drafting(opts, temperature: float, random_weights, compare: bool, sweep: bool):
+    """The speculative runs' settings (`bench_speculative.Drafting`), or None without --ngram/--draft; checks
+    the options that only make sense with, or without, a drafter."""
+    if opts.draft is None and opts.ngram is None:
+        for option, given in (("--temperature", temperature > 0), ("--draft-tokens", opts.draft_tokens != RunOptions.draft_tokens),
+                              ("--fixed-k", opts.adaptive != RunOptions.adaptive)):
+            if given:
+                raise _bad(option, f"{option} applies to speculative runs; add --ngram or --draft (plain runs are greedy)")
+        return None
+    for option, given in (("--compare", compare), ("--sweep", sweep)):
+        if given:
+            raise _bad(option, f"{option} and --ngram/--draft are separate runs (a drafter is measured against plain"
+                               " decoding); give one of them")
+    if random_weights is not None:
+        raise _bad("--random-weights", "random weights write no text worth drafting; measure --ngram/--draft on a real model")
+    from llmrun.bench_speculative import Drafting
+
+    return Drafting(opts.draft, opts.ngram, opts.draft_tokens, opts.adaptive, temperature)
 
 
 def _sweep_axes(specs) -> dict:
@@ -170,8 +195,7 @@ def _render(doc: dict) -> None:
         ("read per token", human_bytes(doc["bytes_per_token"])),
         ("bandwidth", f"{doc['bandwidth_gb_s']:.2f} GB/s = {doc['bandwidth_share']:.0%} of"
                       f" {doc['bandwidth_peak_gb_s']:.1f} GB/s (measured copy)"),
-        ("speculative", "off" if doc["acceptance_rate"] is None else
-         f"acceptance {doc['acceptance_rate']:.0%}, {doc['tokens_per_step']:.2f} tokens/step"),
+        *_speculative_rows(doc),
     ]
     for key, value in rows:
         table.add_row(key, value)
@@ -187,6 +211,27 @@ def _render(doc: dict) -> None:
                            else "  (random weights: for speed only)", style="dim"))
     for note in doc["notes"]:
         err.print(Text(f"note: {note}", style="yellow"))
+
+
+def _speculative_rows(doc: dict) -> list[tuple[str, str]]:
+    s = doc["speculative"]
+    if s is None:
+        return [("speculative", "off")]
+    sampling = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']:g}, seeds {s['seeds'][0]}.."
+    rate = "no draft tokens" if doc["acceptance_rate"] is None else f"acceptance {doc['acceptance_rate']:.0%}"
+    rows = [
+        ("speculative", f"{s['drafter']}, K ≤ {s['max_k']} {'adaptive' if s['adaptive'] else 'fixed'}"
+                        f" (final K {s['mean_final_k']:g} on average), {sampling}"),
+        ("drafting", f"{rate}, {doc['tokens_per_step']:.2f} tokens/step"),
+        ("speedup", f"{s['speedup']:.2f}x: decode {_tok_s(s['speculative_decode_tok_s'])} tok/s vs"
+                    f" {_tok_s(s['plain_decode_tok_s'])} plain (medians, same workload)"),
+    ]
+    if s["draft_weight_bytes"] is not None:
+        from llmrun.memory import human_bytes
+
+        rows.append(("draft memory", f"weights {human_bytes(s['draft_weight_bytes'])},"
+                                     f" KV cache {human_bytes(s['draft_kv_bytes'])}"))
+    return rows
 
 
 def _compare_table(rows: list[dict], config: dict) -> Table:
