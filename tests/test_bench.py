@@ -243,6 +243,33 @@ def test_speculative_library_refuses_compare():
         bench.benchmark(None, bench.Settings(), None, model="x", compare=True, drafting=Drafting(ngram=3))
 
 
+def test_matrix_script_skips_missing_models(tmp_path, monkeypatch, capsys):
+    """bench/speculative.py's plumbing, with no model loaded: the Qwen pair is skipped with a note."""
+    import importlib.util
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(folder))  # its `import fetch_models`, as when run as a script
+    spec = importlib.util.spec_from_file_location("speculative_matrix", folder / "speculative.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # dataclasses look their module up there
+    spec.loader.exec_module(script)
+
+    assert [r.name for r in script.select_rows("ngram,self-packed")] == [
+        "ngram-code-edit", "ngram-summarize", "ngram-open", "self-packed"]
+    with pytest.raises(SystemExit, match="--rows 'nope' names no row"):
+        script.select_rows("nope")
+    out = tmp_path / "m.json"
+    assert script.main(["--rows", "qwen", "--models", str(tmp_path), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["results"] == [] and [s["row"] for s in doc["skipped"]] == ["qwen-pair"]
+    assert "bench/fetch_models.py" in doc["skipped"][0]["why"]
+    assert set(doc["load_average_1min"]) == {"start", "end", "cores"} and doc["settings"]["threads"] == 2
+    table = out.with_suffix(".md").read_text()
+    assert "| row | target | drafter |" in table and "skipped qwen-pair" in table
+    assert table in capsys.readouterr().out
+
+
 # --- workloads ------------------------------------------------------------------------------------------------
 
 
