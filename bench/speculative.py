@@ -72,6 +72,9 @@ ROWS = [
     Row("self-skip-dequant", "smollm2", "dequant", draft="self:skip"),
     Row("qwen-pair", "qwen-1.5b", "auto", draft="qwen-0.5b", prompts=("humaneval",),
         label="Qwen2.5-Coder-0.5B-Instruct"),
+    # n-gram lookup where the target does copy faithfully: a 1.5B coder model asked to edit a file
+    Row("qwen-ngram-code-edit", "qwen-1.5b", "auto", ngram=3, prompts=("code-edit",)),
+    Row("qwen-ngram-open", "qwen-1.5b", "auto", ngram=3, prompts=("open",)),
 ]
 TARGET_NAMES = {"smollm2": "smollm2", "qwen-1.5b": "Qwen2.5-Coder-1.5B-Instruct"}
 

@@ -82,7 +82,7 @@ def time_generation(engine, prompt: list[int], params, speculator=None) -> Gener
         draft_engine = getattr(speculator.drafter, "engine", None)
         if draft_engine is not None:
             draft_engine.reset()
-        length = RecordingLength(speculator.length.max_k, speculator.length.adaptive)
+        length = RecordingLength(speculator.length.max_k, speculator.length.adaptive, speculator.length.draft_cost)
         speculator = dataclasses.replace(speculator, length=length)
     engine.speculator = speculator
     try:

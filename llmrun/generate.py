@@ -269,7 +269,7 @@ class Generation:
         else:
             accepted, nxt = 0, sample(logits, params, generator, history)
         if spec is not None:
-            spec.length.observe(len(drafts), accepted, time.perf_counter() - t1, t1 - t0)
+            spec.length.observe(len(drafts), accepted, time.perf_counter() - t1, t1 - t0 - proposal.setup_s)
         stats.decode_steps += 1
         stats.decode_tokens += accepted + 1
         stats.drafted += len(drafts)

@@ -16,6 +16,7 @@ step costs, and stops drafting when it does not pay.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from llmrun.sampling import SamplingParams, sample, token_probs
 class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # (K, V) the draft's distribution for each token; None: chosen outright
+    setup_s: float = 0.0  # time spent catching the drafter up with the context, not drafting
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator: torch.Generator | None,
@@ -138,7 +140,9 @@ class ModelDrafter:
         k = min(k, engine.max_len - len(context))
         if k <= 0:
             return Proposal()
-        logits, _ = engine.prefill(context)
+        behind, t0 = len(context) - len(engine.tokens), time.perf_counter()
+        logits, _ = engine.prefill(context)  # one or two new tokens; after a pause in drafting, every one since
+        setup_s = time.perf_counter() - t0 if behind > 2 else 0.0
         penalize = params.repetition_penalty != 1.0
         tokens, probs = [], []
         for i in range(k):
@@ -152,7 +156,7 @@ class ModelDrafter:
             tokens.append(token)
             if i + 1 < k:
                 logits = engine.decode(token)
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        return Proposal(tokens, torch.stack(probs) if probs else None, setup_s)
 
 
 class DraftLength:
@@ -160,26 +164,33 @@ class DraftLength:
 
     - the per-token acceptance rate a (exponentially forgetting counts), so that K draft tokens yield
       (1 - a^(K+1)) / (1 - a) tokens per step;
-    - the target's step time for T tokens, fitted as base + slope * (T - 1) from measured steps;
-    - the drafter's time per proposed token.
+    - the target's step time for T tokens, measured per T; a T not yet measured is interpolated between its
+      measured neighbours, or, past the largest, taken as barely dearer than it (optimism: the only way to learn
+      that verifying more tokens is cheap, as it is while a step is memory-bound, is to try);
+    - the drafter's time per proposed token, before any is measured `draft_cost` x a plain step (a model
+      draft's share of the target's weight bytes; 0 for a lookup).
 
     K = 0 (a plain step) wins when speculation would be slower; then a short probe runs now and then, less
-    often while it keeps failing, so a change of text (into a copied passage, say) is noticed.
-    With `adaptive=False`, K is always `max_k`.
+    often while it keeps failing, so a change of text (into a copied passage, say) is noticed. A drafter that
+    could not pay even if every token were accepted is not probed again. With `adaptive=False`, K is always
+    `max_k`.
     """
 
     DECAY = 0.9  # weight of the past per step in the acceptance counts
     SMOOTH = 0.3  # weight of a new timing in its running average
+    GROWTH = 0.05  # assumed extra cost per token past the largest measured step, relative to it
 
-    def __init__(self, max_k: int = 8, adaptive: bool = True):
+    def __init__(self, max_k: int = 8, adaptive: bool = True, draft_cost: float = 0.0):
         if max_k < 1:
             raise ValueError("the draft length must be at least 1")
         self.max_k = max_k
         self.adaptive = adaptive
+        self.draft_cost = draft_cost
         self.accepted, self.rejected = 1.0, 1.0  # prior: half the draft tokens pass
         self.step_s: dict[int, float] = {}  # tokens per target forward -> seconds
         self.draft_s: float | None = None  # seconds per drafted token
         self.k = max_k  # the latest choice
+        self.hopeless = False  # set when no K could beat a plain step even with every draft token accepted
         self._wait, self._patience = 0, 4  # plain steps before the next probe
 
     @property
@@ -192,17 +203,20 @@ class DraftLength:
         if not self.adaptive or room == 0:
             self.k = room
             return room
-        if 1 not in self.step_s:  # measure a plain step first: the baseline every K is weighed against
+        if 1 not in self.step_s or self.hopeless:  # first a plain step: the baseline every K is weighed against
             self.k = 0
             return 0
-        best_k, best = 0, 1.0 / self._target_s(1)
+        plain = 1.0 / self._target_s(1)
+        best_k, best = 0, plain
         for k in range(1, room + 1):
-            rate = self._expected_tokens(k) / (self._target_s(k + 1) + k * (self.draft_s or 0.0))
+            rate = self._expected_tokens(k) / self._cost(k)
             if rate > best:
                 best_k, best = k, rate
         if best_k == 0:
+            if all((k + 1) / self._cost(k) <= plain for k in range(1, self.max_k + 1)):
+                self.hopeless = True
             self._wait += 1
-            if self._wait >= self._patience:  # probe: the text may have changed
+            if self._wait >= self._patience and not self.hopeless:  # probe: the text may have changed
                 self._wait, self._patience = 0, min(2 * self._patience, 256)
                 best_k = min(2, room)
         else:
@@ -211,29 +225,33 @@ class DraftLength:
         return best_k
 
     def observe(self, drafted: int, accepted: int, target_s: float, draft_s: float) -> None:
-        """Record one step: `drafted` tokens proposed (0: a plain step), `accepted` of them taken."""
+        """Record one step: `drafted` tokens proposed (0: a plain step), `accepted` of them taken; the target's
+        forward and verification took `target_s`, drafting `draft_s`."""
         _average(self.step_s, drafted + 1, target_s, self.SMOOTH)
         if drafted:
-            self.draft_s = draft_s / drafted if self.draft_s is None else (
-                (1 - self.SMOOTH) * self.draft_s + self.SMOOTH * draft_s / drafted)
+            per_token = draft_s / drafted
+            self.draft_s = per_token if self.draft_s is None else (1 - self.SMOOTH) * self.draft_s + self.SMOOTH * per_token
             self.accepted = self.DECAY * self.accepted + accepted
             self.rejected = self.DECAY * self.rejected + (accepted < drafted)
+
+    def _cost(self, k: int) -> float:
+        draft_s = self.draft_cost * self.step_s[1] if self.draft_s is None else self.draft_s
+        return self._target_s(k + 1) + k * draft_s
 
     def _expected_tokens(self, k: int) -> float:
         a = min(self.acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
     def _target_s(self, tokens: int) -> float:
-        """Measured, or from the least-squares line through the measured sizes."""
         if tokens in self.step_s:
             return self.step_s[tokens]
-        base = self.step_s[1]
-        if len(self.step_s) < 2:  # nothing measured beyond plain steps: assume extra tokens are cheap
-            return base * (1 + 0.1 * (tokens - 1))
-        xs, ys = zip(*self.step_s.items())
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        return max(base, my + max(slope, 0.0) * (tokens - mx))
+        below = max(t for t in self.step_s if t < tokens)  # 1 is always there
+        above = [t for t in self.step_s if t > tokens]
+        if not above:
+            return self.step_s[below] * (1 + self.GROWTH * (tokens - below))
+        above = min(above)
+        w = (tokens - below) / (above - below)
+        return (1 - w) * self.step_s[below] + w * self.step_s[above]
 
 
 def _average(table: dict, key, value: float, weight: float) -> None:
@@ -281,17 +299,27 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
             raise LlmrunError(f"--ngram {ngram}: choose an n-gram length from 1 to 8")
         return Speculator(NgramDrafter(ngram), length)
     if draft in ("self", "self:int4"):
-        sub = engine.model.with_int4_weights()
-        return Speculator(ModelDrafter(Engine(engine.loaded, engine.max_len, model=sub), "self (int4 copy)"), length)
+        sub, name = engine.model.with_int4_weights(), "self (int4 copy)"
+        return _model_speculator(engine, Engine(engine.loaded, engine.max_len, model=sub), name, length)
     if draft == "self:skip":
         n = engine.model.config.n_layers
         keep = self_draft_layers(n)
-        sub = engine.model.with_layers(keep)
-        return Speculator(ModelDrafter(Engine(engine.loaded, engine.max_len, model=sub),
-                                      f"self ({len(keep)}/{n} layers)"), length)
+        sub, name = engine.model.with_layers(keep), f"self ({len(keep)}/{n} layers)"
+        return _model_speculator(engine, Engine(engine.loaded, engine.max_len, model=sub), name, length)
     loaded = load(draft)
     check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
-    return Speculator(ModelDrafter(Engine(loaded, engine.max_len), draft), length)
+    return _model_speculator(engine, Engine(loaded, engine.max_len), draft, length)
+
+
+def _model_speculator(target, draft, name: str, length: DraftLength) -> Speculator:
+    """A model drafter; its cost relative to the target, until measured, is its share of the weight bytes (what
+    a memory-bound decode step reads)."""
+    length.draft_cost = _weight_bytes(draft.model) / _weight_bytes(target.model)
+    return Speculator(ModelDrafter(draft, name), length)
+
+
+def _weight_bytes(model) -> int:
+    return sum(t.nbytes for t in model.state_dict().values())
 
 
 def check_same_vocabulary(target, draft) -> None:

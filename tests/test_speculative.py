@@ -283,15 +283,39 @@ def test_ngram_index_follows_rollbacks_and_new_conversations():
     assert d.propose([7, 8, 9, 7, 8], 1, params, None).tokens == [9]  # another text altogether
 
 
-def test_draft_length_turns_drafting_off_when_it_does_not_pay_and_probes_again():
-    length = DraftLength(8)
-    assert length.choose(100) == 0  # a plain step comes first: the baseline
-    length.observe(0, 0, target_s=0.010, draft_s=0.0)
-    for _ in range(20):  # drafts cost as much as the target and are always rejected
+def _simulate(length, steps, accept, target_s, draft_s):
+    """Run the policy against a simulated drafter: k -> accepted tokens, step time, drafting time."""
+    ks = []
+    for _ in range(steps):
         k = length.choose(100)
-        length.observe(k, 0, target_s=0.010 + 0.01 * k, draft_s=0.010 * k) if k else length.observe(0, 0, 0.010, 0)
-    ks = [length.choose(100) for _ in range(12)]
-    assert ks.count(0) >= 10 and max(ks) <= 2  # off, with the odd short probe
+        ks.append(k)
+        length.observe(k, accept(k), target_s(k), draft_s(k))
+    return ks
+
+
+def test_draft_length_stops_probing_a_drafter_that_could_never_pay():
+    length = DraftLength(8)
+    # each draft token costs a whole target step: even with every token accepted, no K beats plain steps
+    ks = _simulate(length, 40, accept=lambda k: k, target_s=lambda k: 0.010 * (1 + 0.1 * k), draft_s=lambda k: 0.010 * k)
+    assert ks[0] == 0 and length.hopeless and ks[-30:] == [0] * 30
+
+
+def test_draft_length_turns_off_a_failing_cheap_drafter_and_probes_again():
+    length = DraftLength(8)
+    ks = _simulate(length, 60, accept=lambda k: 0, target_s=lambda k: 0.010 * (1 + 0.1 * k), draft_s=lambda k: 0.0)
+    assert not length.hopeless and ks[-30:].count(0) >= 25  # mostly off ...
+    assert any(k > 0 for k in ks[-30:])  # ... with the odd probe
+    # the text turns copyable: the probes notice and K grows back
+    ks = _simulate(length, 200, accept=lambda k: k, target_s=lambda k: 0.010 * (1 + 0.1 * k), draft_s=lambda k: 0.0)
+    assert ks[-1] == 8
+
+
+def test_draft_length_learns_that_long_verifications_are_cheap():
+    """Memory-bound steps: 9 tokens cost about what 2 do. The policy must find K = 8 though 2 tokens cost 1.6x 1."""
+    cost = {1: 0.010, 2: 0.016, 3: 0.0165, 4: 0.017, 5: 0.0175, 6: 0.018, 7: 0.0185, 8: 0.019, 9: 0.0195}
+    length = DraftLength(8)
+    ks = _simulate(length, 30, accept=lambda k: k, target_s=lambda k: cost[k + 1], draft_s=lambda k: 0.0005 * k)
+    assert ks[-5:] == [8] * 5
 
 
 def test_draft_length_grows_with_acceptance_and_respects_the_room():
