@@ -170,7 +170,7 @@ class DraftLength:
     - the drafter's time per proposed token, before any is measured `draft_cost` x a plain step (a model
       draft's share of the target's weight bytes; 0 for a lookup).
 
-    K = 0 (a plain step) wins when speculation would be slower; then a short probe runs now and then, less
+    K = 0 (a plain step) wins when speculation would be slower; then a one-token probe runs now and then, less
     often while it keeps failing, so a change of text (into a copied passage, say) is noticed. A drafter that
     could not pay even if every token were accepted is not probed again. With `adaptive=False`, K is always
     `max_k`.
@@ -191,7 +191,7 @@ class DraftLength:
         self.draft_s: float | None = None  # seconds per drafted token
         self.k = max_k  # the latest choice
         self.hopeless = False  # set when no K could beat a plain step even with every draft token accepted
-        self._wait, self._patience = 0, 4  # plain steps before the next probe
+        self._wait, self._patience = 0, self._first_patience  # plain steps before the next probe
 
     @property
     def acceptance(self) -> float:
@@ -217,10 +217,10 @@ class DraftLength:
                 self.hopeless = True
             self._wait += 1
             if self._wait >= self._patience and not self.hopeless:  # probe: the text may have changed
-                self._wait, self._patience = 0, min(2 * self._patience, 256)
-                best_k = min(2, room)
+                self._wait, self._patience = 0, min(self._patience * (2 if self.draft_cost == 0 else 4), 1024)
+                best_k = 1
         else:
-            self._wait, self._patience = 0, 4
+            self._wait, self._patience = 0, self._first_patience
         self.k = best_k
         return best_k
 
@@ -233,6 +233,12 @@ class DraftLength:
             self.draft_s = per_token if self.draft_s is None else (1 - self.SMOOTH) * self.draft_s + self.SMOOTH * per_token
             self.accepted = self.DECAY * self.accepted + accepted
             self.rejected = self.DECAY * self.rejected + (accepted < drafted)
+
+    @property
+    def _first_patience(self) -> int:
+        """A lookup's probe costs one verified token; a model draft's also catches its cache up with every token
+        since it last drafted, so it probes rarely."""
+        return 4 if self.draft_cost == 0 else 16
 
     def _cost(self, k: int) -> float:
         draft_s = self.draft_cost * self.step_s[1] if self.draft_s is None else self.draft_s
