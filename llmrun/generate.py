@@ -189,7 +189,9 @@ class Generation:
         t0 = time.perf_counter()
         logits, stats.reused_tokens = engine.prefill(self.prompt)
         if spec is not None:
-            spec.drafter.start(engine.tokens)
+            spec.length.begin_reply()
+            if not spec.length.hopeless:
+                spec.drafter.start(engine.tokens)
         stats.prefill_s = time.perf_counter() - t0
         t_first = None
         try:

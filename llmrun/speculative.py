@@ -170,9 +170,10 @@ class DraftLength:
     - the drafter's time per proposed token, before any is measured `draft_cost` x a plain step (a model
       draft's share of the target's weight bytes; 0 for a lookup).
 
-    K = 0 (a plain step) wins when speculation would be slower; then a one-token probe runs now and then, less
-    often while it keeps failing, so a change of text (into a copied passage, say) is noticed. A drafter that
-    could not pay even if every token were accepted is not probed again. With `adaptive=False`, K is always
+    K = 0 (a plain step) wins when speculation would be slower; then a one-token probe runs now and then (a
+    lookup: after 4 plain steps, then 8, 16...; a model draft: at the start of each reply), so a change of text
+    (into a copied passage, say) is noticed. A drafter that could not pay even if every token were accepted is
+    not probed again. With `adaptive=False`, K is always
     `max_k`.
     """
 
@@ -217,7 +218,7 @@ class DraftLength:
                 self.hopeless = True
             self._wait += 1
             if self._wait >= self._patience and not self.hopeless:  # probe: the text may have changed
-                self._wait, self._patience = 0, min(self._patience * (2 if self.draft_cost == 0 else 4), 1024)
+                self._wait, self._patience = 0, min(2 * self._patience, 256) if self.draft_cost == 0 else float("inf")
                 best_k = 1
         else:
             self._wait, self._patience = 0, self._first_patience
@@ -235,10 +236,16 @@ class DraftLength:
             self.rejected = self.DECAY * self.rejected + (accepted < drafted)
 
     @property
-    def _first_patience(self) -> int:
-        """A lookup's probe costs one verified token; a model draft's also catches its cache up with every token
-        since it last drafted, so it probes rarely."""
-        return 4 if self.draft_cost == 0 else 16
+    def _first_patience(self) -> float:
+        """A lookup's probe costs one verified token. A model draft's would also catch its cache up with every
+        token since it last drafted, which costs more than the probe can win back within a reply: a model
+        draft is probed once per reply instead (`begin_reply`)."""
+        return 4 if self.draft_cost == 0 else float("inf")
+
+    def begin_reply(self) -> None:
+        """A new reply: while a model draft is off, the reply's first step is a probe."""
+        if self.draft_cost > 0 and self.step_s and not self.hopeless:
+            self._wait, self._patience = 0, 1
 
     def _cost(self, k: int) -> float:
         draft_s = self.draft_cost * self.step_s[1] if self.draft_s is None else self.draft_s

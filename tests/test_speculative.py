@@ -310,6 +310,14 @@ def test_draft_length_turns_off_a_failing_cheap_drafter_and_probes_again():
     assert ks[-1] == 8
 
 
+def test_a_model_draft_that_stopped_paying_is_probed_once_per_reply():
+    length = DraftLength(8, draft_cost=0.5)
+    ks = _simulate(length, 50, accept=lambda k: 0, target_s=lambda k: 0.010 * (1 + 0.1 * k), draft_s=lambda k: 0.005 * k)
+    assert not length.hopeless and ks[-40:] == [0] * 40  # no probes within the reply: each would catch up first
+    length.begin_reply()
+    assert length.choose(100) == 1 and length.choose(100) == 0
+
+
 def test_draft_length_learns_that_long_verifications_are_cheap():
     """Memory-bound steps: 9 tokens cost about what 2 do. The policy must find K = 8 though 2 tokens cost 1.6x 1."""
     cost = {1: 0.010, 2: 0.016, 3: 0.0165, 4: 0.017, 5: 0.0175, 6: 0.018, 7: 0.0185, 8: 0.019, 9: 0.0195}
