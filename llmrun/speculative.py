@@ -208,14 +208,19 @@ class DraftLength:
             self.k = 0
             return 0
         plain = 1.0 / self._target_s(1)
+        if all((k + 1) / self._cost(k) <= plain for k in range(1, self.max_k + 1)):
+            self.hopeless = True  # not even with every draft token accepted
+            self.k = 0
+            return 0
+        if self.draft_s is None:  # never drafted yet: try it once, so the estimates rest on measurements
+            self.k = min(room, max(1, self.max_k // 2))
+            return self.k
         best_k, best = 0, plain
         for k in range(1, room + 1):
             rate = self._expected_tokens(k) / self._cost(k)
             if rate > best:
                 best_k, best = k, rate
         if best_k == 0:
-            if all((k + 1) / self._cost(k) <= plain for k in range(1, self.max_k + 1)):
-                self.hopeless = True
             self._wait += 1
             if self._wait >= self._patience and not self.hopeless:  # probe: the text may have changed
                 self._wait, self._patience = 0, min(2 * self._patience, 256) if self.draft_cost == 0 else float("inf")
