@@ -96,7 +96,7 @@ class NgramDrafter:
             raise ValueError("the n-gram length must be at least 1")
         self.max_n = max_n
         self.min_n = min(2, max_n) if min_n is None else min_n
-        self._indexed: list[int] = []  # the context the index describes
+        self._indexed: list[int] = []  # the context whose n-grams are in the index
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
 
     def start(self, context: list[int]) -> None:
@@ -299,8 +299,9 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
                     adaptive: bool = True, load=None) -> Speculator | None:
     """The speculator for the CLI's options, or None without --draft / --ngram.
 
-    `draft`: "self" (the target with layers skipped), or a model to load with `load(spec) -> LoadedModel`
-    (same device, dtype and weight mode as the target); `ngram`: the longest n-gram to look up.
+    `draft`: "self" (a 4-bit copy of the target), "self:skip" (the target with layers skipped), or a model to
+    load with `load(spec) -> LoadedModel` (same device, dtype and weight mode as the target); `ngram`: the
+    longest n-gram to look up.
     """
     from llmrun.errors import LlmrunError
     from llmrun.generate import Engine
