@@ -133,7 +133,8 @@ class ModelDrafter:
         self.name = name
 
     def start(self, context: list[int]) -> None:
-        self.engine.prefill(context)
+        if len(context) < self.engine.max_len:  # a draft with a shorter context just proposes nothing
+            self.engine.prefill(context)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator) -> Proposal:
         engine = self.engine

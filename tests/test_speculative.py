@@ -248,6 +248,15 @@ def test_sampled_speculation_matches_the_target_distribution_end_to_end(tiny_pai
         _chi_square_p_value(wrong_counts.round(), probs) < 1e-6
 
 
+def test_a_draft_with_a_shorter_context_falls_back_to_plain_steps(tiny_pair):
+    target, draft = tiny_pair
+    engine = Engine(target, 64)
+    engine.speculator = Speculator(ModelDrafter(Engine(draft, 8), "short"), DraftLength(3, adaptive=False))
+    reply = engine.generate(list(range(1, 12)), SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    list(reply)
+    assert reply.stats.new_tokens == 6 and reply.stats.drafted == 0
+
+
 def test_same_seed_same_speculative_sample(tiny_pair):
     target, draft = tiny_pair
     engine = Engine(target, 64)
