@@ -136,12 +136,14 @@ class ModelFiles:
     tokenizer: object  # tokenizer.Tokenizer
     stored_bytes: dict[str, int] = field(default_factory=dict)  # weight bytes on disk by storage type
     gguf: object = None  # the open GGUFFile, when the source is one
+    quant: object = None  # quant_formats.CheckpointQuant of an AWQ/GPTQ checkpoint's linear layers
 
 
 def open_model(spec: str) -> ModelFiles:
     source = resolve(spec)  # before the imports below (torch): a wrong path fails fast
 
     from llmrun.models import config_from_gguf, config_from_hf
+    from llmrun.quant_formats import checkpoint_quant
     from llmrun.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 
     if source.format == "gguf":
@@ -158,11 +160,13 @@ def open_model(spec: str) -> ModelFiles:
     except (OSError, ValueError) as e:
         raise ModelFormatError(f"{source.path / 'config.json'}: cannot parse ({e})") from e
     config = config_from_hf(hf_config)
+    quant = checkpoint_quant(hf_config)
     _check_weights(source.path)
     stored = {}
     for name, t in _safetensors_headers(source.path):
-        stored[t["dtype"]] = stored.get(t["dtype"], 0) + t["data_offsets"][1] - t["data_offsets"][0]
-    return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored)
+        kind = f"{quant.method.upper()} INT{quant.bits}" if quant and name.endswith(quant.tensors) else t["dtype"]
+        stored[kind] = stored.get(kind, 0) + t["data_offsets"][1] - t["data_offsets"][0]
+    return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored, quant=quant)
 
 
 def _safetensors_headers(path: Path):
@@ -224,18 +228,49 @@ def _iter_weights(files: ModelFiles, keep_blocks=None):
         return
     from safetensors import SafetensorError, safe_open
 
+    quant = files.quant
     for file in sorted(files.source.path.glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt") as f:
+                quantized = {}  # module of the file's name -> its quantized tensors' suffixes
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
+                        continue
+                    module, _, suffix = name.rpartition(".")
+                    if quant is not None and suffix in quant.tensors:
+                        quantized.setdefault(module, set()).add(suffix)
                         continue
                     ours = _our_name(name, _HF_NAMES)
                     if ours is None:
                         raise ModelFormatError(f"{file}: unexpected tensor {name}")
-                    yield ours, f.get_tensor(name)
+                    w = f.get_tensor(name)
+                    if ours in keep_blocks:  # a float embedding / output head beside packed layers
+                        from llmrun.models.quant import q8_blocks
+
+                        w = (*q8_blocks(w), None, 8)
+                    yield ours, w
+                for module, suffixes in quantized.items():
+                    yield _read_quantized(f, file, module, suffixes, quant, keep_blocks)
         except SafetensorError as e:
             raise ModelFormatError(f"{file} is not a valid safetensors file ({e})") from e
+
+
+def _read_quantized(f, file, module: str, suffixes: set[str], quant, keep_blocks):
+    """(our name, planes or float tensor) of one AWQ/GPTQ linear layer of the open safetensors file `f`."""
+    from llmrun.quant_formats import GroupQuant
+
+    ours = _our_name(f"{module}.weight", _HF_NAMES)
+    needed = set(quant.tensors) - ({"g_idx"} if quant.method == "gptq" else set())
+    if ours is None or not needed <= suffixes:
+        missing = ", ".join(sorted(needed - suffixes)) or "a known name"
+        raise ModelFormatError(f"{file}: quantized layer {module} lacks {missing}")
+    q = quant.read(lambda suffix: f.get_tensor(f"{module}.{suffix}") if suffix in suffixes else None)
+    if ours not in keep_blocks:
+        return ours, q.dequantize() if isinstance(q, GroupQuant) else q
+    planes = q.planes() if isinstance(q, GroupQuant) else None
+    if planes is None or (planes[3], planes[2] is not None) != keep_blocks[ours]:
+        raise ModelFormatError(f"{file}: layer {module} does not match its quantization_config {quant}")
+    return ours, planes
 
 
 @dataclass
@@ -378,8 +413,10 @@ def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str,
 
     from llmrun import kernels
 
-    if weights == "dequant" or files.gguf is None:
+    if weights == "dequant" or (files.gguf is None and files.quant is None):
         return {}, []
+    if files.gguf is None:
+        return _packed_checkpoint_weights(files, dev, dt), []
     keep, expanded = {}, set()
     for gguf_name, t in files.gguf.tensors.items():
         ours = _our_name(gguf_name, _GGUF_NAMES)
@@ -407,6 +444,33 @@ def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str,
         return {}, [f"the CPU kernels are off ({kernels.cpu.unavailable_reason()}); running the slower dequantized path"]
     notes = [f"no packed format for {', '.join(sorted(expanded))} weights; they run dequantized to fp32 (slower)"]
     return keep, notes if expanded else []
+
+
+def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[int, bool]]:
+    """`_packed_weights` of an AWQ/GPTQ checkpoint: on the CPU kernels' path, every linear layer of the blocks
+    keeps its codes (AWQ: 4-bit with offsets; symmetric 8-bit GPTQ: 8-bit), and the float embedding and output
+    head become 8-bit blocks of 32 (GGUF's Q8_0), so no float matrix is read per token. Group sizes that are not
+    whole blocks of 32, act-order GPTQ and asymmetric 8-bit run dequantized."""
+    import torch
+
+    from llmrun import kernels
+
+    quant, cfg = files.quant, files.config
+    widths = [cfg.dim, cfg.n_heads * cfg.head_dim, cfg.ffn_dim]  # the layers' input widths
+    qc = json.loads((files.source.path / "config.json").read_text()).get("quantization_config", {})
+    if quant.group == -1:
+        fits = all(w % 32 == 0 for w in widths)
+    else:
+        fits = quant.group % 32 == 0 and all(w % quant.group == 0 for w in widths)
+    if quant.method == "gptq":
+        fits = fits and not qc.get("desc_act", False) and (quant.bits == 4 or qc.get("sym", True))
+    if not fits or dev.type != "cpu" or dt != torch.float32 or not kernels.cpu.available():
+        return {}
+    fmt = (4, True) if quant.bits == 4 else (8, False)
+    keep = {f"layers.{i}.{part}.weight": fmt for i in range(cfg.n_layers)
+            for part in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")}
+    keep["embed.weight" if cfg.tie_embeddings else "lm_head.weight"] = (8, False)
+    return keep
 
 
 def _swap_in_quantized(model, module_name: str, bits: int, offsets: bool, dt) -> None:

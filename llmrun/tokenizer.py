@@ -112,6 +112,22 @@ class Tokenizer:
         add_bos = self.add_bos and bool(bos_text) and not text.startswith(bos_text)
         return self.encode(text, special=True, add_bos=add_bos)
 
+    def save(self, directory: Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json: the
+        files `tokenizer_from_hf_dir` (and transformers) read back to this tokenizer."""
+        directory = Path(directory)
+        self._tok.save(str(directory / "tokenizer.json"))
+        special = {f"{kind}_token": self.id_to_piece(i) for kind, i in (("bos", self.bos_id), ("eos", self.eos_id))
+                   if i is not None}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": self.add_bos,
+                  "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        generation = {"eos_token_id": sorted(self.eos_ids)} | ({} if self.bos_id is None else {"bos_token_id": self.bos_id})
+        files = {"tokenizer_config.json": config, "special_tokens_map.json": special, "generation_config.json": generation}
+        for name, content in files.items():
+            (directory / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
     def _piece_or_empty(self, token_id: int | None) -> str:
         return "" if token_id is None else self.id_to_piece(token_id)
 

@@ -131,6 +131,33 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     )
 
 
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The HF `config.json` fields of `cfg` (what `config_from_hf` reads back to an equal config)."""
+    out = {
+        "architectures": [cfg.architecture], "model_type": _MODEL_TYPES[cfg.architecture],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+    }
+    if cfg.architecture == "Qwen2ForCausalLM":
+        out["use_sliding_window"] = cfg.sliding_window is not None
+    else:
+        out["attention_bias"] = cfg.attention_bias
+    out["sliding_window"] = cfg.sliding_window
+    rs = cfg.rope_scaling
+    if rs is not None and rs.kind == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}
+    elif rs is not None:
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                               "high_freq_factor": rs.high_freq_factor,
+                               "original_max_position_embeddings": rs.original_max_position}
+    return out
+
+
 def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     """Build the config from GGUF metadata (keys are prefixed by the architecture, e.g. `llama.block_count`)."""
     gguf_arch = meta.get("general.architecture", "?")

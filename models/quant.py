@@ -60,8 +60,26 @@ def rtn_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     m = lo.half()
     scale = d.float().clamp(min=torch.finfo(torch.float16).tiny)  # quantize against the stored fp16 values
     q = ((blocks - m.float()[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-    qs = q[..., :16] | (q[..., 16:] << 4)  # byte j holds elements j (low nibble) and j + 16 (high)
-    return qs.reshape(N, K // 2), d, m
+    return pack_nibbles(q.reshape(N, K)), d, m
+
+
+def q8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest symmetric 8-bit blocks of 32 (GGUF Q8_0's scheme) for w (N, K):
+    -> qs (N, K) int8 and d (N, K/32) fp16, with w ~ d * q."""
+    N, K = w.shape
+    blocks = w.float().reshape(N, K // 32, 32)
+    d = (blocks.abs().amax(-1) / 127).half()
+    scale = d.float().clamp(min=torch.finfo(torch.float16).tiny)
+    q = (blocks / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.reshape(N, K), d
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes q (N, K) with values 0..15 -> (N, K/2) uint8 in GGML nibble order: in each block of 32,
+    byte j holds elements j (low nibble) and j + 16 (high)."""
+    N, K = q.shape
+    blocks = q.to(torch.uint8).reshape(N, K // 32, 32)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(N, K // 2)
 
 
 def int4_linear(layer: nn.Module) -> QuantLinear:

@@ -32,7 +32,7 @@ def _root(
     """Fast local LLM inference on one machine."""
 
 
-from . import bench, chat, eval, generate, info  # noqa: E402  (they register their commands on `app`)
+from . import bench, chat, eval, generate, info, quantize  # noqa: E402  (they register their commands on `app`)
 
 
 # Typer >= 0.26 vendors click; find its exception classes where BadParameter is defined, whichever it is.

@@ -1,0 +1,326 @@
+"""`llmrun quantize`: a model in, a quantized HF checkpoint out.
+
+Methods: "awq" (activation-aware INT4, `llmrun.awq`), "rtn" (round-to-nearest INT4, the same grouping) and
+"int8" (symmetric per-channel 8-bit, round-to-nearest). INT4 checkpoints use AutoAWQ's GEMM layout
+(quant_method "awq"), INT8 ones GPTQ's (quant_method "gptq", group_size -1, sym): the layouts transformers and
+vLLM load. The embedding, norms and output head stay fp16, as AutoAWQ leaves them.
+
+AWQ runs block by block: the calibration tokens' hidden states (samples x seq_len x dim, fp32) are the only
+activations held for the whole model; each block's layer inputs are reduced on the fly to per-channel means and
+a fixed random sample of `search_rows` token rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from llmrun.errors import LlmrunError
+
+METHODS = ("awq", "rtn", "int8")
+GROUP_SIZES = (128, 64, 32)  # the default is the first that divides every layer's input width
+DEFAULT_CALIB = ("canterbury:lcet10", "canterbury:plrabn12", "canterbury:asyoulik")  # eval scores alice29
+_PARTS = {  # our fused layer -> (HF module, our rows part) in row order
+    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.o": ("self_attn.o_proj",),
+    "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down": ("mlp.down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    method: str = "awq"
+    group_size: int | None = None  # None: the largest of GROUP_SIZES that fits the model
+    calib: str | None = None  # a text file or canterbury[:NAME]; None: DEFAULT_CALIB
+    samples: int = 128  # calibration windows
+    seq_len: int | None = None  # tokens per window; None: 512, or the model's context if shorter
+    search_rows: int = 4096  # token rows each layer's output error is measured on
+    seed: int = 0
+
+
+@dataclass
+class QuantizeResult:
+    out_dir: str
+    method: str
+    bits: int
+    group_size: int  # -1: per output channel
+    seconds: float
+    peak_memory_bytes: int  # peak resident memory of the process (CPU) or allocated on the GPU
+    calibration_tokens: int = 0
+    # AWQ: per layer kind, the mean over blocks of the output error of AWQ's choice relative to plain RTN's
+    awq_error_vs_rtn: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _layer_widths(cfg) -> dict[str, tuple[int, list[int]]]:
+    """Our fused layer -> (input width, output widths of its HF parts)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {"attn.qkv": (cfg.dim, [q, kv, kv]), "attn.o": (q, [cfg.dim]),
+            "mlp.gate_up": (cfg.dim, [cfg.ffn_dim, cfg.ffn_dim]), "mlp.down": (cfg.ffn_dim, [cfg.dim])}
+
+
+def choose_group_size(cfg, asked: int | None) -> int:
+    """`asked` if it is a multiple of 32 dividing every layer's input width; by default the largest of
+    GROUP_SIZES that does. Otherwise a message naming the sizes that fit."""
+    inputs = sorted({width for width, _ in _layer_widths(cfg).values()})
+    fits = [g for g in GROUP_SIZES if all(w % g == 0 for w in inputs)]
+    if asked is None:
+        if not fits:
+            raise LlmrunError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides this model's input "
+                              f"widths ({', '.join(map(str, inputs))}); it cannot be quantized group-wise")
+        return fits[0]
+    if asked <= 0 or asked % 32 or any(w % asked for w in inputs):
+        bad = next((w for w in inputs if asked <= 0 or w % asked), inputs[0])
+        sizes = ", ".join(map(str, fits)) or "none"
+        raise LlmrunError(f"--group-size {asked} does not split this model's layers: it must be a multiple of 32 "
+                          f"dividing every input width ({', '.join(map(str, inputs))}; {bad} is not); "
+                          f"sizes that fit: {sizes}")
+    return asked
+
+
+def _check_source(files) -> None:
+    if files.quant is not None:
+        raise LlmrunError(f"{files.source.spec} is already quantized ({files.quant.method.upper()} "
+                          f"INT{files.quant.bits}); quantize the original float checkpoint instead")
+    if files.gguf is not None and "rope_freqs.weight" in files.gguf.tensors:
+        raise LlmrunError(f"{files.source.spec} stores its RoPE scaling as a rope_freqs tensor, which config.json "
+                          "cannot express; quantize the model's HF checkpoint instead")
+    for name, (_, outs) in _layer_widths(files.config).items():
+        if any(w % 8 for w in outs):
+            raise LlmrunError(f"output widths {outs} of {name} are not multiples of 8, which AWQ/GPTQ packing needs")
+
+
+def calibration_windows(tokenizer, text: str, samples: int, seq_len: int, seed: int):
+    """-> (windows (S, seq_len) long, note or None): up to `samples` distinct non-overlapping windows of the
+    text's tokens, chosen at random (seeded)."""
+    import torch
+
+    ids = tokenizer.encode(text)
+    n = len(ids) // seq_len
+    if n == 0:
+        raise LlmrunError(f"the calibration text has {len(ids)} tokens, fewer than --seq-len {seq_len}; "
+                          "give a longer --calib text or a smaller --seq-len")
+    windows = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    pick = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
+    note = None
+    if n < samples:
+        note = f"the calibration text holds {n} windows of {seq_len} tokens, fewer than --samples {samples}; using {n}"
+    return windows[pick], note
+
+
+def read_calibration(spec: str | None) -> str:
+    from llmrun.eval import read_text
+
+    return "\n\n".join(read_text(s) for s in (DEFAULT_CALIB if spec is None else (spec,)))
+
+
+def quantize(spec: str, out_dir: str | Path, options: QuantizeOptions, device: str = "auto",
+             on_progress: Callable[[int, int, str], None] | None = None) -> QuantizeResult:
+    """Quantize model `spec` into the new directory `out_dir`. `on_progress(done, total, what)` is called as the
+    blocks are done. The directory appears whole or not at all."""
+    import torch
+
+    from llmrun.loading import load_weights, open_model, resolve_device
+
+    if options.method not in METHODS:
+        raise LlmrunError(f"unknown method {options.method!r}; choose one of {', '.join(METHODS)}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise LlmrunError(f"{out_dir} exists and is not an empty directory; choose another -o or remove it")
+    t0 = time.perf_counter()
+    files = open_model(spec)
+    _check_source(files)
+    cfg = files.config
+    bits = 8 if options.method == "int8" else 4
+    if options.method == "int8":
+        if options.group_size is not None:
+            raise LlmrunError("--int8 quantizes per output channel; --group-size applies to --awq and --rtn")
+        group = -1
+    else:
+        group = choose_group_size(cfg, options.group_size)
+    result = QuantizeResult(str(out_dir), options.method, bits, group, 0.0, 0)
+    windows = None
+    if options.method == "awq":
+        if options.seq_len is None:
+            options = replace(options, seq_len=min(512, cfg.max_seq_len))
+        elif options.seq_len > cfg.max_seq_len:
+            raise LlmrunError(f"--seq-len {options.seq_len} exceeds the {cfg.max_seq_len} tokens the model was trained for")
+        windows, note = calibration_windows(files.tokenizer, read_calibration(options.calib), options.samples,
+                                            options.seq_len, options.seed)
+        result.calibration_tokens = windows.numel()
+        result.notes += [note] if note else []
+    if files.gguf is not None and any(t not in ("F32", "F16", "BF16") for t in files.stored_bytes):
+        result.notes.append(f"{spec} is stored quantized ({', '.join(sorted(files.stored_bytes))}); its weights are "
+                            "dequantized first, so the result carries both roundings")
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    loaded = load_weights(files, device="cpu", dtype="fp32", weights="dequant")
+    model = loaded.model
+    tensors = {}
+    with torch.no_grad():
+        if windows is not None:
+            result.awq_error_vs_rtn = _run_awq(model, windows, bits, group, options, dev, tensors, on_progress)
+        else:
+            for i, block in enumerate(model.layers):
+                if on_progress:
+                    on_progress(i, cfg.n_layers, f"block {i}")
+                _quantize_block(block, i, cfg, bits, group, tensors)
+            if on_progress:
+                on_progress(cfg.n_layers, cfg.n_layers, "done")
+        tensors.update(_float_tensors(model))
+    _write(files, tensors, out_dir, _quantization_config(options.method, bits, group), options)
+    result.seconds = time.perf_counter() - t0
+    result.peak_memory_bytes = (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
+                                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return result
+
+
+def _run_awq(model, windows, bits, group, options, dev, tensors, on_progress) -> dict[str, float]:
+    import torch
+
+    from llmrun.awq import awq_block
+
+    cfg = model.config
+    hidden = model.embed(windows).float().to(dev)  # (S, T, dim)
+    cos, sin = (t[: windows.shape[1]].to(dev) for t in model._rope_tables(windows.shape[1], dev))
+    gen = torch.Generator().manual_seed(options.seed)
+    ratios: dict[str, list[float]] = {}
+    for i, block in enumerate(model.layers):
+        if on_progress:
+            on_progress(i, cfg.n_layers, f"block {i}: calibrating")
+        for p in block.parameters():  # own copies: float GGUF tensors are views of the read-only file mapping
+            p.data = p.data.to(dev, copy=True)
+        inputs, hidden = capture_inputs(block, hidden, cos, sin, cfg.sliding_window, options.search_rows, gen)
+        if on_progress:
+            on_progress(i, cfg.n_layers, f"block {i}: searching scales")
+        report = awq_block(block, inputs, cfg, bits, group)
+        for name in report.awq:
+            ratios.setdefault(name, []).append(report.awq[name] / max(report.rtn[name], 1e-30))
+        _quantize_block(block, i, cfg, bits, group, tensors)
+        block.to("cpu")
+        del inputs
+    if on_progress:
+        on_progress(cfg.n_layers, cfg.n_layers, "done")
+    return {name: sum(r) / len(r) for name, r in ratios.items()}
+
+
+def capture_inputs(block, hidden, cos, sin, window, search_rows: int, gen, chunk: int = 4):
+    """Run `block` over hidden (S, T, dim) a few windows at a time -> ({layer: LinearInputs}, the block's output).
+    Forward pre-hooks on the four linear layers reduce their inputs as they pass."""
+    import torch
+
+    from llmrun.awq import LinearInputs
+
+    S, T, _ = hidden.shape
+    picked = torch.randperm(S * T, generator=gen)[:search_rows].sort().values.to(hidden.device)
+    taps = {"qkv": block.attn.qkv, "o": block.attn.o, "gate_up": block.mlp.gate_up, "down": block.mlp.down}
+    sums, rows, first = {}, {name: [] for name in taps}, [0]  # first: flat index of the chunk's first token
+
+    def tap(name):
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()  # (tokens, in)
+            sums[name] = sums.get(name, 0) + x.abs().sum(0)
+            here = picked[(picked >= first[0]) & (picked < first[0] + x.shape[0])] - first[0]
+            rows[name].append(x[here])
+        return hook
+
+    handles = [layer.register_forward_pre_hook(tap(name)) for name, layer in taps.items()]
+    out = torch.empty_like(hidden)
+    try:
+        for start in range(0, S, chunk):
+            first[0] = start * T
+            out[start : start + chunk] = block(hidden[start : start + chunk], cos, sin, 0, None, window)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: LinearInputs(sums[name] / (S * T), torch.cat(rows[name])) for name in taps}, out
+
+
+def _quantize_block(block, i: int, cfg, bits: int, group: int, tensors: dict) -> None:
+    """Quantize the block's four (fused) linear layers into `tensors` under HF names, split into their parts."""
+    from llmrun.awq import quantize_groups, quantize_int8_rows
+    from llmrun.quant_formats import pack_awq, pack_gptq
+
+    pack = pack_gptq if bits == 8 else pack_awq
+    layers = {"attn.qkv": block.attn.qkv, "attn.o": block.attn.o, "mlp.gate_up": block.mlp.gate_up,
+              "mlp.down": block.mlp.down}
+    for ours, linear in layers.items():
+        w = linear.weight.float().cpu()
+        q = quantize_int8_rows(w) if bits == 8 else quantize_groups(w, bits, group)
+        start = 0
+        for part, width in zip(_PARTS[ours], _layer_widths(cfg)[ours][1]):
+            for suffix, t in pack(q.rows(start, start + width)).items():
+                tensors[f"model.layers.{i}.{part}.{suffix}"] = t.contiguous()
+            if linear.bias is not None:
+                tensors[f"model.layers.{i}.{part}.bias"] = linear.bias[start : start + width].half().cpu().contiguous()
+            start += width
+
+
+def _float_tensors(model) -> dict:
+    """The tensors that stay float (fp16): embedding, norms (AWQ's scales folded in), output head."""
+    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
+    for i, block in enumerate(model.layers):
+        out[f"model.layers.{i}.input_layernorm.weight"] = block.attn_norm.weight
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = block.mlp_norm.weight
+    if model.lm_head is not None:
+        out["lm_head.weight"] = model.lm_head.weight
+    return {name: t.detach().half().cpu().contiguous() for name, t in out.items()}
+
+
+def _quantization_config(method: str, bits: int, group: int) -> dict:
+    if method == "int8":
+        return {"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True, "desc_act": False,
+                "checkpoint_format": "gptq"}
+    return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None}
+
+
+def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, options: QuantizeOptions) -> None:
+    """config.json, model.safetensors and the tokenizer files, written beside `out_dir` and renamed into place."""
+    from safetensors.torch import save_file
+
+    from llmrun.models import config_to_hf
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        if files.gguf is None:  # keep every field of the original config and its tokenizer files as they are
+            config = json.loads((files.source.path / "config.json").read_text())
+            for path in files.source.path.iterdir():
+                if path.is_file() and (path.name.startswith(("tokenizer", "special_tokens", "generation_config",
+                                                             "added_tokens", "chat_template", "vocab", "merges"))):
+                    shutil.copy2(path, tmp / path.name)
+        else:
+            config = config_to_hf(files.config)
+            tok = files.tokenizer
+            config.update({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})
+            tok.save(tmp)
+        config["torch_dtype"] = "float16"
+        config["quantization_config"] = quantization_config
+        config["llmrun"] = {"quantized_from": str(files.source.spec), "method": options.method,
+                            **({"calibration": options.calib or "+".join(DEFAULT_CALIB), "samples": options.samples,
+                                "seq_len": options.seq_len} if options.method == "awq" else {})}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in (tmp, *tmp.iterdir()):  # mkdtemp made the directory private; give it the usual modes
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked before starting
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

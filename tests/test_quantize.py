@@ -1,0 +1,373 @@
+"""`llmrun quantize`: the AWQ and GPTQ layouts (by hand and round trips), the conversion to the kernels' blocks,
+AWQ's algebra (folding scales leaves the float model unchanged) and search (never worse than RTN), checkpoints
+written, reloaded and generating, and each bad input's one-line error."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmrun import awq
+from llmrun.awq import LinearInputs, quantize_groups, quantize_int8_rows, search_scale
+from llmrun.errors import LlmrunError
+from llmrun.kernels import ref
+from llmrun.models import ModelConfig, config_from_hf, config_to_hf
+from llmrun.models.config import RopeScaling
+from llmrun.quant_formats import GroupQuant, checkpoint_quant, pack_awq, pack_gptq, unpack_awq, unpack_gptq
+from llmrun.quantize import QuantizeOptions, calibration_windows, capture_inputs, choose_group_size, quantize
+
+from .conftest import run_main
+from .tiny import CONFIGS, TINY, random_model, write_gguf, write_hf_dir
+
+# widths that group sizes of 32 divide, with GQA 3:1 and a Qwen2-style bias
+QCFG = ModelConfig("Qwen2ForCausalLM", n_heads=6, n_kv_heads=2, attention_bias=True,
+                   **(TINY | dict(dim=64, head_dim=32, ffn_dim=160)))
+
+
+def random_groups(out, inp, bits, group, seed=0) -> GroupQuant:
+    g = torch.Generator().manual_seed(seed)
+    top = 2**bits
+    groups = inp // group
+    return GroupQuant(torch.randint(0, top, (out, inp), generator=g).to(torch.uint8),
+                      (torch.rand(out, groups, generator=g) * 0.1 + 0.01).half(),
+                      torch.randint(0, top, (out, groups), generator=g).to(torch.uint8), bits, group)
+
+
+# --- layouts ------------------------------------------------------------------------------------------------
+
+
+def test_awq_layout_by_hand():
+    """AutoAWQ's GEMM layout: the transposed codes, 8 output columns per int32 in the order 0 2 4 6 1 3 5 7."""
+    codes = torch.zeros(8, 32, dtype=torch.uint8)
+    codes[:, 0] = torch.arange(1, 9)  # input column 0: output columns 0..7 hold 1..8
+    q = GroupQuant(codes, torch.full((8, 1), 0.5).half(), torch.arange(8, dtype=torch.uint8)[:, None], 4, 32)
+    packed = pack_awq(q)
+    assert packed["qweight"].shape == (32, 1) and packed["qweight"].dtype == torch.int32
+    # nibbles from the lowest: columns 0, 2, 4, 6, 1, 3, 5, 7 -> values 1, 3, 5, 7, 2, 4, 6, 8
+    assert packed["qweight"][0, 0].item() == 0x86427531 - 2**32
+    assert packed["qweight"][1:].eq(0).all()
+    assert packed["qzeros"].shape == (1, 1) and packed["qzeros"][0, 0].item() == 0x75316420  # zeros 0..7
+    assert packed["scales"].shape == (1, 8) and packed["scales"].dtype == torch.float16
+
+
+def test_gptq_layout_by_hand():
+    """GPTQ: codes packed along the input dimension in order; zero points stored minus one."""
+    codes = torch.zeros(8, 8, dtype=torch.uint8)
+    codes[0] = torch.arange(1, 9)  # output row 0: input columns 0..7 hold 1..8
+    q = GroupQuant(codes, torch.ones(8, 1).half(), torch.full((8, 1), 8, dtype=torch.uint8), 4, 8)
+    packed = pack_gptq(q)
+    assert packed["qweight"].shape == (1, 8) and packed["qweight"][0, 0].item() == 0x87654321 - 2**32
+    assert packed["qzeros"].shape == (1, 1) and packed["qzeros"][0, 0].item() == 0x77777777
+    assert packed["g_idx"].tolist() == [0] * 8
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 128), (8, 256)])
+def test_pack_unpack_round_trips(bits, group):
+    q = random_groups(40, 256, bits, group)
+    if bits == 4:
+        back = unpack_awq(**pack_awq(q), group=group)
+        assert torch.equal(back.codes, q.codes) and torch.equal(back.zeros, q.zeros)
+        assert torch.equal(back.scales, q.scales)
+    back = unpack_gptq(*pack_gptq(q).values(), bits=bits)
+    assert (back.bits, back.group) == (bits, group)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.zeros, q.zeros) and torch.equal(back.scales, q.scales)
+
+
+def test_gptq_act_order_is_dequantized_by_its_group_index():
+    q = random_groups(16, 64, 4, 32)
+    packed = pack_gptq(q)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(1))
+    g_idx = packed["g_idx"][perm]  # input column i belongs to group g_idx[i]
+    w = unpack_gptq(packed["qweight"], packed["qzeros"], packed["scales"], g_idx, 4)
+    s, z = q.scales.float(), q.zeros.float()
+    expect = torch.stack([s[:, g] * (q.codes[:, i].float() - z[:, g]) for i, g in enumerate(g_idx.tolist())], 1)
+    torch.testing.assert_close(w, expect)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 96)])
+def test_planes_hold_the_same_weights(bits, group):
+    """The kernels' 32-column blocks (a group of 64/128 repeats its scale) dequantize to the same matrix."""
+    q = random_groups(24, 384, bits, group)
+    if bits == 8:
+        q.zeros.fill_(128)
+    qs, d, m, planes_bits = q.planes()
+    w = ref.dequantize_blocks(qs, d, m, planes_bits)
+    exact = q.dequantize()
+    if bits == 8:
+        assert torch.equal(w, exact)
+    else:  # the offset -zero * scale is rounded to fp16
+        torch.testing.assert_close(w, exact, rtol=0, atol=float(q.scales.float().max()) * 15 * 2**-11)
+
+
+def test_no_planes_for_groups_off_the_blocks_or_asymmetric_int8():
+    assert random_groups(8, 96, 4, 48).planes() is None
+    assert random_groups(8, 64, 8, 32).planes() is None  # zero points other than 128
+
+
+def test_quantization_configs():
+    assert checkpoint_quant({}) is None
+    awq_cfg = checkpoint_quant({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                        "zero_point": True, "version": "gemm"}})
+    assert (awq_cfg.method, awq_cfg.bits, awq_cfg.group) == ("awq", 4, 128)
+    for bad in ({"quant_method": "awq", "bits": 4, "version": "gemv"}, {"quant_method": "bitsandbytes"},
+                {"quant_method": "gptq", "bits": 3}):
+        with pytest.raises(LlmrunError):
+            checkpoint_quant({"quantization_config": bad})
+
+
+# --- rounding and the AWQ search --------------------------------------------------------------------------
+
+
+def test_round_to_nearest_groups():
+    w = torch.randn(16, 128) + torch.linspace(-1, 3, 16)[:, None]  # some rows all positive: zero must fit
+    q = quantize_groups(w, 4, 32)
+    assert q.codes.max() <= 15 and q.zeros.max() <= 15
+    half_step = q.scales.float().repeat_interleave(32, 1) / 2
+    assert ((q.dequantize() - w).abs() <= half_step * 1.01 + 1e-6).all()
+    q8 = quantize_int8_rows(w)
+    assert q8.zeros.eq(128).all() and q8.group == 128
+    assert ((q8.dequantize() - w).abs() <= q8.scales.float() / 2 * 1.01).all()
+
+
+def test_the_scale_search_protects_outlier_channels():
+    """Inputs with a few channels 30x larger: AWQ's scales cut the output error well below RTN's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 256, generator=g)
+    x[:, :4] *= 30
+    w = torch.randn(96, 256, generator=g) * 0.05
+    inputs = LinearInputs(x.abs().mean(0), x)
+    s, err, rtn_err = search_scale(w, inputs, 4, 64)
+    assert err < 0.7 * rtn_err
+    assert s[:4].min() > s[4:].max()  # the loud channels are scaled up
+
+
+def test_folding_the_scales_keeps_the_float_block(monkeypatch):
+    """With clipping off, `awq_block` changes how the weights round but not what the block computes: the scales
+    folded into the norms, into v's rows (one per key/value channel under GQA, bias included) and into up's rows
+    cancel exactly."""
+    def random_scales(w, inputs, bits, group, tie=None, forward=None):  # far from 1, tied across GQA heads as the search's are
+        shape = (tie[0], 1, tie[2]) if tie else (w.shape[1],)
+        s = torch.exp(torch.randn(shape))
+        return (s.expand(*tie).reshape(-1) if tie else s), 0.0, 0.0
+
+    monkeypatch.setattr(awq, "MAX_SHRINK", 0.0)
+    monkeypatch.setattr(awq, "search_scale", random_scales)
+    model = random_model(QCFG, seed=3)
+    block = model.layers[0]
+    x = torch.randn(4, 24, QCFG.dim)
+    cos, sin = (t[:24] for t in model._rope_tables(24, x.device))
+    weights_before = {name: p.clone() for name, p in block.named_parameters()}
+    with torch.no_grad():
+        inputs, before = capture_inputs(block, x, cos, sin, None, 256, torch.Generator().manual_seed(0))
+        awq.awq_block(block, inputs, QCFG, 4, 32)
+        after = block(x, cos, sin, 0, None, None)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    changed = [name for name, p in block.named_parameters() if not torch.equal(p, weights_before[name])]
+    assert sorted(changed) == ["attn.o.weight", "attn.qkv.bias", "attn.qkv.weight", "attn_norm.weight",
+                               "mlp.down.weight", "mlp.gate_up.weight", "mlp_norm.weight"]
+
+
+def test_choose_group_size():
+    smol = replace(CONFIGS["smollm2"], dim=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536)
+    assert choose_group_size(smol, None) == 64  # 576 is not a multiple of 128
+    assert choose_group_size(smol, 32) == 32
+    with pytest.raises(LlmrunError, match=r"--group-size 128 .*576.*sizes that fit: 64, 32"):
+        choose_group_size(smol, 128)
+    with pytest.raises(LlmrunError, match="multiple of 32"):
+        choose_group_size(smol, 48)
+
+
+def test_calibration_windows(tiny_tokenizer):
+    tok = tiny_tokenizer
+    text = " ".join(f"w{i % 100}" for i in range(1000))
+    windows, note = calibration_windows(tok, text, samples=8, seq_len=64, seed=0)
+    assert windows.shape == (8, 64) and note is None
+    assert len({tuple(w.tolist()) for w in windows}) == 8
+    windows, note = calibration_windows(tok, text, samples=100, seq_len=64, seed=0)
+    assert windows.shape == (15, 64) and "fewer than --samples 100" in note
+    with pytest.raises(LlmrunError, match="fewer than --seq-len"):
+        calibration_windows(tok, "w1 w2", samples=8, seq_len=64, seed=0)
+
+
+def test_config_to_hf_round_trips():
+    for cfg in [*CONFIGS.values(), QCFG, replace(CONFIGS["llama"], rope_scaling=RopeScaling("linear", 4.0))]:
+        assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+# --- checkpoints end to end ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantize")
+    model = random_model(QCFG, seed=0)
+    path = write_hf_dir(root / "float", model)
+    text = " ".join(f"w{(i * 7) % 127}" for i in range(4000))
+    (root / "calib.txt").write_text(text)
+    (root / "short.txt").write_text("w1 w2 w3")
+    return path, model, root / "calib.txt"
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_source):
+    from llmrun.tokenizer import tokenizer_from_hf_dir
+
+    return tokenizer_from_hf_dir(tiny_source[0])
+
+
+@pytest.mark.parametrize("method", ["awq", "rtn", "int8"])
+def test_a_checkpoint_reloads_close_to_the_float_model(tiny_source, tmp_path, method):
+    from llmrun.loading import load_model
+
+    source, model, calib = tiny_source
+    options = QuantizeOptions(method, calib=str(calib) if method == "awq" else None, samples=8, seq_len=64)
+    result = quantize(str(source), tmp_path / "q", options, device="cpu")
+    assert (result.bits, result.group_size) == ((8, -1) if method == "int8" else (4, 32))
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    qc = config["quantization_config"]
+    if method == "int8":
+        assert qc == {"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True, "desc_act": False,
+                      "checkpoint_format": "gptq"}
+    else:
+        assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "zero_point", "version")} == \
+            {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    packed = load_model(str(tmp_path / "q"), device="cpu", dtype="fp32")
+    plain = load_model(str(tmp_path / "q"), device="cpu", dtype="fp32", weights="dequant")
+    assert packed.weights == "packed" and plain.weights == "dequant"
+    ids = torch.tensor([[3, 17, 99, 5, 64, 2, 88, 41]])
+    with torch.no_grad():
+        want = model(ids)
+        got_plain, got_packed = plain.model(ids), packed.model(ids)
+    # the packed path differs from the checkpoint only by the 8-bit output head and fp16 offsets
+    torch.testing.assert_close(got_packed, got_plain, rtol=0, atol=0.05 * got_plain.abs().max().item())
+    rel = (got_plain - want).norm() / want.norm()
+    assert rel < (0.05 if method == "int8" else 0.5)
+    if method != "awq":  # the checkpoint holds exactly the rounded source weights
+        rounded = quantize_int8_rows if method == "int8" else lambda w: quantize_groups(w, 4, 32)
+        for ours, theirs in zip(plain.model.layers, model.layers):
+            for name in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
+                w = theirs.get_submodule(name).weight
+                assert torch.equal(ours.get_submodule(name).weight, rounded(w).dequantize())
+
+
+AWQ_HELD_OUT = (
+    "The old lighthouse keeper climbed the stairs every evening, counting the steps as his father had taught him. "
+    "From the lamp room he could see the fishing boats returning, their lights scattered across the dark water. "
+    "He wrote the weather in a small notebook: wind from the west, a falling barometer, rain expected by morning."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_quantized(tmp_path_factory):
+    """The embedded model quantized by AWQ (a small calibration: this repository's README) and by RTN, group 64."""
+    root = tmp_path_factory.mktemp("smollm2-q")
+    readme = str(Path(__file__).parents[1] / "README.md")
+    for method in ("awq", "rtn"):
+        opts = QuantizeOptions(method, calib=readme if method == "awq" else None, samples=8, seq_len=256, search_rows=512)
+        quantize("smollm2", root / method, opts, device="cpu")
+    return root
+
+
+@pytest.mark.slow
+def test_awq_is_never_worse_than_rtn_on_the_embedded_model(smollm2_quantized, smollm2_dequant):
+    """Block by block, on held-out text, fed the float model's own hidden states: AWQ's block output is closer
+    to the float block's than round-to-nearest's."""
+    from llmrun.loading import load_model
+
+    orig = smollm2_dequant.model
+    quantized = {m: load_model(str(smollm2_quantized / m), device="cpu", dtype="fp32", weights="dequant").model
+                 for m in ("awq", "rtn")}
+    ids = torch.tensor([smollm2_dequant.tokenizer.encode(AWQ_HELD_OUT)])
+    T = ids.shape[1]
+    cos, sin = (t[:T] for t in orig._rope_tables(T, ids.device))
+    errors = {"awq": [], "rtn": []}
+    with torch.no_grad():
+        h = orig.embed(ids)
+        for i, block in enumerate(orig.layers):
+            want = block(h, cos, sin, 0, None, None)
+            for m, model in quantized.items():
+                errors[m].append((model.layers[i](h, cos, sin, 0, None, None) - want).pow(2).mean().item())
+            h = want
+    awq_err, rtn_err = torch.tensor(errors["awq"]), torch.tensor(errors["rtn"])
+    assert (awq_err <= rtn_err).all(), [i for i in range(len(awq_err)) if awq_err[i] > rtn_err[i]]
+    assert awq_err.sum() < 0.8 * rtn_err.sum()
+
+
+def test_cli_quantizes_a_gguf_and_the_result_chats(tmp_path, monkeypatch, capsys):
+    """A GGUF source (tokenizer exported as tokenizer.json): quantize, then info and generate on the result."""
+    model = random_model(replace(QCFG, architecture="LlamaForCausalLM", attention_bias=False), seed=1)
+    gguf_path = write_gguf(tmp_path / "tiny.gguf", model, qtype="Q4_1")
+    code, out, err = run_main(["quantize", gguf_path, "--rtn", "-o", tmp_path / "q", "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["method"] == "rtn" and doc["group_size"] == 32
+    assert "dequantized first" in err and "wrote" in err
+    files = sorted(p.name for p in (tmp_path / "q").iterdir())
+    assert files == ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+                     "tokenizer.json", "tokenizer_config.json"]
+    code, out, err = run_main(["info", tmp_path / "q"], monkeypatch, capsys)
+    assert code == 0 and "AWQ INT4" in err + out
+    code, out, err = run_main(["generate", tmp_path / "q", "abc", "-n", "4", "--temperature", "0"], monkeypatch, capsys)
+    assert code == 0, err
+
+
+def test_the_exported_tokenizer_reads_back_the_same(embedded_path, tmp_path):
+    from llmrun.loading import open_model
+    from llmrun.tokenizer import tokenizer_from_hf_dir
+
+    tok = open_model(str(embedded_path)).tokenizer
+    tok.save(tmp_path)
+    back = tokenizer_from_hf_dir(tmp_path)
+    for text in ["Hello world!", "  indented\n\tcode = 12345;", "naïve café ☕", "<|im_start|>user"]:
+        assert back.encode(text) == tok.encode(text)
+        assert back.encode(text, special=True) == tok.encode(text, special=True)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert back.encode_chat(messages) == tok.encode_chat(messages)
+    assert (back.bos_id, back.eos_id, back.eos_ids, back.add_bos) == (tok.bos_id, tok.eos_id, tok.eos_ids, tok.add_bos)
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--calib", "/nonexistent/calib.txt"], "no such file"),
+    (["--rtn", "--group-size", "48"], "multiple of 32"),
+    (["--rtn", "--group-size", "128"], "sizes that fit: 32"),
+    (["--awq", "--rtn"], "choose one of --awq, --rtn and --int8"),
+    (["--bits", "8"], "for 8 bits use --int8"),
+    (["--int8", "--group-size", "32"], "per output channel"),
+    (["--rtn", "--samples", "4"], "calibration applies to --awq only"),
+    (["--seq-len", "100000"], "exceeds the 256 tokens"),
+    (["--calib", "SHORT", "--seq-len", "64"], "fewer than --seq-len"),
+])
+def test_bad_input_is_one_line(tiny_source, tmp_path, monkeypatch, capsys, args, message):
+    source, _, calib = tiny_source
+    if "--calib" not in args and "--rtn" not in args and "--int8" not in args:
+        args = [*args, "--calib", calib]
+    args = [str(calib.with_name("short.txt")) if a == "SHORT" else a for a in args]
+    code, out, err = run_main(["quantize", source, "-o", tmp_path / "q", *args], monkeypatch, capsys)
+    assert code != 0 and out == ""
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_refuses_a_quantized_input_and_a_full_output_dir(tiny_source, tmp_path, monkeypatch, capsys):
+    source = tiny_source[0]
+    assert run_main(["quantize", source, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)[0] == 0
+    code, _, err = run_main(["quantize", tmp_path / "q", "--rtn", "-o", tmp_path / "again"], monkeypatch, capsys)
+    assert code == 1 and "already quantized (AWQ INT4)" in err
+    code, _, err = run_main(["quantize", source, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)
+    assert code == 1 and "not an empty directory" in err
+
+
+def test_an_unsupported_quantization_method_fails_to_load(tiny_source, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    path = shutil.copytree(tiny_source[0], tmp_path / "bnb")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (path / "config.json").write_text(json.dumps(config))
+    code, _, err = run_main(["generate", path, "hi", "-n", "2"], monkeypatch, capsys)
+    assert code == 1 and "'bitsandbytes'" in err and "Traceback" not in err
