@@ -90,11 +90,7 @@ def main(argv=None) -> int:
         "environment": bench.environment("cpu"),
         "load_average_1min_end": round(os.getloadavg()[0], 2),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table)
-    print(table)
-    log(f"wrote {out} and {out.with_suffix('.md')}")
+    bench.write_run(out, doc, table)
     return 0
 
 

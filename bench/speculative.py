@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -277,11 +276,7 @@ def main(argv=None) -> int:
         "results": matrix.results,
         "skipped": matrix.skipped,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table)
-    print(table)
-    log(f"wrote {out} and {out.with_suffix('.md')}")
+    bench.write_run(out, doc, table)
     return 0
 
 

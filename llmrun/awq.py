@@ -109,7 +109,7 @@ def search_clip(w: torch.Tensor, rows: torch.Tensor, bits: int, group: int) -> t
     energy = rows.pow(2).mean(0).view(1, inp // group, group)  # (1, G, g)
     wg = w.reshape(out, inp // group, group)
     hi, lo = wg.amax(-1, keepdim=True).clamp(min=0), wg.amin(-1, keepdim=True).clamp(max=0)
-    best_err = torch.full(wg.shape[:2], float("inf"))  # (out, G)
+    best_err = torch.full(wg.shape[:2], float("inf"), device=w.device)  # (out, G)
     best = wg.clone()
     ratios = [1 - i / N_GRID for i in range(int(MAX_SHRINK * N_GRID))]
     for r_lo in ratios:

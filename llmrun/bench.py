@@ -394,6 +394,19 @@ def environment(device: str) -> dict:
             "python": platform.python_version()}
 
 
+def write_run(out: Path, doc: dict, table: str) -> None:
+    """A benchmark script's record: the JSON document at `out`, its Markdown table beside it (.md); the table
+    printed on stdout, where both went on stderr."""
+    import json
+    import sys
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
+
+
 def benchmark(files, settings: Settings, workload, *, model: str, compare: bool = False,
               sweep_axes: dict | None = None, goal: str = "latency", drafting=None,
               progress=lambda message: None) -> dict:

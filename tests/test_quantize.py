@@ -143,6 +143,25 @@ def test_the_scale_search_protects_outlier_channels():
     assert s[:4].min() > s[4:].max()  # the loud channels are scaled up
 
 
+def test_clipping_trades_a_quiet_channel_outlier_for_finer_steps():
+    """A weight outlier on a channel whose input is nearly silent: clipping it away lowers the energy-weighted
+    rounding error of the group, and clipping is never chosen where it does not pay."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=g) * 0.1
+    w[:, 5] = 2.0  # outlier column
+    rows = torch.randn(512, 64, generator=g)
+    rows[:, 5] *= 1e-3
+
+    def weighted_error(weights):
+        err = (quantize_groups(weights, 4, 32).dequantize() - w).pow(2) * rows.pow(2).mean(0)
+        return err.view(8, 2, 32).sum(-1)
+
+    clipped = awq.search_clip(w, rows, 4, 32)
+    assert (clipped[:, 5] < 2.0).all()  # the outlier was clipped
+    assert (weighted_error(clipped) <= weighted_error(w) * (1 + 1e-6)).all()
+    assert (weighted_error(clipped)[:, 0] < 0.8 * weighted_error(w)[:, 0]).all()
+
+
 def test_folding_the_scales_keeps_the_float_block(monkeypatch):
     """With clipping off, `awq_block` changes how the weights round but not what the block computes: the scales
     folded into the norms, into v's rows (one per key/value channel under GQA, bias included) and into up's rows
