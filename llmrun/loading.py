@@ -457,13 +457,11 @@ def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[in
 
     quant, cfg = files.quant, files.config
     widths = [cfg.dim, cfg.n_heads * cfg.head_dim, cfg.ffn_dim]  # the layers' input widths
-    qc = json.loads((files.source.path / "config.json").read_text()).get("quantization_config", {})
     if quant.group == -1:
         fits = all(w % 32 == 0 for w in widths)
     else:
         fits = quant.group % 32 == 0 and all(w % quant.group == 0 for w in widths)
-    if quant.method == "gptq":
-        fits = fits and not qc.get("desc_act", False) and (quant.bits == 4 or qc.get("sym", True))
+    fits = fits and not quant.act_order and (quant.bits == 4 or quant.symmetric)
     if not fits or dev.type != "cpu" or dt != torch.float32 or not kernels.cpu.available():
         return {}
     fmt = (4, True) if quant.bits == 4 else (8, False)

@@ -136,6 +136,8 @@ class CheckpointQuant:
     bits: int
     group: int  # -1: one group per row
     zeros_minus_one: bool = True  # GPTQ's original format
+    act_order: bool = False  # GPTQ desc_act: input columns grouped by g_idx, not in order
+    symmetric: bool = False  # every zero point is the middle code (GPTQ sym)
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -168,6 +170,7 @@ def checkpoint_quant(config: dict) -> CheckpointQuant | None:
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise UnsupportedModelError(f"GPTQ checkpoint format {fmt!r}: llmrun reads 'gptq' and 'gptq_v2'")
-        return CheckpointQuant("gptq", bits, group, zeros_minus_one=fmt == "gptq")
+        return CheckpointQuant("gptq", bits, group, zeros_minus_one=fmt == "gptq", act_order=bool(qc.get("desc_act")),
+                               symmetric=bool(qc.get("sym", True)))
     raise UnsupportedModelError(f"checkpoints quantized with {method!r}: llmrun reads 'awq' (gemm) and 'gptq'; "
                                 "give an unquantized checkpoint or a GGUF file")

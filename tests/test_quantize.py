@@ -280,11 +280,13 @@ AWQ_HELD_OUT = (
 
 @pytest.fixture(scope="module")
 def smollm2_quantized(tmp_path_factory):
-    """The embedded model quantized by AWQ (a small calibration: this repository's README) and by RTN, group 64."""
+    """The embedded model quantized by AWQ and by RTN, group 64. AWQ's calibration is small and fixed:
+    fixtures/calibration.txt, 14 replies of the embedded model itself to `llmrun chat -p` prompts on everyday
+    topics (seed 7, temperature 0.7), about 4,900 tokens."""
     root = tmp_path_factory.mktemp("smollm2-q")
-    readme = str(Path(__file__).parents[1] / "README.md")
+    calib = str(Path(__file__).parent / "fixtures" / "calibration.txt")
     for method in ("awq", "rtn"):
-        opts = QuantizeOptions(method, calib=readme if method == "awq" else None, samples=8, seq_len=256, search_rows=512)
+        opts = QuantizeOptions(method, calib=calib if method == "awq" else None, samples=8, seq_len=256, search_rows=512)
         quantize("smollm2", root / method, opts, device="cpu")
     return root
 
@@ -312,6 +314,41 @@ def test_awq_is_never_worse_than_rtn_on_the_embedded_model(smollm2_quantized, sm
     awq_err, rtn_err = torch.tensor(errors["awq"]), torch.tensor(errors["rtn"])
     assert (awq_err <= rtn_err).all(), [i for i in range(len(awq_err)) if awq_err[i] > rtn_err[i]]
     assert awq_err.sum() < 0.8 * rtn_err.sum()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_gptq_int4_checkpoint_loads_as_its_awq_twin(tiny_source, tmp_path, act_order):
+    """The same INT4 codes in GPTQ's layout (4-bit, asymmetric; with desc_act, input columns listed by g_idx)
+    give the same model as in AWQ's: packed when the groups are in order, dequantized under act-order."""
+    from safetensors.torch import load_file, save_file
+
+    from llmrun.loading import load_model
+
+    quantize(str(tiny_source[0]), tmp_path / "awq", QuantizeOptions("rtn"), device="cpu")
+    tensors, converted = load_file(str(tmp_path / "awq" / "model.safetensors")), {}
+    for name, t in tensors.items():
+        module, _, suffix = name.rpartition(".")
+        if suffix == "qweight":
+            q = unpack_awq(t, tensors[f"{module}.qzeros"], tensors[f"{module}.scales"], 32)
+            converted.update({f"{module}.{k}": v for k, v in pack_gptq(q).items()})
+        elif suffix not in ("qzeros", "scales"):
+            converted[name] = t
+    (tmp_path / "gptq").mkdir()
+    save_file(converted, str(tmp_path / "gptq" / "model.safetensors"))
+    for f in (tmp_path / "awq").glob("*.json"):
+        (tmp_path / "gptq" / f.name).write_text(f.read_text())
+    config = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False,
+                                     "desc_act": act_order}
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps(config))
+    ids = torch.tensor([[3, 17, 99, 5, 64, 2]])
+    awq_model = load_model(str(tmp_path / "awq"), device="cpu", dtype="fp32")
+    gptq_model = load_model(str(tmp_path / "gptq"), device="cpu", dtype="fp32")
+    assert gptq_model.weights == ("dequant" if act_order else "packed")
+    with torch.no_grad():
+        if act_order:
+            awq_model = load_model(str(tmp_path / "awq"), device="cpu", dtype="fp32", weights="dequant")
+        torch.testing.assert_close(gptq_model.model(ids), awq_model.model(ids))
 
 
 def test_cli_quantizes_a_gguf_and_the_result_chats(tmp_path, monkeypatch, capsys):
