@@ -120,6 +120,25 @@ def _our_name(name: str, names) -> str | None:
     return None
 
 
+def hf_tensor_name(ours: str) -> str:
+    """Our tensor name -> the HF checkpoint's (`layers.3.attn.q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
+    the inverse of reading an HF directory."""
+    whole, _, parts = _HF_NAMES
+    theirs = {v: k for k, v in whole.items()}
+    if ours in theirs:
+        return theirs[ours]
+    _, i, rest = ours.split(".", 2)
+    part, kind = rest.rsplit(".", 1)
+    return f"model.layers.{i}.{next(k for k, v in parts.items() if v == part)}.{kind}"
+
+
+def fused_parts(module: str) -> list[str]:
+    """A fused layer of the model -> the parts checkpoints store apart, in row order (`attn.qkv` -> `attn.q`,
+    `attn.k`, `attn.v`); an unfused layer -> itself."""
+    parts = sorted((index, part) for part, (target, index, _) in _FUSED.items() if target == module)
+    return [part for _, part in parts] or [module]
+
+
 def _unpermute_rope_rows(w, n_heads: int):
     """Undo llama.cpp's converter, which reorders each head's Q/K rows from HF's (i, i + D/2) rotation pairs to
     interleaved (2i, 2i + 1) pairs; the model uses HF's "rotate half" RoPE."""
@@ -228,6 +247,8 @@ def _iter_weights(files: ModelFiles, keep_blocks=None):
         return
     from safetensors import SafetensorError, safe_open
 
+    from llmrun.models.quant import q8_blocks
+
     quant = files.quant
     for file in sorted(files.source.path.glob("*.safetensors")):
         try:
@@ -245,8 +266,6 @@ def _iter_weights(files: ModelFiles, keep_blocks=None):
                         raise ModelFormatError(f"{file}: unexpected tensor {name}")
                     w = f.get_tensor(name)
                     if ours in keep_blocks:  # a float embedding / output head beside packed layers
-                        from llmrun.models.quant import q8_blocks
-
                         w = (*q8_blocks(w), None, 8)
                     yield ours, w
                 for module, suffixes in quantized.items():
@@ -456,7 +475,7 @@ def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[in
     from llmrun import kernels
 
     quant, cfg = files.quant, files.config
-    widths = [cfg.dim, cfg.n_heads * cfg.head_dim, cfg.ffn_dim]  # the layers' input widths
+    widths = [width for width, _ in cfg.linear_widths().values()]  # the layers' input widths
     if quant.group == -1:
         fits = all(w % 32 == 0 for w in widths)
     else:

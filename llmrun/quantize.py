@@ -27,12 +27,6 @@ from llmrun.errors import LlmrunError
 METHODS = ("awq", "rtn", "int8")
 GROUP_SIZES = (128, 64, 32)  # the default is the first that divides every layer's input width
 DEFAULT_CALIB = ("canterbury:lcet10", "canterbury:plrabn12", "canterbury:asyoulik")  # eval scores alice29
-_PARTS = {  # our fused layer -> (HF module, our rows part) in row order
-    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attn.o": ("self_attn.o_proj",),
-    "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down": ("mlp.down_proj",),
-}
 
 
 @dataclass(frozen=True)
@@ -63,17 +57,10 @@ class QuantizeResult:
         return asdict(self)
 
 
-def _layer_widths(cfg) -> dict[str, tuple[int, list[int]]]:
-    """Our fused layer -> (input width, output widths of its HF parts)."""
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {"attn.qkv": (cfg.dim, [q, kv, kv]), "attn.o": (q, [cfg.dim]),
-            "mlp.gate_up": (cfg.dim, [cfg.ffn_dim, cfg.ffn_dim]), "mlp.down": (cfg.ffn_dim, [cfg.dim])}
-
-
 def choose_group_size(cfg, asked: int | None) -> int:
     """`asked` if it is a multiple of 32 dividing every layer's input width; by default the largest of
     GROUP_SIZES that does. Otherwise a message naming the sizes that fit."""
-    inputs = sorted({width for width, _ in _layer_widths(cfg).values()})
+    inputs = sorted({width for width, _ in cfg.linear_widths().values()})
     fits = [g for g in GROUP_SIZES if all(w % g == 0 for w in inputs)]
     if asked is None:
         if not fits:
@@ -96,7 +83,7 @@ def _check_source(files) -> None:
     if files.gguf is not None and "rope_freqs.weight" in files.gguf.tensors:
         raise LlmrunError(f"{files.source.spec} stores its RoPE scaling as a rope_freqs tensor, which config.json "
                           "cannot express; quantize the model's HF checkpoint instead")
-    for name, (_, outs) in _layer_widths(files.config).items():
+    for name, (_, outs) in files.config.linear_widths().items():
         if any(w % 8 for w in outs):
             raise LlmrunError(f"output widths {outs} of {name} are not multiples of 8, which AWQ/GPTQ packing needs")
 
@@ -251,32 +238,31 @@ def capture_inputs(block, hidden, cos, sin, window, search_rows: int, gen, chunk
 def _quantize_block(block, i: int, cfg, bits: int, group: int, tensors: dict) -> None:
     """Quantize the block's four (fused) linear layers into `tensors` under HF names, split into their parts."""
     from llmrun.awq import quantize_groups, quantize_int8_rows
+    from llmrun.loading import fused_parts, hf_tensor_name
     from llmrun.quant_formats import pack_awq, pack_gptq
 
     pack = pack_gptq if bits == 8 else pack_awq
-    layers = {"attn.qkv": block.attn.qkv, "attn.o": block.attn.o, "mlp.gate_up": block.mlp.gate_up,
-              "mlp.down": block.mlp.down}
-    for ours, linear in layers.items():
+    for ours, (_, widths) in cfg.linear_widths().items():
+        linear = block.get_submodule(ours)
         w = linear.weight.float().cpu()
         q = quantize_int8_rows(w) if bits == 8 else quantize_groups(w, bits, group)
         start = 0
-        for part, width in zip(_PARTS[ours], _layer_widths(cfg)[ours][1]):
+        for part, width in zip(fused_parts(ours), widths):
+            module = hf_tensor_name(f"layers.{i}.{part}.weight").removesuffix(".weight")
             for suffix, t in pack(q.rows(start, start + width)).items():
-                tensors[f"model.layers.{i}.{part}.{suffix}"] = t.contiguous()
+                tensors[f"{module}.{suffix}"] = t.contiguous()
             if linear.bias is not None:
-                tensors[f"model.layers.{i}.{part}.bias"] = linear.bias[start : start + width].half().cpu().contiguous()
+                tensors[f"{module}.bias"] = linear.bias[start : start + width].half().cpu().contiguous()
             start += width
 
 
 def _float_tensors(model) -> dict:
     """The tensors that stay float (fp16): embedding, norms (AWQ's scales folded in), output head."""
-    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
-    for i, block in enumerate(model.layers):
-        out[f"model.layers.{i}.input_layernorm.weight"] = block.attn_norm.weight
-        out[f"model.layers.{i}.post_attention_layernorm.weight"] = block.mlp_norm.weight
-    if model.lm_head is not None:
-        out["lm_head.weight"] = model.lm_head.weight
-    return {name: t.detach().half().cpu().contiguous() for name, t in out.items()}
+    from llmrun.loading import hf_tensor_name
+
+    names = ["embed.weight", "norm.weight", *(["lm_head.weight"] if model.lm_head is not None else [])]
+    names += [f"layers.{i}.{norm}.weight" for i in range(len(model.layers)) for norm in ("attn_norm", "mlp_norm")]
+    return {hf_tensor_name(name): model.get_parameter(name).detach().half().cpu().contiguous() for name in names}
 
 
 def _quantization_config(method: str, bits: int, group: int) -> dict:

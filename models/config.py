@@ -66,6 +66,12 @@ class ModelConfig:
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + mlp + 2 * self.dim) + embed + self.dim
 
+    def linear_widths(self) -> dict[str, tuple[int, list[int]]]:
+        """Each block's (fused) linear layer -> (input width, output widths of the parts checkpoints store apart)."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {"attn.qkv": (self.dim, [q, kv, kv]), "attn.o": (q, [self.dim]),
+                "mlp.gate_up": (self.dim, [self.ffn_dim, self.ffn_dim]), "mlp.down": (self.ffn_dim, [self.dim])}
+
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
 
