@@ -347,11 +347,11 @@ def compare_rows(files, settings: Settings, figures: dict, workload, progress) -
     rows = [peers.row("llmrun", f"{settings.dtype} --weights {settings.weights}", figures, version=__version__)]
     eager = dataclasses.replace(settings, weights="dequant")
     config = f"{eager.dtype} --weights dequant (plain PyTorch)"
+    progress("compare: llmrun eager (--weights dequant)")
     if eager == settings:
         rows.append(peers.row("llmrun eager", config, version=__version__,
                               skipped="skipped: the configured run is already the eager path (--weights dequant)"))
     else:
-        progress("compare: llmrun eager (--weights dequant)")
         try:
             rows.append(peers.row("llmrun eager", config, measure_settings(files, eager, workload), version=__version__))
         except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
@@ -409,12 +409,24 @@ def write_run(out: Path, doc: dict, table: str) -> None:
 
 def benchmark(files, settings: Settings, workload, *, model: str, compare: bool = False,
               sweep_axes: dict | None = None, goal: str = "latency", drafting=None,
-              progress=lambda message: None) -> dict:
+              progress=lambda done, total, what: None) -> dict:
     """Everything `llmrun bench` reports, as one JSON-ready document: the configured run's figures, and with
     `compare` the peers side by side, with `sweep_axes` ({axis: values}; {} for the defaults) a ranked sweep.
     With `drafting` (a `bench_speculative.Drafting`) the figures are the speculative runs', and `speculative`
-    compares them with plain decoding; not with `compare` or `sweep_axes`."""
-    from llmrun import sweep
+    compares them with plain decoding; not with `compare` or `sweep_axes`.
+
+    `progress(done, total, what)` is called as each measurement point (a configuration loaded and measured, a
+    peer) starts, and once more when all `total` are done."""
+    from llmrun import peers, sweep
+
+    total = (1 + (1 + len(peers.PEERS) if compare else 0)
+             + (sweep.points(settings, sweep_axes) if sweep_axes is not None else 0))
+    started = 0
+
+    def point(what: str) -> None:  # the steps below announce each point as it starts
+        nonlocal started
+        progress(started, total, what)
+        started += 1
 
     if drafting is not None:
         from llmrun.bench_speculative import measure_speculative_settings
@@ -422,21 +434,22 @@ def benchmark(files, settings: Settings, workload, *, model: str, compare: bool 
         if compare or sweep_axes is not None:
             raise LlmrunError("speculative decoding is measured against plain decoding on its own; run --compare"
                               " or --sweep without --ngram/--draft")
-        progress(f"measuring {model} ({describe(settings)}), plain and {drafting.flags()}")
+        point(f"measuring {model} ({describe(settings)}), plain and {drafting.flags()}")
         figures = measure_speculative_settings(files, settings, workload, drafting)
     else:
-        progress(f"measuring {model} ({describe(settings)})")
+        point(f"measuring {model} ({describe(settings)})")
         figures = measure_settings(files, settings, workload)
     doc = {"model": model, "config": settings.describe(), "workload": workload.describe(), **figures,
            "compare": None, "sweep": None, "recommended": None, "environment": environment(settings.device)}
     doc["notes"] = doc.pop("notes")  # last, after the sweep's
     if compare:
-        doc["compare"] = compare_rows(files, settings, figures, workload, progress)
+        doc["compare"] = compare_rows(files, settings, figures, workload, point)
     if sweep_axes is not None:
         rows, notes = sweep.run_sweep(files, settings, workload, sweep_axes,
-                                      known={"settings": settings, "figures": figures}, progress=progress)
+                                      known={"settings": settings, "figures": figures}, progress=point)
         ranked = sweep.rank(rows, goal)
         doc["sweep"] = [{"rank": i, **r} for i, r in enumerate(ranked, 1)]
         doc["recommended"] = sweep.recommend(ranked, goal)
         doc["notes"] += notes
+    progress(total, total, "done")
     return doc

@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from llmrun.errors import LlmrunError, ModelFormatError, ModelNotFoundError
 
@@ -158,8 +159,11 @@ class ModelFiles:
     quant: object = None  # quant_formats.CheckpointQuant of an AWQ/GPTQ checkpoint's linear layers
 
 
-def open_model(spec: str) -> ModelFiles:
-    source = resolve(spec)  # before the imports below (torch): a wrong path fails fast
+def open_model(spec: str | ModelSource) -> ModelFiles:
+    """Config, tokenizer and tensor index of MODEL as typed, or of a source `resolve` gave (a hub download done
+    first, so that a progress bar can cover the rest)."""
+    # resolve before the imports below (torch): a wrong path fails fast
+    source = spec if isinstance(spec, ModelSource) else resolve(spec)
 
     from llmrun.models import config_from_gguf, config_from_hf
     from llmrun.quant_formats import checkpoint_quant
@@ -253,14 +257,8 @@ def _iter_weights(files: ModelFiles, keep_blocks=None):
     for file in sorted(files.source.path.glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt") as f:
-                quantized = {}  # module of the file's name -> its quantized tensors' suffixes
-                for name in f.keys():
-                    if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
-                        continue
-                    module, _, suffix = name.rpartition(".")
-                    if quant is not None and suffix in quant.tensors:
-                        quantized.setdefault(module, set()).add(suffix)
-                        continue
+                floats, quantized = _checkpoint_tensors(f.keys(), cfg, quant)
+                for name in floats:
                     ours = _our_name(name, _HF_NAMES)
                     if ours is None:
                         raise ModelFormatError(f"{file}: unexpected tensor {name}")
@@ -272,6 +270,31 @@ def _iter_weights(files: ModelFiles, keep_blocks=None):
                     yield _read_quantized(f, file, module, suffixes, quant, keep_blocks)
         except SafetensorError as e:
             raise ModelFormatError(f"{file} is not a valid safetensors file ({e})") from e
+
+
+def _checkpoint_tensors(names, cfg, quant) -> tuple[list[str], dict[str, set[str]]]:
+    """A safetensors file's tensor names -> the float tensors to read, and its AWQ/GPTQ layers (module -> the
+    suffixes of its quantized tensors); RoPE tables and the copy of a tied output head are left out."""
+    floats, quantized = [], {}
+    for name in names:
+        if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
+            continue
+        module, _, suffix = name.rpartition(".")
+        if quant is not None and suffix in quant.tensors:
+            quantized.setdefault(module, set()).add(suffix)
+        else:
+            floats.append(name)
+    return floats, quantized
+
+
+def _weight_count(files: ModelFiles) -> int:
+    """How many (name, tensor) pairs `_iter_weights` gives: the steps `load_weights` reports."""
+    if files.gguf is not None:
+        return len(files.gguf.tensors)
+    # grouped over all files, not per file: a layer split across shards fails to load anyway
+    floats, quantized = _checkpoint_tensors([name for name, _ in _safetensors_headers(files.source.path)],
+                                            files.config, files.quant)
+    return len(floats) + len(quantized)
 
 
 def _read_quantized(f, file, module: str, suffixes: set[str], quant, keep_blocks):
@@ -342,10 +365,12 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", weights: st
     return load_weights(open_model(spec), device, dtype, weights)
 
 
-def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", weights: str = "auto") -> LoadedModel:
+def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", weights: str = "auto",
+                 on_progress: Callable[[int, int, str], None] | None = None) -> LoadedModel:
     """Build the model of `files` on `device`. Float weights are converted to `dtype`; quantized ones stay packed
     where a kernel for their format and device exists (`weights="auto"`), or are expanded to `dtype`
-    (`weights="dequant"`, the plain-PyTorch path)."""
+    (`weights="dequant"`, the plain-PyTorch path). `on_progress(done, total, name)` is called before the first
+    tensor (0) and after each one is read (and dequantized or packed), up to `total`."""
     if weights not in WEIGHT_MODES:
         raise LlmrunError(f"unknown weight mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
     import torch
@@ -362,7 +387,11 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
             _swap_in_quantized(model, module, bits, offsets, dt)
     expected = dict(model.state_dict())
     state, parts = {}, {}
-    for name, w in _iter_weights(files, keep):
+    report = on_progress or (lambda done, total, name: None)
+    total = _weight_count(files) if on_progress else 0
+    report(0, total, "")
+    for done, (name, w) in enumerate(_iter_weights(files, keep), 1):
+        report(done, total, name)
         if name == "rope_freq_factors":
             model.rope_freq_factors = w.tolist()
             continue

@@ -112,10 +112,11 @@ def read_calibration(spec: str | None) -> str:
     return "\n\n".join(read_text(s) for s in (DEFAULT_CALIB if spec is None else (spec,)))
 
 
-def quantize(spec: str, out_dir: str | Path, options: QuantizeOptions, device: str = "auto",
+def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = "auto",
              on_progress: Callable[[int, int, str], None] | None = None) -> QuantizeResult:
-    """Quantize model `spec` into the new directory `out_dir`. `on_progress(done, total, what)` is called as the
-    blocks are done. The directory appears whole or not at all."""
+    """Quantize model `spec` (MODEL, or a resolved `loading.ModelSource`) into the new directory `out_dir`.
+    `on_progress(done, total, what)` is called as the weights are read (tensors), then as the blocks are done.
+    The directory appears whole or not at all."""
     import torch
 
     from llmrun.loading import load_weights, open_model, resolve_device
@@ -148,12 +149,13 @@ def quantize(spec: str, out_dir: str | Path, options: QuantizeOptions, device: s
         result.calibration_tokens = windows.numel()
         result.notes += [note] if note else []
     if files.gguf is not None and any(t not in ("F32", "F16", "BF16") for t in files.stored_bytes):
-        result.notes.append(f"{spec} is stored quantized ({', '.join(sorted(files.stored_bytes))}); its weights are "
-                            "dequantized first, so the result carries both roundings")
+        result.notes.append(f"{files.source.spec} is stored quantized ({', '.join(sorted(files.stored_bytes))}); its "
+                            "weights are dequantized first, so the result carries both roundings")
     dev = resolve_device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    loaded = load_weights(files, device="cpu", dtype="fp32", weights="dequant")
+    reading = (lambda done, total, name: on_progress(done, total, "reading weights")) if on_progress else None
+    loaded = load_weights(files, device="cpu", dtype="fp32", weights="dequant", on_progress=reading)
     model = loaded.model
     tensors = {}
     with torch.no_grad():

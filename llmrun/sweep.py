@@ -74,6 +74,13 @@ def grid(base, overrides: dict[str, tuple]) -> list:
             for combo in itertools.product(*(swept[n] for n in names))]
 
 
+def points(base, overrides: dict[str, tuple]) -> int:
+    """The sweep's measurement points: a configuration of the grid each, and the quality reference when the grid
+    lacks it (`run_sweep` announces each as it starts)."""
+    settings = grid(base, overrides)
+    return len(settings) + (not any(_is_reference(s) for s in settings))
+
+
 def swept_axes(overrides: dict[str, tuple], device: str) -> list[str]:
     return [name for name, axis in AXES.items() if overrides.get(name) or axis.defaults(device)]
 

@@ -120,3 +120,27 @@ def test_truncated_safetensors(tmp_path):
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelFormatError, match="truncated"):
         open_model(str(path))
+
+
+# --- progress ---------------------------------------------------------------------------------------------------
+
+
+def assert_counts_up_to(calls: list[tuple], total: int) -> None:
+    """`on_progress` calls: 0 first, then one per tensor, each with the tensor's name, up to `total`."""
+    assert [done for done, _, _ in calls] == list(range(total + 1))
+    assert {t for _, t, _ in calls} == {total}
+    assert calls[0][2] == "" and all(name for _, _, name in calls[1:])
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+@pytest.mark.parametrize("weights", ["auto", "dequant"])
+def test_load_weights_reports_every_tensor_up_to_the_total(tmp_path, fmt, weights):
+    from llmrun.loading import load_weights
+
+    model = random_model(CONFIGS["llama"])
+    path = write_gguf(tmp_path / "m.gguf", model, qtype="Q8_0") if fmt == "gguf" else write_hf_dir(tmp_path / "m", model)
+    calls = []
+    load_weights(open_model(str(path)), device="cpu", dtype="fp32", weights=weights,
+                 on_progress=lambda *call: calls.append(call))
+    # embedding, final norm, output head; per layer 2 norms and q, k, v, o, gate, up, down as the files store them
+    assert_counts_up_to(calls, 3 + 9 * model.config.n_layers)

@@ -271,6 +271,32 @@ def test_a_checkpoint_reloads_close_to_the_float_model(tiny_source, tmp_path, me
                 assert torch.equal(ours.get_submodule(name).weight, rounded(w).dequantize())
 
 
+def test_progress_while_quantizing_and_loading_the_checkpoint(tiny_source, tmp_path):
+    from safetensors import safe_open
+
+    from llmrun.loading import load_weights, open_model
+
+    from .test_loading import assert_counts_up_to
+
+    source, model, _ = tiny_source
+    calls = []
+    quantize(str(source), tmp_path / "q", QuantizeOptions("rtn"), device="cpu", on_progress=lambda *call: calls.append(call))
+    reading = [call for call in calls if call[2] == "reading weights"]
+    assert [done for done, _, _ in reading] == list(range(len(reading))) and reading[-1][0] == reading[-1][1]
+    blocks = calls[len(reading):]
+    assert [(done, total) for done, total, _ in blocks] == [(i, QCFG.n_layers) for i in range(QCFG.n_layers + 1)]
+
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    codes = ("qweight", "qzeros", "scales")
+    layers = {name.rpartition(".")[0] for name in names if name.endswith(".qweight")}
+    for weights in ("auto", "dequant"):  # each quantized layer is one step, read as codes or dequantized
+        calls = []
+        load_weights(open_model(str(tmp_path / "q")), device="cpu", dtype="fp32", weights=weights,
+                     on_progress=lambda *call: calls.append(call))
+        assert_counts_up_to(calls, len([n for n in names if n.rpartition(".")[2] not in codes]) + len(layers))
+
+
 AWQ_HELD_OUT = (
     "The old lighthouse keeper climbed the stairs every evening, counting the steps as his father had taught him. "
     "From the lamp room he could see the fishing boats returning, their lights scattered across the dark water. "

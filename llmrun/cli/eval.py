@@ -1,7 +1,6 @@
 """`llmrun eval`: perplexity of a text over a sliding window, and KL divergence from a reference configuration."""
 
 import json
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Annotated, Optional
 
@@ -12,7 +11,7 @@ from llmrun.errors import LlmrunError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, open_engine, user_errors
+from .console import err, open_engine, open_files, progress_bar, spinner, user_errors
 from .options import Device, DType, JsonFlag, ModelArg, Weights, run_options
 
 # What --kl-vs may change besides `model`: the runtime options that decide how the same text is computed.
@@ -66,16 +65,6 @@ def _check_same_vocabulary(engine, reference, ids: list[int], text: str) -> None
                           "(compare files of the same model)")
 
 
-def _progress(label: str):
-    """A transient progress bar of the windows on stderr, when a person is watching (else None)."""
-    if not err.is_terminal:
-        return nullcontext(None)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} windows"),
-                    TimeRemainingColumn(), console=err, transient=True)
-
-
 @app.command("eval")
 @user_errors
 @run_options(sampling=False)
@@ -94,13 +83,13 @@ def eval_(
     Every logit goes through the KV cache as in chat and generate, so eval measures the quality cost of each weight format, dtype and cache option.
     """
     from llmrun.eval import DEFAULT_CTX, evaluate, read_text
-    from llmrun.loading import open_model
 
     reference = parse_reference(kl_vs) if kl_vs is not None else None
     if opts.ctx is not None:
         _check_stride(stride, opts.ctx)  # before reading anything
-    text = read_text(ppl)
-    ctx = opts.ctx or min(DEFAULT_CTX, open_model(model).config.max_seq_len)
+    with spinner(f"reading {ppl}"):  # the Canterbury corpus is fetched with pip the first time
+        text = read_text(ppl)
+    ctx = opts.ctx or min(DEFAULT_CTX, open_files(model).config.max_seq_len)
     stride = _check_stride(stride, ctx)
     opts = replace(opts, ctx=ctx)  # the KV cache holds one window
     engine = open_engine(model, opts)
@@ -117,10 +106,8 @@ def eval_(
     if ref_engine is not None:
         _check_same_vocabulary(engine, ref_engine, ids, text)
 
-    with _progress(f"eval {ppl}") as progress:
-        task = progress.add_task("eval", total=None) if progress else None
-        on_window = (lambda done, total: progress.update(task, completed=done, total=total)) if progress else None
-        result = evaluate(engine, ids, ctx, stride, ref_engine, on_window)
+    with progress_bar(f"eval {ppl}") as update:
+        result = evaluate(engine, ids, ctx, stride, ref_engine, lambda done, total: update(done, total, "windows"))
 
     doc = {
         "model": model, "config": _config(engine, opts.weights),

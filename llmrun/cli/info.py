@@ -7,7 +7,7 @@ from rich.table import Table
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, user_errors
+from .console import err, open_files, user_errors
 from .options import JsonFlag, ModelArg
 
 
@@ -15,10 +15,9 @@ from .options import JsonFlag, ModelArg
 @user_errors
 def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
     """Architecture, parameters, weight bytes by dtype, context, KV bytes per token, tokenizer and template."""
-    from llmrun.loading import open_model
     from llmrun.memory import human_bytes
 
-    files = open_model(model)
+    files = open_files(model)
     cfg, tok = files.config, files.tokenizer
     doc = {
         "model": model,
