@@ -13,13 +13,13 @@ extracted into `$XDG_CACHE_HOME/llmrun/corpus` (default `~/.cache/llmrun/corpus`
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
+from llmrun import catalog
 from llmrun.errors import LlmrunError
 
 CORPUS = "canterbury"
@@ -33,8 +33,7 @@ _BY_HAND = f"fetch it by hand ({_FETCH}) and run `python -m llmrun.corpus {BROTL
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llmrun" / "corpus"
+    return catalog.cache_dir() / "corpus"
 
 
 def is_corpus_spec(spec: str) -> bool:

@@ -25,6 +25,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_quantized_index(tmp_path_factory):
+    """`llmrun quantize` records what it writes for `llmrun models`: tests record into an index of their own, never
+    the user's."""
+    import llmrun.catalog
+
+    path = tmp_path_factory.mktemp("llmrun-cache") / "quantized.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llmrun.catalog, "quantized_index_path", lambda: path)
+        yield path
+
+
 @pytest.fixture(scope="session")
 def embedded_path():
     from llmrun.loading import embedded_model_path

@@ -1,6 +1,8 @@
 """`llmrun chat`: interactive multi-turn chat, or one turn with -p / piped stdin."""
 
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -15,16 +17,21 @@ from .console import err, open_engine, print_json_when_done, status_line, stream
 from .options import JsonFlag, ModelArg, run_options
 
 HELP = """Commands: /reset (forget the conversation), /system TEXT (set the system prompt; no TEXT clears it),
-/stats (figures of the last reply and memory), /exit. Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt exits."""
+/stats (figures of the last reply and memory), /save [FILE] (write the conversation to FILE, JSON; no FILE: the
+last file saved or loaded), /load FILE (continue a saved conversation), /exit. Ctrl-C stops a reply; Ctrl-C or
+Ctrl-D at the prompt exits."""
 
 
 @app.command()
 @user_errors
 @run_options
 def chat(
+    click_context: typer.Context,
     model: ModelArg = DEFAULT_MODEL,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One turn: reply to this and exit (stdin works too).")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
+    save: Annotated[Optional[Path], typer.Option("--save", metavar="FILE", help="Save the conversation to FILE (JSON) after every turn; a new file, unless --load names it too.", show_default=False)] = None,
+    load: Annotated[Optional[Path], typer.Option("--load", metavar="FILE", help="Continue the conversation saved in FILE: its messages, system prompt (unless --system) and model (unless MODEL).", show_default=False)] = None,
     json_out: JsonFlag = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No status line on stderr.")] = False,
     *,
@@ -34,6 +41,7 @@ def chat(
 
     Tokens stream as they are generated; a status line on stderr shows speed, context and memory.
     The KV cache of earlier turns is kept, so each turn prefills only its new tokens.
+    Nothing is written to disk unless --save or /save asks for it.
     """
     from llmrun.conversation import Conversation
 
@@ -43,23 +51,87 @@ def chat(
             raise LlmrunError("stdin was empty; give a prompt with -p or type one interactively")
     if json_out and prompt is None:
         raise LlmrunError("--json needs a prompt (-p TEXT or stdin)")
+    saved = _check_files(save, load)  # before the model loads
+    if saved is not None:
+        if click_context.get_parameter_source("model").name == "DEFAULT":
+            model = saved.model
+        elif _portable(model) != saved.model:
+            err.print(Text(f"note: {load} was saved with {saved.model}; continuing with {model}", style="dim"))
     engine = open_engine(model, opts)
-    conversation = Conversation(engine, opts.params, system)
+    conversation = Conversation(engine, opts.params, system if system is not None or saved is None else saved.system)
+    if saved is not None:
+        conversation.messages = list(saved.messages)
+    saving = _Saving(_portable(model), every_turn=save, last=save or load)
     if prompt is not None:
-        _one_turn(conversation, prompt, model, json_out, quiet)
+        _one_turn(conversation, prompt, model, json_out, quiet, saving)
     else:
-        _repl(conversation, quiet)
+        if saved is not None:
+            err.print(Text(f"continuing {_turns_text(conversation)} from {load}", style="dim"))
+        _repl(conversation, quiet, saving)
 
 
-def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool) -> None:
+def _check_files(save: Path | None, load: Path | None):
+    """The conversation --load names (or None), once --save's file is known to be writable without loss."""
+    from llmrun.conversation import load_conversation
+
+    saved = load_conversation(load) if load is not None else None
+    if save is not None:
+        if save.exists() and (load is None or save.resolve() != load.resolve()):
+            raise LlmrunError(f"--save {save}: the file exists; continue it with --load {save} --save {save}, or choose another file")
+        if not save.parent.is_dir():
+            raise LlmrunError(f"--save {save}: no directory {save.parent}")
+    return saved
+
+
+def _portable(model: str) -> str:
+    """MODEL as a saved conversation records it: a local path made absolute, so the file loads from anywhere."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if model != DEFAULT_MODEL and path.exists() else model
+
+
+@dataclass
+class _Saving:
+    """Where the conversation goes on disk: nowhere unless asked."""
+
+    model: str  # recorded in the file
+    every_turn: Path | None = None  # --save: written after every turn
+    last: Path | None = None  # where a bare /save writes: the last /save or /load FILE, else --save's or --load's
+
+    def write(self, conversation, path: Path) -> None:
+        from llmrun.conversation import SavedConversation, save_conversation
+
+        save_conversation(path, SavedConversation(self.model, conversation.system, conversation.messages))
+
+    def after_turn(self, conversation) -> None:
+        if self.every_turn is not None:
+            self.write(conversation, self.every_turn)
+
+
+def _turns(conversation) -> int:
+    return sum(m["role"] == "user" for m in conversation.messages)
+
+
+def _turns_text(conversation) -> str:
+    n = _turns(conversation)
+    return f"{n} turn" + ("" if n == 1 else "s")
+
+
+def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool, saving: _Saving) -> None:
     from llmrun.memory import memory_report
 
     reply = conversation.send(prompt)
-    if json_out:
-        print_json_when_done(reply, conversation.engine, model=model)
-        return
-    stream_to_stdout(reply)
-    if not quiet:
+    try:
+        if json_out:
+            print_json_when_done(reply, conversation.engine, model=model)
+        else:
+            stream_to_stdout(reply)
+    except KeyboardInterrupt:  # keep the partial reply, as the chat does
+        conversation.finish(reply)
+        saving.after_turn(conversation)
+        raise
+    conversation.finish(reply)
+    saving.after_turn(conversation)
+    if not json_out and not quiet:
         err.print(status_line(reply.stats, memory_report(conversation.engine)))
 
 
@@ -70,7 +142,7 @@ def _read_line() -> str:
     return input()
 
 
-def _repl(conversation, quiet: bool) -> None:
+def _repl(conversation, quiet: bool, saving: _Saving) -> None:
     from llmrun.memory import memory_report
 
     try:
@@ -88,8 +160,11 @@ def _repl(conversation, quiet: bool) -> None:
         if not line.strip():
             continue
         if line.startswith("/"):
-            if _slash(line, conversation, last):
-                return
+            try:
+                if _slash(line, conversation, last, saving):
+                    return
+            except LlmrunError as e:
+                err.print(Text(f"error: {e}", style="bold red"))
             continue
         try:
             reply = conversation.send(line)
@@ -104,10 +179,16 @@ def _repl(conversation, quiet: bool) -> None:
         last = reply
         if not quiet:
             err.print(status_line(reply.stats, memory_report(conversation.engine)))
+        try:
+            saving.after_turn(conversation)  # so that Ctrl-C, a crash or a closed terminal lose nothing
+        except LlmrunError as e:
+            err.print(Text(f"error: {e}", style="bold red"))
 
 
-def _slash(line: str, conversation, last) -> bool:
+def _slash(line: str, conversation, last, saving: _Saving) -> bool:
     """Run a slash command; True means exit."""
+    from llmrun.conversation import load_conversation
+
     command, _, arg = line.partition(" ")
     if command in ("/exit", "/quit", "/bye"):
         return True
@@ -119,6 +200,24 @@ def _slash(line: str, conversation, last) -> bool:
         err.print(Text("system prompt " + ("set" if arg.strip() else "cleared"), style="dim"))
     elif command == "/stats":
         _print_stats(conversation, last)
+    elif command == "/save":
+        path = Path(arg.strip()).expanduser() if arg.strip() else saving.last
+        if path is None:
+            err.print(Text("/save FILE: no file saved or loaded yet to write to", style="yellow"))
+        else:
+            saving.write(conversation, path)
+            saving.last = path
+            err.print(Text(f"saved {_turns_text(conversation)} to {path}", style="dim"))
+    elif command == "/load":
+        if not arg.strip():
+            err.print(Text("/load FILE: which file?", style="yellow"))
+            return False
+        path = Path(arg.strip()).expanduser()
+        saved = load_conversation(path)
+        conversation.messages, conversation.system = list(saved.messages), saved.system
+        saving.last = path
+        held = "" if saved.model == saving.model else f" (saved with {saved.model}; continuing with {saving.model})"
+        err.print(Text(f"loaded {_turns_text(conversation)} from {path}{held}", style="dim"))
     elif command == "/help":
         err.print(HELP)
     else:
@@ -135,5 +234,5 @@ def _print_stats(conversation, last) -> None:
             table.add_row(key, str(value))
     for key, value in memory_report(conversation.engine).items():
         table.add_row(f"memory.{key}", human_bytes(value))
-    table.add_row("turns", str(sum(m["role"] == "user" for m in conversation.messages)))
+    table.add_row("turns", str(_turns(conversation)))
     err.print(table)

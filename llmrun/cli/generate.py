@@ -13,11 +13,18 @@ from .console import err, open_engine, print_json_when_done, status_line, stream
 from .options import JsonFlag, run_options
 
 
+def _complete_model_first(ctx: typer.Context, incomplete: str):
+    """Shell completion: the first word of [MODEL] TEXT may be a model; the text is the user's."""
+    from llmrun.catalog import complete_model
+
+    return [] if ctx.params.get("args") else complete_model(incomplete)
+
+
 @app.command()
 @user_errors
 @run_options
 def generate(
-    args: Annotated[list[str], typer.Argument(metavar="[MODEL] TEXT", help=f"Model (default '{DEFAULT_MODEL}') and the text to continue; '-' or no TEXT reads stdin.", show_default=False)] = None,
+    args: Annotated[list[str], typer.Argument(metavar="[MODEL] TEXT", help=f"Model (default '{DEFAULT_MODEL}') and the text to continue; '-' or no TEXT reads stdin.", show_default=False, autocompletion=_complete_model_first)] = None,
     json_out: JsonFlag = False,
     special: Annotated[bool, typer.Option(help="Parse special tokens written in TEXT (e.g. <|im_start|>).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No status line on stderr.")] = False,

@@ -1,7 +1,6 @@
 """`llmrun quantize`: AWQ or round-to-nearest INT4 and INT8 checkpoints that transformers and vLLM load too."""
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,21 +10,21 @@ from llmrun.errors import LlmrunError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, user_errors
+from .console import err, model_source, progress_bar, user_errors
 from .options import Device, JsonFlag, ModelArg
 
 METHOD = "Method"
 CALIBRATION = "Calibration (--awq)"
 
 
-def _progress():
-    """A progress bar over the model's blocks on stderr, when a person is watching (else None)."""
-    if not err.is_terminal:
-        return nullcontext(None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+def _record(out_dir: str) -> None:
+    """Note the checkpoint in llmrun's index, for `llmrun models`; a cache that cannot be written costs a warning."""
+    from llmrun.catalog import record_quantized
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=err, transient=True)
+    try:
+        record_quantized(out_dir)
+    except OSError as e:
+        err.print(f"warning: {out_dir} is not listed by `llmrun models`: cannot write its index ({e.strerror or e})")
 
 
 def _mib(n: int) -> str:
@@ -73,15 +72,11 @@ def quantize_(
         torch.set_num_threads(threads)
     options = QuantizeOptions(method, group_size, calib, samples or 128, seq_len, seed=seed)
 
-    with _progress() as progress:
-        task = progress.add_task(f"quantize {model}", total=None) if progress else None
+    source = model_source(model)  # a hub download first, with huggingface_hub's own bars
+    with progress_bar(f"quantize {model} ({method.upper()})") as update:
+        result = quantize(source, out, options, device=device.value, on_progress=update)
 
-        def on_progress(done: int, total: int, what: str) -> None:
-            if progress:
-                progress.update(task, completed=done, total=total, description=f"{method.upper()} {what}")
-
-        result = quantize(model, out, options, device=device.value, on_progress=on_progress)
-
+    _record(result.out_dir)
     for note in result.notes:
         err.print(f"note: {note}")
     stored = sum(f.stat().st_size for f in Path(result.out_dir).glob("*.safetensors"))

@@ -1,0 +1,1 @@
+complete --command llmrun --no-files --arguments "(env _LLMRUN_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) llmrun)" --condition "env _LLMRUN_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) llmrun"

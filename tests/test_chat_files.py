@@ -1,0 +1,172 @@
+"""Conversations on disk, only when asked: `llmrun chat --save/--load`, `/save` and `/load`, on the embedded model."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli import app
+from llmrun.conversation import FORMAT, FORMAT_VERSION, SavedConversation, load_conversation, save_conversation
+from llmrun.errors import LlmrunError
+
+from .test_cli import LOAD_S, PROMPT_MARK, QUESTION, Terminal
+
+SHORT = ("--temperature", "0", "-n", "8")
+
+
+def _chat(*args):
+    result = CliRunner().invoke(app, ["chat", *SHORT, *map(str, args)])
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    return result
+
+
+def _doc(messages, system=None, model="smollm2", **changes) -> dict:
+    return {"format": FORMAT, "version": FORMAT_VERSION, "model": model, "system": system, "messages": messages,
+            **changes}
+
+
+# --- the file format -------------------------------------------------------------------------------------------
+
+
+def test_save_and_load_round_trip(tmp_path):
+    saved = SavedConversation("smollm2", "Be brief.", [{"role": "user", "content": "Ça va ?"},
+                                                       {"role": "assistant", "content": "Oui."}])
+    save_conversation(tmp_path / "c.json", saved)
+    assert load_conversation(tmp_path / "c.json") == saved
+    doc = json.loads((tmp_path / "c.json").read_text(encoding="utf-8"))
+    assert doc == _doc(saved.messages, "Be brief.")
+    assert os.listdir(tmp_path) == ["c.json"]  # the temporary file was renamed into place
+
+
+def test_a_failed_save_leaves_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "c.json"
+    path.write_text("before")
+
+    def broken(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken)
+    with pytest.raises(LlmrunError, match="cannot save the conversation to .*No space left on device"):
+        save_conversation(path, SavedConversation("smollm2", None, []))
+    assert path.read_text() == "before"
+    assert os.listdir(tmp_path) == ["c.json"]  # no temporary file left behind
+
+
+BAD_FILES = [
+    (None, "no such file"),
+    (b"{\"format\":", "is not JSON"),
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+    (b"[1, 2]", "is not an llmrun conversation"),
+    (json.dumps({"messages": []}).encode(), "is not an llmrun conversation"),
+    (json.dumps(_doc([], version=99)).encode(), "format version 99; this llmrun reads version 1"),
+    (json.dumps(_doc("hello")).encode(), "needs \"model\" (text), \"system\" (text or null) and \"messages\" (a list)"),
+    (json.dumps(_doc([], model=None)).encode(), "needs \"model\""),
+    (json.dumps(_doc([{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}])).encode(),
+     "message 1 is not"),
+    (json.dumps(_doc([{"role": "user", "content": 3}])).encode(), "message 0 is not"),
+]
+
+
+@pytest.mark.parametrize("content, message", BAD_FILES)
+def test_a_bad_file_is_one_error_line_before_the_model_loads(tmp_path, content, message):
+    path = tmp_path / "c.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(LlmrunError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_conversation(path)
+    result = CliRunner().invoke(app, ["chat", "--load", str(path), "-p", "hi"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+def test_save_refuses_to_overwrite_a_conversation_it_did_not_load(tmp_path):
+    (tmp_path / "old.json").write_text("{}")
+    runner = CliRunner()
+    result = runner.invoke(app, ["chat", "--save", str(tmp_path / "old.json"), "-p", "hi"])
+    assert result.exit_code == 1
+    assert "the file exists; continue it with --load" in result.stderr
+    assert (tmp_path / "old.json").read_text() == "{}"
+    result = runner.invoke(app, ["chat", "--save", str(tmp_path / "no" / "c.json"), "-p", "hi"])
+    assert result.exit_code == 1 and "no directory" in result.stderr
+
+
+# --- chat -p: one turn continued and written back ----------------------------------------------------------------
+
+
+def test_save_then_load_continues_the_conversation(tmp_path, monkeypatch, smollm2):
+    monkeypatch.chdir(tmp_path)
+    _chat("-p", QUESTION)
+    assert os.listdir(tmp_path) == []  # nothing written without --save
+
+    first = _chat("--system", "You are terse.", "-p", QUESTION, "--save", "c.json")
+    assert os.listdir(tmp_path) == ["c.json"]
+    doc = json.loads(Path("c.json").read_text())
+    answer = first.stdout.removesuffix("\n")
+    assert doc == _doc([{"role": "user", "content": QUESTION}, {"role": "assistant", "content": answer}],
+                       "You are terse.")
+
+    # Continued: the loaded turn and its system prompt are in the prompt, token for token.
+    second = json.loads(_chat("--load", "c.json", "--save", "c.json", "-p", "And of Italy?", "--json").stdout)
+    expected = smollm2.tokenizer.encode_chat([{"role": "system", "content": "You are terse."}, *doc["messages"],
+                                              {"role": "user", "content": "And of Italy?"}])
+    assert second["prompt_tokens"] == len(expected)
+    again = json.loads(Path("c.json").read_text())
+    assert again["messages"] == [*doc["messages"], {"role": "user", "content": "And of Italy?"},
+                                 {"role": "assistant", "content": second["text"]}]
+    assert again["system"] == "You are terse."
+    assert os.listdir(tmp_path) == ["c.json"]
+
+    # --system replaces the saved one; without --save nothing changes on disk.
+    third = json.loads(_chat("--load", "c.json", "--system", "Answer in French.", "-p", "Thanks!", "--json").stdout)
+    expected = smollm2.tokenizer.encode_chat([{"role": "system", "content": "Answer in French."},
+                                              *again["messages"], {"role": "user", "content": "Thanks!"}])
+    assert third["prompt_tokens"] == len(expected)
+    assert json.loads(Path("c.json").read_text()) == again
+
+
+# --- the interactive chat ----------------------------------------------------------------------------------------
+
+
+def test_repl_saves_every_turn_and_runs_save_and_load(tmp_path):
+    auto, copy, bad = tmp_path / "auto.json", tmp_path / "copy.json", tmp_path / "bad.json"
+    bad.write_text("not json")
+    t = Terminal("chat", *SHORT, "--ctx", "512", "--save", str(auto))
+    try:
+        assert "/help" in t.expect(PROMPT_MARK, timeout=LOAD_S)
+        assert not auto.exists()
+        t.send(QUESTION)
+        t.expect(PROMPT_MARK)
+        first = json.loads(auto.read_text())  # written after the turn, before the next prompt
+        assert [m["role"] for m in first["messages"]] == ["user", "assistant"]
+        assert first["messages"][0]["content"] == QUESTION
+
+        t.send("/help")
+        assert "/save [FILE]" in t.expect(PROMPT_MARK)
+        t.send(f"/save {copy}")
+        assert f"saved 1 turn to {copy}" in t.expect(PROMPT_MARK)
+        assert json.loads(copy.read_text()) == first
+        t.send("/reset")
+        t.expect(PROMPT_MARK)
+        t.send(f"/load {bad}")
+        assert "error: " in t.expect(PROMPT_MARK)  # and the chat goes on
+        t.send(f"/load {copy}")
+        assert f"loaded 1 turn from {copy}" in t.expect(PROMPT_MARK)
+        t.send("And of Italy?")
+        t.expect(PROMPT_MARK)
+        t.send("/save")  # no FILE: the last file loaded
+        assert f"saved 2 turns to {copy}" in t.expect(PROMPT_MARK)
+        t.proc.kill()  # even killed, it has lost nothing: each turn was on disk before the next prompt
+        assert t.wait() == -signal.SIGKILL
+        assert "Traceback" not in t.text()
+    finally:
+        t.close()
+    second = json.loads(auto.read_text())
+    assert second["messages"][:2] == first["messages"]
+    assert [m["content"] for m in second["messages"][::2]] == [QUESTION, "And of Italy?"]
+    assert json.loads(copy.read_text()) == second
+    assert sorted(os.listdir(tmp_path)) == ["auto.json", "bad.json", "copy.json"]
