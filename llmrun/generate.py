@@ -31,6 +31,10 @@ class GenerationStats:
     drafted: int = 0  # speculative decoding: draft tokens proposed ...
     accepted: int = 0  # ... and accepted by the target
     draft_k: int | None = None  # the draft length chosen for the latest step (None: no drafter)
+    constrained: bool = False  # structured output: a grammar masked every token; then
+    forced: int = 0  # tokens taken from jump-forward proposals (the rest were sampled) ...
+    forced_proposed: int = 0  # ... out of those proposed
+    grammar_s: float = 0.0  # time spent in grammar work: masks, accepting tokens, jump-forward
     ttft_s: float = 0.0  # from the call to the first sampled token: prefill plus one sampling
     prefill_s: float = 0.0
     decode_s: float = 0.0  # from the first generated token to the last
@@ -55,6 +59,10 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else None
 
     @property
+    def mask_us_per_token(self) -> float | None:
+        return 1e6 * self.grammar_s / self.new_tokens if self.new_tokens else None
+
+    @property
     def tokens_per_step(self) -> float | None:
         return self.decode_tokens / self.decode_steps if self.decode_steps else None
 
@@ -69,7 +77,9 @@ class GenerationStats:
             "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
             "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
             "tokens_per_step": None if self.tokens_per_step is None else round(self.tokens_per_step, 3),
-            "draft_k": self.draft_k,
+            "draft_k": self.draft_k, "constrained": self.constrained, "forced_tokens": self.forced,
+            "forced_proposed": self.forced_proposed, "sampled_tokens": self.new_tokens - self.forced,
+            "mask_us_per_token": None if self.mask_us_per_token is None else round(self.mask_us_per_token, 1),
         }
 
 
@@ -103,7 +113,8 @@ class StopMatcher:
 
 class Engine:
     """`model` overrides the loaded one (a view of it sharing its weights, e.g. with layers skipped);
-    `speculator` (see `llmrun.speculative`) makes generation speculative."""
+    `speculator` (see `llmrun.speculative`) makes generation speculative; `grammar` (see `llmrun.grammar`)
+    constrains every reply."""
 
     def __init__(self, loaded: LoadedModel, max_len: int | None = None, model=None):
         self.loaded = loaded
@@ -115,6 +126,7 @@ class Engine:
         self.cache = KVCache.for_model(cfg, self.max_len, loaded.dtype, loaded.device)
         self.tokens: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.speculator = None
+        self.grammar = None
 
     def reset(self) -> None:
         self.rollback(0)
@@ -169,7 +181,8 @@ class Generation:
     Stops at an end-of-generation token, a stop string, max_new_tokens, or a full context. When the consumer
     stops early (Ctrl-C), the engine's cache still matches its token list.
     With a speculator on the engine, each step verifies a block of draft tokens; the emitted tokens are the
-    same as without (greedy) or have the same distribution (sampling).
+    same as without (greedy) or have the same distribution (sampling). With a grammar, every token is one it
+    allows, and text it forces is proposed and verified the same way (jump-forward).
     """
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams):
@@ -185,6 +198,8 @@ class Generation:
         self._eos = frozenset() if params.ignore_eos else engine.tokenizer.eos_ids
         self._detok = StreamDecoder(engine.tokenizer)
         self._stops = StopMatcher(params.stop)
+        self._constraint = None if engine.grammar is None else engine.grammar.start()
+        self.stats.constrained = self._constraint is not None
         generator = make_generator(params.seed, engine.device)
         t0 = time.perf_counter()
         logits, stats.reused_tokens = engine.prefill(self.prompt)
@@ -195,6 +210,8 @@ class Generation:
         stats.prefill_s = time.perf_counter() - t0
         t_first = None
         try:
+            if self._constraint is not None:
+                logits = self._constraint.constrain(logits)
             tokens = [sample(logits, params, generator, self._history())]
             t_first = time.perf_counter()
             stats.ttft_s = t_first - t0
@@ -223,6 +240,8 @@ class Generation:
             if spec is not None:  # accepted draft tokens past the end of the reply: not part of the conversation
                 engine.rollback(min(engine.cache.length, len(self.prompt) + len(self.token_ids)))
             stats.context_used = engine.cache.length
+            if self._constraint is not None:
+                stats.grammar_s = self._constraint.seconds
             if t_first is not None:
                 stats.decode_s = time.perf_counter() - t_first
 
@@ -235,8 +254,10 @@ class Generation:
     def _take(self, token: int) -> str:
         """Add a sampled token to the reply; return the text it releases. Sets `stats.finish_reason` when the
         reply is complete."""
-        stats = self.stats
-        if token in self._eos:
+        stats, constraint = self.stats, self._constraint
+        if constraint is not None:
+            constraint.accept(token)
+        if token in self._eos or (constraint is not None and constraint.finished):
             stats.finish_reason = "stop"
             return ""
         self.token_ids.append(token)
@@ -251,29 +272,42 @@ class Generation:
     def _step(self, token: int, generator) -> list[int]:
         """Feed `token`, the latest sampled one, to the target (with draft tokens after it when speculating);
         return the next tokens: the accepted drafts and the target's own token after them."""
-        engine, params, stats = self.engine, self.params, self.stats
+        engine, params, stats, constraint = self.engine, self.params, self.stats, self._constraint
         spec = engine.speculator
         start = engine.cache.length
-        proposal, k, t0 = Proposal(), 0, time.perf_counter()
-        if spec is not None:
-            room = min(params.max_new_tokens - stats.new_tokens - 1, engine.max_len - start - 1)
+        room = min(params.max_new_tokens - stats.new_tokens - 1, engine.max_len - start - 1)
+        forced = [] if constraint is None else constraint.forced_tokens(engine.tokenizer, room)
+        drafting = spec is not None and not forced
+        proposal, k, t0 = Proposal(forced), 0, time.perf_counter()
+        if drafting:
             k = spec.length.choose(room)
             stats.draft_k = k
             if k:
-                proposal = spec.drafter.propose(engine.tokens + [token], k, params, generator)
+                proposal = spec.drafter.propose(engine.tokens + [token], k, params, generator, constraint)
         t1 = time.perf_counter()
         drafts = proposal.tokens
         logits = engine.forward([token, *drafts], last_only=not drafts)  # (V,), or (1 + K, V) to verify
+        if constraint is not None:
+            # After the forward is launched: on a GPU, the grammar's masks are made while it runs.
+            bitmask, valid = constraint.masks(drafts)  # (1 + valid, W)
+            if valid < len(drafts):  # a lookup's draft may stray from the grammar: cut it there
+                proposal, drafts, logits = proposal.head(valid), drafts[:valid], logits[: valid + 1]
+                if not drafts:
+                    logits = logits[0]
+            logits = constraint.apply(logits, bitmask)
         history = self._history(start + 1)
         if drafts:
             accepted, nxt = verify(logits, proposal, params, generator, history)
-            engine.rollback(start + 1 + accepted)
         else:
             accepted, nxt = 0, sample(logits, params, generator, history)
-        if spec is not None:
+        engine.rollback(start + 1 + accepted)  # rejected drafts (and any cut off above) leave the cache
+        if drafting:
             spec.length.observe(len(drafts), accepted, time.perf_counter() - t1, t1 - t0 - proposal.setup_s)
+            stats.drafted += len(drafts)
+            stats.accepted += accepted
+        else:
+            stats.forced_proposed += len(drafts)
+            stats.forced += accepted
         stats.decode_steps += 1
         stats.decode_tokens += accepted + 1
-        stats.drafted += len(drafts)
-        stats.accepted += accepted
         return [*drafts[:accepted], nxt]

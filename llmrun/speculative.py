@@ -30,6 +30,12 @@ class Proposal:
     probs: torch.Tensor | None = None  # (K, V) the draft's distribution for each token; None: chosen outright
     setup_s: float = 0.0  # time spent catching the drafter up with the context, not drafting
 
+    def head(self, n: int) -> Proposal:
+        """The first n draft tokens."""
+        if n >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.setup_s)
+
 
 def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator: torch.Generator | None,
            history: torch.Tensor | None = None) -> tuple[int, int]:
@@ -102,7 +108,9 @@ class NgramDrafter:
     def start(self, context: list[int]) -> None:
         self._sync(context)
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator) -> Proposal:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator, constraint=None) -> Proposal:
+        """Up to k tokens; a `constraint` (structured output) is left to the caller, which cuts the proposal
+        where it leaves the grammar: the draft is deterministic, so that is exact."""
         self._sync(context)
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             at = self._index.get(tuple(context[-n:]))
@@ -136,7 +144,9 @@ class ModelDrafter:
         if len(context) < self.engine.max_len:  # a draft with a shorter context just proposes nothing
             self.engine.prefill(context)
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator) -> Proposal:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator, constraint=None) -> Proposal:
+        """k tokens drafted autoregressively. Under a `constraint` (`llmrun.grammar.Constraint`, left as it was
+        found) the draft samples from its grammar-masked distribution, which is then its q for verification."""
         engine = self.engine
         k = min(k, engine.max_len - len(context))
         if k <= 0:
@@ -148,6 +158,8 @@ class ModelDrafter:
         tokens, probs = [], []
         for i in range(k):
             history = torch.tensor(engine.tokens, device=engine.device) if penalize else None
+            if constraint is not None:
+                logits = constraint.constrain(logits)
             if params.greedy:
                 token = sample(logits, params, None, history)
             else:
@@ -155,8 +167,14 @@ class ModelDrafter:
                 token = int(torch.multinomial(q, 1, generator=generator))
                 probs.append(q)
             tokens.append(token)
+            if constraint is not None:
+                constraint.accept(token)
+                if constraint.finished:  # the draft ended the grammar: nothing may follow
+                    break
             if i + 1 < k:
                 logits = engine.decode(token)
+        if constraint is not None:
+            constraint.rollback(len(tokens))
         return Proposal(tokens, torch.stack(probs) if probs else None, setup_s)
 
 

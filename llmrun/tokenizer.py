@@ -81,6 +81,10 @@ class Tokenizer:
         """Every token string (added tokens included) -> its id."""
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def special_ids(self) -> list[int]:
+        """The ids of control tokens (e.g. <|im_start|>): markup for the model, never text."""
+        return sorted(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
+
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 

@@ -34,7 +34,7 @@ class OracleDrafter:
     def start(self, context):
         pass
 
-    def propose(self, context, k, params, generator):
+    def propose(self, context, k, params, generator, constraint=None):
         at = len(context)
         tokens = self.full[at : at + k]
         if self.wrong:

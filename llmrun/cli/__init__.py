@@ -32,7 +32,7 @@ def _root(
     """Fast local LLM inference on one machine."""
 
 
-from . import bench, chat, eval, generate, info, quantize  # noqa: E402  (they register their commands on `app`)
+from . import bench, chat, completions, eval, generate, info, models, quantize  # noqa: E402  (they register their commands on `app`)
 
 
 # Typer >= 0.26 vendors click; find its exception classes where BadParameter is defined, whichever it is.
@@ -41,10 +41,10 @@ _click_errors = sys.modules[typer.BadParameter.__module__]
 
 def main() -> None:
     """Entry point: usage errors become one `error:` line (exit 2) instead of a help panel."""
-    from .options import expand_bare_ngram
+    from .options import expand_bare_options
 
     try:
-        code = app(args=expand_bare_ngram(sys.argv[1:]), standalone_mode=False)
+        code = app(args=expand_bare_options(sys.argv[1:]), standalone_mode=False)
     except _click_errors.NoArgsIsHelpError:
         code = 0  # bare `llmrun`: the help was the answer
     except _click_errors.UsageError as e:

@@ -10,13 +10,14 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from llmrun.catalog import complete_model
 from llmrun.errors import LlmrunError
 from llmrun.loading import DEFAULT_MODEL
 from llmrun.shapes import SHAPES
 from llmrun.workloads import KINDS
 
 from . import app
-from .console import err, spinner, user_errors
+from .console import err, open_files, progress_bar, user_errors
 from .options import DEFAULT_CTX_CAP, SPECULATIVE, JsonFlag, RunOptions, run_options
 
 WORKLOAD = "Workload"
@@ -30,7 +31,7 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 @user_errors
 @run_options(sampling=False, speculative=True)
 def bench(
-    model: Annotated[Optional[str], typer.Argument(help=f"Model, as for the other commands (default '{DEFAULT_MODEL}'); not with --random-weights.", show_default=False)] = None,
+    model: Annotated[Optional[str], typer.Argument(help=f"Model, as for the other commands (default '{DEFAULT_MODEL}'); not with --random-weights.", show_default=False, autocompletion=complete_model)] = None,
     kind: Annotated[Optional[Kind], typer.Option(help="Built-in prompt: open (open-ended question), code-edit (rename in a ~330-token file: copy heavy), summarize (~390-token passage). Default: open.", rich_help_panel=WORKLOAD, show_default=False)] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Use the text of this file as the prompt instead of a built-in kind.", rich_help_panel=WORKLOAD, show_default=False)] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="Cut or repeat the prompt to exactly N tokens.", rich_help_panel=WORKLOAD, show_default=False)] = None,
@@ -58,14 +59,13 @@ def bench(
     """
     from llmrun import bench as lib
     from llmrun import shapes
-    from llmrun.loading import open_model
     from llmrun.workloads import make_workload, read_prompt_file
 
     _check_options(model, kind, prompt_file, batch, random_weights, compare, sweep, axis, goal, plot)
     drafting = _drafting(opts, temperature, random_weights, compare, sweep)
     sweep_axes = _sweep_axes(axis) if sweep else None
     text = read_prompt_file(prompt_file) if prompt_file else None
-    files = shapes.random_model_files(random_weights) if random_weights else open_model(model or DEFAULT_MODEL)
+    files = shapes.random_model_files(random_weights) if random_weights else open_files(model or DEFAULT_MODEL)
     for warning in files.tokenizer.warnings:
         err.print(Text(f"warning: {warning}", style="yellow"))
     trained = files.config.max_seq_len
@@ -80,10 +80,9 @@ def bench(
                            default_ctx=min(trained, DEFAULT_CTX_CAP))
     lib.check_fits_context(len(workload.prompt), new_tokens, settings.ctx)
     name = files.source.spec
-    with spinner(f"measuring {name}") as status:
+    with progress_bar(f"bench {name}") as update:
         doc = lib.benchmark(files, settings, workload, model=name, compare=compare, sweep_axes=sweep_axes,
-                            goal=(goal or Goal.latency).value, drafting=drafting,
-                            progress=status.update if status else lambda m: None)
+                            goal=(goal or Goal.latency).value, drafting=drafting, progress=update)
     if plot is not None:
         from llmrun.sweep import plot as draw
 

@@ -1,8 +1,10 @@
-"""What every command shares: the stderr console, the error boundary, loading with a spinner, the status line."""
+"""What every command shares: the stderr console, the error boundary, spinners and progress bars, loading, the
+status line."""
 
 import functools
+import os
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import typer
 from rich.console import Console
@@ -54,10 +56,70 @@ def spinner(message: str):
     return err.status(message, spinner="dots") if err.is_terminal else nullcontext()
 
 
+@contextmanager
+def progress_bar(description: str):
+    """A transient progress bar on stderr while a person watches it. Yields `update(done, total, what="")`: `total`
+    None while unknown, `what` the step under way (shown after the times). When stderr is not a terminal, nothing
+    is drawn and `update` does nothing."""
+    if not err.is_terminal:
+        yield lambda done, total, what="": None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn(), TextColumn("{task.fields[what]}", style="dim", markup=False))
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(description, total=None, what="")
+        yield lambda done, total, what="": bar.update(task, completed=done, total=total, what=what)
+
+
+def hub_bars(watched: bool) -> None:
+    """huggingface_hub draws download bars of its own (tqdm) on stderr: keep them for a person watching, turn them
+    off for a pipe or a log. An HF_HUB_DISABLE_PROGRESS_BARS the user set wins."""
+    if watched or "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is imported
+    if "huggingface_hub" in sys.modules:  # imported already: its switch
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def model_source(spec: str):
+    """Resolve MODEL (`loading.resolve`), downloading a hub id into the local cache with huggingface_hub's bars
+    (only on a terminal): before any bar of ours starts, so the two never draw over each other."""
+    from llmrun.loading import resolve
+
+    hub_bars(watched=err.is_terminal)
+    return resolve(spec)
+
+
+def open_files(spec: str):
+    """`loading.open_model` of MODEL (config, tokenizer, tensor index: torch's import and the tokenizer take a
+    second or two) with a spinner, after `model_source`."""
+    from llmrun.loading import open_model
+
+    source = model_source(spec)
+    with spinner(f"reading {spec}"):
+        return open_model(source)
+
+
+def load_with_progress(spec: str, opts, label: str, check=None):
+    """`spec` loaded as `opts` say (device, dtype, weights), with a progress bar over the tensors read, dequantized
+    or packed. `check(files)` runs before any weight is read, to fail fast."""
+    from llmrun.loading import load_weights, open_model
+
+    source = model_source(spec)
+    with progress_bar(label) as update:
+        files = open_model(source)
+        if check is not None:
+            check(files)
+        return load_weights(files, device=opts.device, dtype=opts.dtype, weights=opts.weights, on_progress=update)
+
+
 def open_engine(model: str, opts):
     """Load `model` as the options say and give back an Engine with its KV cache allocated."""
     from llmrun.generate import Engine
-    from llmrun.loading import load_weights, open_model
 
     from .options import DEFAULT_CTX_CAP
 
@@ -65,27 +127,31 @@ def open_engine(model: str, opts):
         import torch
 
         torch.set_num_threads(opts.threads)
-    with spinner(f"loading {model}"):
-        files = open_model(model)
+
+    def check_ctx(files):
         trained = files.config.max_seq_len
         if opts.ctx is not None and opts.ctx > trained:
             raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
-        loaded = load_weights(files, device=opts.device, dtype=opts.dtype, weights=opts.weights)
+
+    loaded = load_with_progress(model, opts, f"loading {model}", check=check_ctx)
+    trained = loaded.config.max_seq_len
     for warning in [*loaded.tokenizer.warnings, *loaded.notes]:
         err.print(Text(f"warning: {warning}", style="yellow"))
     engine = Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP))
     if opts.draft is not None or opts.ngram is not None:
         engine.speculator = _speculator(engine, opts)
+    if opts.grammar is not None:
+        from llmrun.grammar import compile_grammar
+
+        engine.grammar = compile_grammar(opts.grammar, engine.tokenizer, engine.model.config.vocab_size, opts.jump_forward)
     return engine
 
 
 def _speculator(engine, opts):
-    from llmrun.loading import load_weights, open_model
     from llmrun.speculative import make_speculator
 
     def load(spec):
-        with spinner(f"loading draft {spec}"):
-            loaded = load_weights(open_model(spec), device=opts.device, dtype=opts.dtype, weights=opts.weights)
+        loaded = load_with_progress(spec, opts, f"loading draft {spec}")
         for warning in loaded.notes:
             err.print(Text(f"warning: draft: {warning}", style="yellow"))
         return loaded
@@ -108,6 +174,9 @@ def status_line(stats, memory: dict) -> Text:
     if stats.draft_k is not None:  # speculative decoding
         rate = stats.acceptance_rate
         parts.append(f"accepted {'-' if rate is None else f'{rate:.0%}'}, {stats.tokens_per_step or 0:.2f} tok/step, K {stats.draft_k}")
+    if stats.constrained:  # structured output
+        parts.append(f"grammar: {stats.forced} forced, {stats.new_tokens - stats.forced} sampled,"
+                     f" {stats.mask_us_per_token or 0:.0f} µs/tok")
     parts += [
         f"weights {human_bytes(memory['weights'])}",
         f"KV {human_bytes(memory['kv_in_use'])}/{human_bytes(memory['kv_allocated'])}",

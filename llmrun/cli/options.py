@@ -13,11 +13,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from llmrun.catalog import complete_model
+from llmrun.grammar import ANY_JSON
 from llmrun.loading import DEFAULT_MODEL
 
 SAMPLING = "Sampling"
 RUNTIME = "Runtime"
 SPECULATIVE = "Speculative decoding"
+STRUCTURED = "Structured output"
 NGRAM_DEFAULT = 3  # `--ngram` without a value
 
 
@@ -44,6 +47,7 @@ ModelArg = Annotated[
     typer.Argument(
         help=f"Model: the alias '{DEFAULT_MODEL}' (embedded), a .gguf file, an HF model directory, or a hub id (org/name).",
         show_default=True,
+        autocompletion=complete_model,
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of plain text.")]
@@ -61,6 +65,8 @@ class RunOptions:
     ngram: int | None = None  # ... or prompt lookup with n-grams up to this long
     draft_tokens: int = 8  # the most draft tokens per step
     adaptive: bool = True  # choose K per step (and turn drafting off when it does not pay)
+    grammar: object = None  # structured output: a llmrun.grammar.GrammarSpec
+    jump_forward: bool = True  # propose the text a grammar forces instead of sampling it token by token
 
 
 _SAMPLING = [
@@ -72,6 +78,12 @@ _SAMPLING = [
     ("seed", Optional[int], None, typer.Option(help="Random seed: the same seed gives the same output.", rich_help_panel=SAMPLING)),
     ("max_new_tokens", int, 512, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply.", rich_help_panel=SAMPLING)),
     ("stop", Optional[list[str]], None, typer.Option(help="Stop before this string (repeatable).", rich_help_panel=SAMPLING)),
+]
+_STRUCTURED = [
+    ("json_schema", Optional[str], None, typer.Option(metavar="FILE|-|JSON", help=f"Constrain the output to JSON valid under this schema: a file, '-' for stdin, or the schema itself; bare --json-schema (or '{ANY_JSON}'): any JSON value. The JSON comes compact, on one line.", rich_help_panel=STRUCTURED)),
+    ("regex", Optional[str], None, typer.Option(metavar="PATTERN", help="Constrain the output to match this regular expression.", rich_help_panel=STRUCTURED)),
+    ("grammar", Optional[str], None, typer.Option(metavar="FILE|-", help="Constrain the output to this EBNF / GBNF grammar (rule 'root' starts it).", rich_help_panel=STRUCTURED)),
+    ("jump_forward", bool, True, typer.Option("--jump-forward/--no-jump-forward", help="Where the grammar allows only one continuation, propose its tokens all at once and verify them in one forward pass (same output, fewer steps).", rich_help_panel=STRUCTURED)),
 ]
 _RUNTIME = [
     ("device", Device, Device.auto, typer.Option(help="Where to run: cuda when available, else cpu.", rich_help_panel=RUNTIME)),
@@ -92,6 +104,8 @@ DEFAULT_CTX_CAP = 8192  # a 128k-context model would otherwise preallocate gigab
 def _build(values: dict) -> RunOptions:
     from llmrun.sampling import SamplingParams
 
+    from llmrun.grammar import grammar_spec
+
     speculative = {name: values[name] for name, *_ in _SPECULATIVE if name in values}
     if "temperature" not in values:  # a command without sampling options
         return RunOptions(None, values["device"].value, values["dtype"].value, values["ctx"],
@@ -105,16 +119,22 @@ def _build(values: dict) -> RunOptions:
         repetition_penalty=values["repetition_penalty"], seed=values["seed"],
         max_new_tokens=values["max_new_tokens"], stop=tuple(values["stop"] or ()),
     )
+    grammar = grammar_spec(values["json_schema"], values["regex"], values["grammar"])
     return RunOptions(params, values["device"].value, values["dtype"].value, values["ctx"],
-                      values["weights"].value, values["threads"], **speculative)
+                      values["weights"].value, values["threads"], **speculative, grammar=grammar,
+                      jump_forward=values["jump_forward"])
 
 
-def expand_bare_ngram(argv: list[str]) -> list[str]:
-    """`--ngram` takes an optional value: a bare `--ngram` (not followed by a number) means N = 3."""
+def expand_bare_options(argv: list[str]) -> list[str]:
+    """Options whose value is optional: a bare `--ngram` (not followed by a number) means N = 3; a bare
+    `--json-schema` (followed by another option, or last) means any JSON."""
     out = []
     for i, arg in enumerate(argv):
-        if arg == "--ngram" and not (i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit()):
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if arg == "--ngram" and not (following is not None and following.lstrip("-").isdigit()):
             arg = f"--ngram={NGRAM_DEFAULT}"
+        elif arg == "--json-schema" and (following is None or (following.startswith("-") and following != "-")):
+            arg = f"--json-schema={ANY_JSON}"
         out.append(arg)
     return out
 
@@ -129,7 +149,7 @@ def run_options(command=None, *, sampling: bool = True, speculative: bool | None
     if command is None:
         return functools.partial(run_options, sampling=sampling, speculative=speculative)
     with_speculative = sampling if speculative is None else speculative
-    table = (_SAMPLING if sampling else []) + _RUNTIME + (_SPECULATIVE if with_speculative else [])
+    table = (_SAMPLING + _STRUCTURED if sampling else []) + _RUNTIME + (_SPECULATIVE if with_speculative else [])
     sig = inspect.signature(command, eval_str=True)
     own = [p for p in sig.parameters.values() if p.name != "opts"]
     shared = [

@@ -1,0 +1,239 @@
+"""Structured output: every token the model emits is one the grammar allows.
+
+xgrammar does the grammar work: it compiles a JSON schema, a regex or an EBNF/GBNF grammar against the
+vocabulary once, with the masks of context-independent tokens precomputed, then a `GrammarMatcher` follows one
+reply and fills the (V,) bitmask of allowed next tokens in microseconds. We apply that mask to the logits before
+sampling, so sampling, penalties and speculative verification all see the constrained distribution.
+
+Jump-forward: where the grammar admits exactly one continuation (`name": "` after `{"` in a schema with one
+required key), its text is tokenized and proposed as draft tokens, verified in the same forward pass that runs
+them (`llmrun.speculative.verify`). The tokens the model agrees with cost no forward pass of their own; where the
+model would have split the forced text into other tokens, its own token wins and the rest of the text is
+proposed again. So the output is exactly what plain constrained decoding gives (temperature 0), or has its
+distribution (temperature > 0), whatever the tokenizer does at the boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmrun.errors import LlmrunError
+
+if TYPE_CHECKING:
+    import torch
+
+ANY_JSON = "any"  # --json-schema value for "any valid JSON value"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str  # "json" (a JSON schema, or ANY_JSON), "regex" or "ebnf"
+    source: str  # the schema text, the pattern, or the grammar text
+    origin: str  # where it came from, for messages: a file name, "stdin", "--regex"
+
+    def describe(self) -> str:
+        if self.kind == "json":
+            return "any JSON" if self.source == ANY_JSON else f"JSON schema {self.origin}"
+        return f"regex {self.source!r}" if self.kind == "regex" else f"grammar {self.origin}"
+
+
+def grammar_spec(json_schema: str | None = None, regex: str | None = None, grammar: str | None = None) -> GrammarSpec | None:
+    """The constraint the CLI options ask for, with files and stdin read. `json_schema`: a file, '-' (stdin),
+    inline JSON (starting with '{') or ANY_JSON; `grammar`: an EBNF/GBNF file or '-'."""
+    given = [name for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if value is not None]
+    if len(given) > 1:
+        raise LlmrunError(f"{' and '.join(given)} each constrain the output; pass one of them")
+    if json_schema is not None:
+        if json_schema == ANY_JSON:
+            return GrammarSpec("json", ANY_JSON, "any")
+        if json_schema.lstrip().startswith("{"):
+            text, origin = json_schema, "(inline)"
+        else:
+            text, origin = _read("--json-schema", json_schema), json_schema
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LlmrunError(f"--json-schema {origin} is not valid JSON: {e}") from None
+        return GrammarSpec("json", text, origin)
+    if regex is not None:
+        if not regex:
+            raise LlmrunError("--regex is empty; give a pattern the whole output must match")
+        return GrammarSpec("regex", regex, "--regex")
+    if grammar is not None:
+        return GrammarSpec("ebnf", _read("--grammar", grammar), grammar)
+    return None
+
+
+def _read(option: str, name: str) -> str:
+    if name == "-":
+        if sys.stdin.isatty():
+            raise LlmrunError(f"{option} - reads stdin, but stdin is a terminal; pipe the text in or name a file")
+        return sys.stdin.read()
+    path = Path(name)
+    if not path.is_file():
+        raise LlmrunError(f"{option} {name}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LlmrunError(f"{option} {name}: cannot read it ({e})") from None
+
+
+class Grammar:
+    """A grammar compiled for one tokenizer; `start()` gives the state for one reply."""
+
+    def __init__(self, spec: GrammarSpec, compiled, vocab_size: int, jump_forward: bool = True):
+        self.spec = spec
+        self.compiled = compiled
+        self.vocab_size = vocab_size
+        self.jump_forward = jump_forward
+
+    def start(self) -> Constraint:
+        return Constraint(self)
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward: bool = True) -> Grammar:
+    """Compile `spec` against the tokenizer's vocabulary, padded to the model's `vocab_size` logits.
+
+    JSON comes out compact and on one line (', ' and ': ' separators, no free whitespace): a format the
+    grammar fixes is one jump-forward can fill in, and a model cannot stall the reply in endless whitespace.
+    """
+    import xgrammar as xgr
+
+    # One thread: a compile takes milliseconds, and a pool of xgrammar threads fighting the decode kernels' own
+    # threads for the cores measured 100x slower decoding on a 2-core machine.
+    compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1)
+    try:
+        if spec.kind == "json":
+            schema = "{}" if spec.source == ANY_JSON else spec.source
+            compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
+        elif spec.kind == "regex":
+            compiled = compiler.compile_regex(spec.source)
+        else:
+            compiled = compiler.compile_grammar(spec.source)
+    except RuntimeError as e:
+        raise LlmrunError(f"{spec.describe()}: {_xgrammar_message(e)}") from None
+    return Grammar(spec, compiled, vocab_size, jump_forward)
+
+
+def _xgrammar_message(e: Exception) -> str:
+    """xgrammar's first line without its '[time] /project/cpp/file.cc:123: ' prefix."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", "", line)
+
+
+def tokenizer_info(tokenizer, vocab_size: int):
+    """The vocabulary as xgrammar reads it: every token's text in the tokenizer's own encoding (byte-level 'Ġ'
+    pieces, or SentencePiece '▁' pieces with <0xNN> bytes). Control tokens become empty entries, which xgrammar
+    treats as special: never allowed inside the grammar's text, whatever their spelling."""
+    import xgrammar as xgr
+
+    vocab = tokenizer.vocabulary()
+    encoded = [""] * max(vocab_size, max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        encoded[i] = text
+    for i in tokenizer.special_ids():
+        encoded[i] = ""
+    kind = xgr.VocabType.BYTE_LEVEL if tokenizer.kind == "bpe" else xgr.VocabType.BYTE_FALLBACK
+    stops = sorted(i for i in tokenizer.eos_ids if i < vocab_size)
+    return xgr.TokenizerInfo(encoded[:vocab_size], kind, vocab_size=vocab_size, stop_token_ids=stops,
+                             add_prefix_space=tokenizer.kind == "spm")
+
+
+class Constraint:
+    """The grammar's state along one reply: the tokens taken so far, the masks of what may come next.
+
+    `seconds` adds up the time spent in grammar work (masks, accepting, rolling back), for the mask overhead
+    figure."""
+
+    def __init__(self, grammar: Grammar):
+        import xgrammar as xgr
+
+        self.grammar = grammar
+        self._xgr = xgr
+        self.matcher = xgr.GrammarMatcher(grammar.compiled)
+        self.seconds = 0.0
+        self._lut: dict = {}  # device -> (256, 8) fp32
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has ended (its stop token was taken): nothing more may follow."""
+        return self.matcher.is_terminated()
+
+    def accept(self, token: int) -> None:
+        t0 = time.perf_counter()
+        ok = self.matcher.accept_token(token)
+        self.seconds += time.perf_counter() - t0
+        if not ok:  # the masks make this impossible; reaching it is a bug, not bad input
+            raise RuntimeError(f"token {token} is not allowed by the grammar here")
+
+    def rollback(self, n: int) -> None:
+        if n:
+            t0 = time.perf_counter()
+            self.matcher.rollback(n)
+            self.seconds += time.perf_counter() - t0
+
+    def masks(self, drafts: list[int]) -> tuple[torch.Tensor, int]:
+        """The bitmasks (T, W) int32 of the allowed tokens after the current state and after each draft token
+        in turn, stopping at the first draft token the grammar does not allow; returns them and how many
+        drafts passed. The state is left where it was."""
+        t0 = time.perf_counter()
+        bitmask = self._xgr.allocate_token_bitmask(len(drafts) + 1, self.grammar.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        n = 0
+        while n < len(drafts) and _allowed(bitmask[n], drafts[n]) and self.matcher.accept_token(drafts[n]):
+            n += 1
+            if self.matcher.is_terminated():  # a stop token: the reply ends there, the row after it is moot
+                bitmask[n] = -1
+                break
+            self.matcher.fill_next_token_bitmask(bitmask, n)
+        self.matcher.rollback(n)
+        self.seconds += time.perf_counter() - t0
+        return bitmask[: n + 1], n
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """logits (V,) or (T, V), bitmask (W,) or (T, W): the logits with disallowed tokens at -inf (a new
+        tensor; the model's logits may be a view of its output buffer)."""
+        import torch
+
+        t0 = time.perf_counter()
+        squeeze, vocab = logits.dim() == 1, self.grammar.vocab_size
+        logits = logits.float().reshape(-1, logits.shape[-1])
+        lut = self._lut.get(logits.device)
+        if lut is None:  # byte value -> the additive mask (0 or -inf) of its 8 tokens, lowest bit first
+            bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+            lut = self._lut[logits.device] = torch.zeros(256, 8).masked_fill(bits == 0, float("-inf")).to(logits.device)
+        # A table lookup and an add: 6x faster on a CPU than a masked fill of the same (T, V).
+        rows = bitmask.reshape(logits.shape[0], -1).to(logits.device).view(torch.uint8)
+        additive = lut.index_select(0, rows.reshape(-1).int()).view(logits.shape[0], -1)  # (T, 32 W)
+        if logits.shape[-1] == vocab:
+            out = logits + additive[:, :vocab]
+        else:  # a draft model with padded embedding rows: those are never text
+            n = min(vocab, logits.shape[-1])
+            out = torch.full_like(logits, float("-inf"))
+            torch.add(logits[:, :n], additive[:, :n], out=out[:, :n])
+        self.seconds += time.perf_counter() - t0
+        return out[0] if squeeze else out
+
+    def constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (V,) masked by what the grammar allows next."""
+        bitmask, _ = self.masks([])
+        return self.apply(logits, bitmask[0])
+
+    def forced_tokens(self, tokenizer, limit: int) -> list[int]:
+        """Jump-forward: when the grammar admits only one continuation, its tokens (at most `limit`)."""
+        if not self.grammar.jump_forward or limit <= 0:
+            return []
+        t0 = time.perf_counter()
+        text = self.matcher.find_jump_forward_string()
+        self.seconds += time.perf_counter() - t0
+        return tokenizer.encode(text, special=False, add_bos=False)[:limit] if text else []
+
+
+def _allowed(bitmask_row: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask_row[token // 32]) >> (token % 32)) & 1)

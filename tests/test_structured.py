@@ -1,0 +1,322 @@
+"""Structured output: every reply parses under its schema / regex / grammar, jump-forward changes nothing but
+the number of steps (same greedy tokens, same sampled distribution), and bad constraints give one error line."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from llmrun.errors import LlmrunError
+from llmrun.generate import Engine
+from llmrun.grammar import ANY_JSON, compile_grammar, grammar_spec
+from llmrun.sampling import SamplingParams, token_probs
+from llmrun.speculative import DraftLength, ModelDrafter, NgramDrafter, Speculator
+
+from .conftest import run_main
+from .test_speculative import _assert_cache_matches_a_fresh_prefill, _chi_square_p_value
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 24},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "pets", "member"],
+    "additionalProperties": False,
+}
+PERSON_PROMPT = "Describe a made-up person as JSON with name, age, city, pets and member."
+
+
+def _valid_person(doc) -> bool:
+    """The schema above, checked by hand (not by the grammar under test)."""
+    return (isinstance(doc, dict) and set(doc) == set(PERSON["properties"])
+            and isinstance(doc["name"], str) and len(doc["name"]) <= 24
+            and type(doc["age"]) is int and 0 <= doc["age"] <= 120
+            and isinstance(doc["city"], str) and len(doc["city"]) <= 24
+            and isinstance(doc["pets"], list) and len(doc["pets"]) <= 3 and set(doc["pets"]) <= {"cat", "dog", "fish"}
+            and isinstance(doc["member"], bool))
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return Engine(smollm2, max_len=1024)
+
+
+def _reply(engine, prompt: str, spec, params: SamplingParams, *, jump_forward=True, speculator=None, chat=True):
+    engine.reset()
+    engine.speculator = speculator
+    engine.grammar = None if spec is None else compile_grammar(spec, engine.tokenizer, engine.model.config.vocab_size, jump_forward)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else engine.tokenizer.encode(prompt)
+    reply = engine.generate(ids, params)
+    text = "".join(reply)
+    engine.grammar = engine.speculator = None
+    return reply, text
+
+
+def _json_spec(schema) -> object:
+    return grammar_spec(json_schema=json.dumps(schema))
+
+
+# --- every output is in the language ------------------------------------------------------------------------
+
+
+def test_sampled_replies_validate_against_their_schema(engine):
+    spec = _json_spec(PERSON)
+    for seed in range(8):
+        reply, text = _reply(engine, PERSON_PROMPT, spec, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=120))
+        assert reply.stats.finish_reason == "stop", text
+        assert _valid_person(json.loads(text)), text
+
+
+def test_any_json_gives_a_json_value(engine):
+    for seed in range(4):
+        reply, text = _reply(engine, "List three fruits in JSON.", grammar_spec(json_schema=ANY_JSON),
+                             SamplingParams(temperature=0.9, seed=seed, max_new_tokens=200))
+        if reply.stats.finish_reason == "stop":
+            json.loads(text)
+        else:  # out of tokens mid-document: still a prefix the grammar allowed
+            assert reply.stats.finish_reason == "length" and text.lstrip()[:1] in '{["-0123456789tfn'
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no), because [a-z ]{5,40}\.", r"[A-Z][a-z]{1,12} [A-Z][a-z]{1,12}"])
+def test_sampled_replies_match_their_regex(engine, pattern):
+    for seed in range(4):
+        reply, text = _reply(engine, "Answer briefly: is the sky blue?", grammar_spec(regex=pattern),
+                             SamplingParams(temperature=1.0, seed=seed, max_new_tokens=60))
+        assert reply.stats.finish_reason == "stop" and re.fullmatch(pattern, text), text
+
+
+EBNF = r'''
+root ::= item (", " item)? (", " item)? (", " item)? "."
+item ::= quantity " " fruit
+quantity ::= [1-9] [0-9]?
+fruit ::= "apples" | "pears" | "plums"
+'''
+
+
+def test_replies_follow_an_ebnf_grammar(engine, tmp_path):
+    path = tmp_path / "fruit.gbnf"
+    path.write_text(EBNF)
+    spec = grammar_spec(grammar=str(path))
+    for seed in range(6):
+        reply, text = _reply(engine, "What is in the basket?", spec, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=60))
+        assert reply.stats.finish_reason == "stop", text
+        assert re.fullmatch(r"[1-9][0-9]? (apples|pears|plums)(, [1-9][0-9]? (apples|pears|plums)){0,3}\.", text), text
+
+
+def test_control_tokens_never_appear_inside_the_grammar(engine):
+    """<|im_start|> spells text a free-form string would allow; it must stay markup, masked out."""
+    grammar = compile_grammar(grammar_spec(regex=r"[^\n]*"), engine.tokenizer, engine.model.config.vocab_size)
+    constraint = grammar.start()
+    logits = constraint.constrain(torch.zeros(engine.model.config.vocab_size))
+    special = engine.tokenizer.special_ids()
+    stops = sorted(engine.tokenizer.eos_ids)
+    assert special and all(logits[i] == float("-inf") for i in special if i not in stops)
+    assert all(logits[i] == 0 for i in stops)  # the regex may end here: the reply may stop
+
+
+# --- jump-forward changes the step count, not the output -----------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt,spec", [
+    (PERSON_PROMPT, _json_spec(PERSON)),
+    ("Give the capital of France as JSON.", _json_spec({"type": "object", "properties": {"country": {"const": "France"}, "capital": {"type": "string"}}, "required": ["country", "capital"]})),
+    ("Write the date of the moon landing.", grammar_spec(regex=r"The date is (January|February|March|April|May|June|July|August|September|October|November|December) [1-9][0-9]?, [0-9]{4}\.")),
+])
+def test_jump_forward_output_is_plain_constrained_greedy_output(engine, prompt, spec):
+    params = SamplingParams(temperature=0, max_new_tokens=100)
+    plain, plain_text = _reply(engine, prompt, spec, params, jump_forward=False)
+    jumped, jumped_text = _reply(engine, prompt, spec, params)
+    assert jumped.token_ids == plain.token_ids and jumped_text == plain_text
+    assert plain.stats.forced_proposed == 0
+    assert jumped.stats.forced > 0 and jumped.stats.decode_steps < plain.stats.decode_steps
+    assert jumped.stats.as_dict()["sampled_tokens"] == jumped.stats.new_tokens - jumped.stats.forced
+
+
+def test_constrained_speculation_is_lossless(engine):
+    spec = _json_spec(PERSON)
+    params = SamplingParams(temperature=0, max_new_tokens=100)
+    plain, _ = _reply(engine, PERSON_PROMPT, spec, params, jump_forward=False)
+    for speculator in (Speculator(NgramDrafter(3), DraftLength(4, adaptive=False)),
+                       Speculator(ModelDrafter(Engine(engine.loaded, engine.max_len, model=engine.model.with_layers([0, 1, 28, 29])), "skip"),
+                                  DraftLength(3, adaptive=False))):
+        for jump in (False, True):
+            reply, _ = _reply(engine, PERSON_PROMPT, spec, params, jump_forward=jump, speculator=speculator)
+            assert reply.token_ids == plain.token_ids
+            _assert_cache_matches_a_fresh_prefill(engine)  # rejected and cut-off drafts left no trace
+        assert reply.stats.drafted > 0 or reply.stats.forced > 0
+
+
+def test_constrained_chat_reuses_the_cache_across_turns(engine):
+    from llmrun.conversation import Conversation
+
+    engine.reset()
+    engine.grammar = compile_grammar(_json_spec(PERSON), engine.tokenizer, engine.model.config.vocab_size)
+    try:
+        chat = Conversation(engine, SamplingParams(temperature=0, max_new_tokens=100))
+        for question in (PERSON_PROMPT, "Another one, older."):
+            reply = chat.send(question)
+            text = "".join(reply)
+            chat.finish(reply)
+            assert _valid_person(json.loads(text)), text
+        assert reply.stats.reused_tokens > 0
+    finally:
+        engine.grammar = None
+
+
+# --- sampling with jump-forward keeps the constrained distribution ---------------------------------------------
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@pytest.fixture(scope="module")
+def letters(tmp_path_factory):
+    """A tiny random model whose tokenizer has the letters plus a few merges ('ab', 'abc', 'xy'): a forced
+    text can be split several ways, and jump-forward proposes only one of them."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from llmrun.loading import load_model
+    from llmrun.tokenizer import Tokenizer
+
+    from .tiny import CONFIGS, random_model, write_hf_dir
+
+    loaded = load_model(str(write_hf_dir(tmp_path_factory.mktemp("letters"), random_model(CONFIGS["llama"], seed=3))), "cpu", "fp32")
+    vocab_size = loaded.model.config.vocab_size
+    vocab = {c: i for i, c in enumerate(LETTERS)} | {"ab": 26, "bc": 27, "abc": 28, "xy": 29}
+    vocab |= {f"Q{i}": i for i in range(30, vocab_size - 1)} | {"<eos>": vocab_size - 1}
+    merges = [("a", "b"), ("b", "c"), ("ab", "c"), ("x", "y")]
+    tok = HfTokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = Tokenizer(tok, kind="bpe", bos_id=None, eos_id=vocab_size - 1,
+                          eos_ids=[vocab_size - 1], add_bos=False, chat_template=None)
+    assert tokenizer.encode("abcxy") == [28, 29]
+    engine = Engine(loaded, 64)
+    engine.tokenizer = tokenizer
+    return engine
+
+
+def _constrained_sequence_probs(engine, grammar, prompt, params, length):
+    """The exact probability of every complete reply under the grammar-masked distribution, by full forwards."""
+    eos = engine.tokenizer.eos_id
+    out, done = {(): 1.0}, {}
+    for _ in range(length):
+        nxt = {}
+        for seq, pr in out.items():
+            constraint = grammar.start()
+            for t in seq:
+                constraint.accept(t)
+            with torch.no_grad():
+                logits = engine.model(torch.tensor([prompt + list(seq)]))[0, -1]
+            for t, pt in enumerate(token_probs(constraint.constrain(logits), params).tolist()):
+                if pt > 0:
+                    (done if t == eos else nxt)[seq + (t,)] = pr * pt
+        out = nxt
+    assert not out, "a reply longer than the enumeration"
+    return done
+
+
+def test_jump_forward_sampling_keeps_the_constrained_distribution(letters):
+    engine = letters
+    spec = grammar_spec(regex="[ab]abcxy[ab]")
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=12)
+    grammar = compile_grammar(spec, engine.tokenizer, engine.model.config.vocab_size)
+    prompt = [3, 1, 4]
+    exact = _constrained_sequence_probs(engine, grammar, prompt, params, 9)
+    cells = sorted(exact)
+    assert len(cells) > 10  # the forced 'abcxy' has many tokenizations: the model picks among them
+    engine.grammar = grammar
+    counts, runs = torch.zeros(len(cells), dtype=torch.float64), 1500
+    for seed in range(runs):
+        engine.reset()
+        reply = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}))
+        assert "".join(reply)[1:6] == "abcxy"
+        counts[cells.index((*reply.token_ids, engine.tokenizer.eos_id))] += 1
+    engine.grammar = None
+    assert reply.stats.forced_proposed > 0
+    probs = torch.tensor([exact[c] for c in cells], dtype=torch.float64)
+    assert _chi_square_p_value(counts, probs) > 1e-3
+    # power: always taking the proposed split (committing the forced tokens unverified) is told apart
+    committed = torch.tensor([exact[c] if (28 in c and 29 in c) else 0.0 for c in cells], dtype=torch.float64)
+    committed = committed / committed.sum() * runs
+    assert _chi_square_p_value(committed.round(), probs) < 1e-6
+
+
+# --- options and errors ----------------------------------------------------------------------------------------
+
+
+def test_grammar_spec_reads_inline_files_and_the_any_keyword(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(PERSON))
+    assert grammar_spec(json_schema=str(path)).source == json.dumps(PERSON)
+    assert grammar_spec(json_schema='{"type": "integer"}').origin == "(inline)"
+    assert grammar_spec(json_schema=ANY_JSON).describe() == "any JSON"
+    assert grammar_spec() is None
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(json_schema="{}", regex="a"), "--json-schema and --regex each constrain the output"),
+    (dict(json_schema="missing.json"), "--json-schema missing.json: no such file"),
+    (dict(json_schema="{not json"), "is not valid JSON"),
+    (dict(regex=""), "--regex is empty"),
+    (dict(grammar="nowhere.gbnf"), "--grammar nowhere.gbnf: no such file"),
+])
+def test_bad_constraint_options_are_one_line_errors(kwargs, message):
+    with pytest.raises(LlmrunError, match=re.escape(message)):
+        grammar_spec(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(json_schema='{"type": "objec"}'), 'JSON schema (inline): Unsupported type "objec"'),
+    (dict(regex="[a-"), "regex '[a-': Regex parsing error at position 4: Unclosed '['"),
+])
+def test_uncompilable_constraints_are_one_line_errors(smollm2, kwargs, message):
+    with pytest.raises(LlmrunError) as e:
+        compile_grammar(grammar_spec(**kwargs), smollm2.tokenizer, smollm2.model.config.vocab_size)
+    assert str(e.value) == message
+
+
+def test_a_grammar_that_does_not_parse_is_a_one_line_error(smollm2, tmp_path):
+    path = tmp_path / "bad.gbnf"
+    path.write_text('root ::= "a" | undefined\n')
+    with pytest.raises(LlmrunError) as e:
+        compile_grammar(grammar_spec(grammar=str(path)), smollm2.tokenizer, smollm2.model.config.vocab_size)
+    assert str(e.value) == f'grammar {path}: EBNF parser error at line 1, column 16: Rule "undefined" is not defined'
+
+
+def test_bare_json_schema_means_any_json():
+    from llmrun.cli.options import expand_bare_options
+
+    assert expand_bare_options(["chat", "--json-schema"]) == ["chat", "--json-schema=any"]
+    assert expand_bare_options(["chat", "--json-schema", "--temperature", "0"])[1] == "--json-schema=any"
+    assert expand_bare_options(["chat", "--json-schema", "-"]) == ["chat", "--json-schema", "-"]
+    assert expand_bare_options(["chat", "--json-schema", "s.json", "--ngram"]) == ["chat", "--json-schema", "s.json", "--ngram=3"]
+
+
+def test_cli_json_schema_end_to_end(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(PERSON))
+    code, out, err = run_main(["chat", "-p", PERSON_PROMPT, "--json-schema", path, "--temperature", "0", "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert _valid_person(json.loads(doc["text"]))
+    assert doc["forced_tokens"] > 0 and doc["sampled_tokens"] + doc["forced_tokens"] == doc["new_tokens"]
+    assert doc["mask_us_per_token"] > 0
+    code, out, err = run_main(["generate", "--regex", r"[0-9]+", "--temperature", "0", "-n", "8", "-q", "2 + 2 ="], monkeypatch, capsys)
+    assert code == 0 and re.fullmatch(r"[0-9]+\n", out), (out, err)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--json-schema", '{"type": "objec"}'], 'error: JSON schema (inline): Unsupported type "objec"'),
+    (["--regex", "(", "--grammar", "g.gbnf"], "error: --regex and --grammar each constrain the output; pass one of them"),
+])
+def test_cli_bad_constraints_give_one_line_errors(monkeypatch, capsys, args, message):
+    code, out, err = run_main(["chat", "-p", "hi", *args], monkeypatch, capsys)
+    assert code == 1 and out == ""
+    assert err.strip() == message
