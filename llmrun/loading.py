@@ -8,6 +8,7 @@ safetensors and GGUF are ever read: never pickles.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ def embedded_model_path() -> Path:
     return path
 
 
-def resolve(spec: str) -> ModelSource:
+def resolve(spec: str, tqdm_class=None) -> ModelSource:
+    """MODEL as typed -> where its files are, downloading a hub id into the Hugging Face cache first.
+    `tqdm_class`: the progress bar class huggingface_hub draws downloads with (its own by default)."""
     if spec == DEFAULT_MODEL:
         return ModelSource(spec, embedded_model_path(), "gguf")
     path = Path(spec).expanduser()
@@ -57,7 +60,7 @@ def resolve(spec: str) -> ModelSource:
     looks_local = spec.startswith((".", "/", "~")) or (path.suffix == ".gguf" and ":" not in spec)
     if looks_local or not _HUB_ID.match(spec):
         raise ModelNotFoundError(f"{spec}: no such file or directory, and not a Hugging Face hub id (org/name)")
-    return _resolve_hub(spec)
+    return _resolve_hub(spec, {} if tqdm_class is None else {"tqdm_class": tqdm_class})
 
 
 def _check_weights(path: Path) -> None:
@@ -69,15 +72,17 @@ def _check_weights(path: Path) -> None:
         raise ModelFormatError(f"{path}: no *.safetensors weights")
 
 
-def _resolve_hub(spec: str) -> ModelSource:
+def _resolve_hub(spec: str, bars: dict) -> ModelSource:
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo, _, filename = spec.partition(":")
+    if bars and "tqdm_class" not in inspect.signature(hf_hub_download).parameters:  # an older huggingface_hub: its own bars
+        bars = {}
     try:
         if filename:
-            return ModelSource(spec, Path(hf_hub_download(repo, filename)), "gguf")
-        path = Path(snapshot_download(repo, allow_patterns=_HF_FILES))
+            return ModelSource(spec, Path(hf_hub_download(repo, filename, **bars)), "gguf")
+        path = Path(snapshot_download(repo, allow_patterns=_HF_FILES, **bars))
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{spec}: the hub repository has no config.json (for a GGUF repo use {spec}:FILE.gguf)")
         return ModelSource(spec, path, "safetensors")

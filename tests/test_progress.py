@@ -64,6 +64,42 @@ def test_hub_bars_only_for_a_person_watching(monkeypatch):
     assert os.environ[HF_BARS] == "0" and not turned_off
 
 
+def test_hub_downloads_draw_as_our_bar(monkeypatch):
+    """huggingface_hub counts the bytes in a tqdm of the class we give it; each such tqdm is one bar of ours."""
+    from contextlib import contextmanager
+
+    calls = []
+
+    @contextmanager
+    def bar(description):
+        calls.append(("open", description))
+        yield lambda done, total, what="": calls.append((done, total, what))
+        calls.append(("closed",))
+
+    monkeypatch.setattr(console, "progress_bar", bar)
+    download = console.rich_tqdm()(total=2048, unit="B", desc="model.safetensors")
+    download.update(1024)
+    download.update(1024)
+    download.close()
+    download.close()  # tqdm closes again when collected: the bar closes once
+    assert calls == [("open", "downloading model.safetensors"), (0, 2048, ""), (1024, 2048, "1.0 KiB of 2.0 KiB"),
+                     (2048, 2048, "2.0 KiB of 2.0 KiB"), ("closed",)]
+
+
+def test_a_hub_id_is_resolved_with_our_bars_on_a_terminal(monkeypatch):
+    import llmrun.loading
+
+    seen = {}
+    monkeypatch.setattr(llmrun.loading, "_resolve_hub", lambda spec, bars: seen.setdefault(spec, bars))
+    monkeypatch.setattr(console, "err", Console(file=io.StringIO(), force_terminal=True))  # a person watching
+    console.model_source("acme/tiny-llama")
+    assert issubclass(seen["acme/tiny-llama"]["tqdm_class"], __import__("tqdm").tqdm)
+    monkeypatch.setattr(console, "err", Console(file=io.StringIO(), force_terminal=False))
+    monkeypatch.setenv(HF_BARS, "1")  # hub_bars must not touch the real environment here
+    console.model_source("acme/other")
+    assert seen["acme/other"] == {}
+
+
 @pytest.mark.parametrize("command", [["info"], ["generate", "-n", "2", "--temperature", "0", "--threads", "1", "ab"],
                                      ["bench", *FAST]])
 def test_commands_draw_nothing_when_stderr_is_not_a_terminal(tiny_gguf, command):

@@ -2,6 +2,7 @@
 status line."""
 
 import functools
+import io
 import os
 import sys
 from contextlib import contextmanager, nullcontext
@@ -74,8 +75,8 @@ def progress_bar(description: str):
 
 
 def hub_bars(watched: bool) -> None:
-    """huggingface_hub draws download bars of its own (tqdm) on stderr: keep them for a person watching, turn them
-    off for a pipe or a log. An HF_HUB_DISABLE_PROGRESS_BARS the user set wins."""
+    """huggingface_hub draws download bars of its own: for a pipe or a log, turn them off (ours replace them on a
+    terminal, `rich_tqdm`). An HF_HUB_DISABLE_PROGRESS_BARS the user set wins."""
     if watched or "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
         return
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is imported
@@ -85,13 +86,43 @@ def hub_bars(watched: bool) -> None:
         disable_progress_bars()
 
 
+def rich_tqdm():
+    """A tqdm class for huggingface_hub's downloads that draws each of its bars as our Rich bar (`progress_bar`):
+    tqdm still counts the bytes, Rich shows them."""
+    from huggingface_hub.utils import tqdm as hub_tqdm
+
+    from llmrun.memory import human_bytes
+
+    class RichTqdm(hub_tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()  # tqdm's own drawing goes nowhere
+            super().__init__(*args, **kwargs)
+            self._bar = progress_bar(f"downloading {self.desc or 'files'}".rstrip(": "))
+            self._show = self._bar.__enter__()
+            self._show(self.n, self.total)
+
+        def update(self, n=1):
+            shown = super().update(n)
+            total = f" of {human_bytes(self.total)}" if self.total else ""
+            self._show(self.n, self.total, f"{human_bytes(self.n)}{total}" if self.unit == "B" else "")
+            return shown
+
+        def close(self):
+            if getattr(self, "_bar", None) is not None:
+                bar, self._bar = self._bar, None
+                bar.__exit__(None, None, None)
+            super().close()
+
+    return RichTqdm
+
+
 def model_source(spec: str):
-    """Resolve MODEL (`loading.resolve`), downloading a hub id into the local cache with huggingface_hub's bars
-    (only on a terminal): before any bar of ours starts, so the two never draw over each other."""
+    """Resolve MODEL (`loading.resolve`); a hub id is downloaded into the local cache first, with a Rich bar on a
+    terminal, before any other bar of ours starts, so two never draw over each other."""
     from llmrun.loading import resolve
 
     hub_bars(watched=err.is_terminal)
-    return resolve(spec)
+    return resolve(spec, rich_tqdm() if err.is_terminal else None)
 
 
 def open_files(spec: str):

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmrun.catalog import complete_model
-from llmrun.grammar import ANY_JSON
+from llmrun.grammar import ANY_JSON, grammar_spec
 from llmrun.loading import DEFAULT_MODEL
 
 SAMPLING = "Sampling"
@@ -103,8 +103,6 @@ DEFAULT_CTX_CAP = 8192  # a 128k-context model would otherwise preallocate gigab
 
 def _build(values: dict) -> RunOptions:
     from llmrun.sampling import SamplingParams
-
-    from llmrun.grammar import grammar_spec
 
     speculative = {name: values[name] for name, *_ in _SPECULATIVE if name in values}
     if "temperature" not in values:  # a command without sampling options

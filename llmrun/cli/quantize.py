@@ -72,7 +72,7 @@ def quantize_(
         torch.set_num_threads(threads)
     options = QuantizeOptions(method, group_size, calib, samples or 128, seq_len, seed=seed)
 
-    source = model_source(model)  # a hub download first, with huggingface_hub's own bars
+    source = model_source(model)  # a hub download first, with its own bar
     with progress_bar(f"quantize {model} ({method.upper()})") as update:
         result = quantize(source, out, options, device=device.value, on_progress=update)
 
