@@ -103,8 +103,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     JSON comes out compact and on one line (', ' and ': ' separators, no free whitespace): a format the
     grammar fixes is one jump-forward can fill in, and a model cannot stall the reply in endless whitespace.
     """
-    import xgrammar as xgr
-
+    xgr = _xgrammar()
     # One thread: a compile takes milliseconds, and a pool of xgrammar threads fighting the decode kernels' own
     # threads for the cores measured 100x slower decoding on a 2-core machine.
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1)
@@ -119,6 +118,14 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     except RuntimeError as e:
         raise LlmrunError(f"{spec.describe()}: {_xgrammar_message(e)}") from None
     return Grammar(spec, compiled, vocab_size, jump_forward)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise LlmrunError(f"structured output needs the xgrammar package ({e}); install it: pip install xgrammar") from None
+    return xgrammar
 
 
 def _xgrammar_message(e: Exception) -> str:
