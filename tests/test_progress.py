@@ -92,8 +92,12 @@ def test_a_hub_id_is_resolved_with_our_bars_on_a_terminal(monkeypatch):
     seen = {}
     monkeypatch.setattr(llmrun.loading, "_resolve_hub", lambda spec, bars: seen.setdefault(spec, bars))
     monkeypatch.setattr(console, "err", Console(file=io.StringIO(), force_terminal=True))  # a person watching
+    monkeypatch.delenv(HF_BARS, raising=False)
     console.model_source("acme/tiny-llama")
     assert issubclass(seen["acme/tiny-llama"]["tqdm_class"], __import__("tqdm").tqdm)
+    monkeypatch.setenv(HF_BARS, "1")  # the user turned download bars off: none of ours either
+    console.model_source("acme/quiet")
+    assert seen["acme/quiet"] == {}
     monkeypatch.setattr(console, "err", Console(file=io.StringIO(), force_terminal=False))
     monkeypatch.setenv(HF_BARS, "1")  # hub_bars must not touch the real environment here
     console.model_source("acme/other")

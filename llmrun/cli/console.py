@@ -89,13 +89,14 @@ def hub_bars(watched: bool) -> None:
 def rich_tqdm():
     """A tqdm class for huggingface_hub's downloads that draws each of its bars as our Rich bar (`progress_bar`):
     tqdm still counts the bytes, Rich shows them."""
-    from huggingface_hub.utils import tqdm as hub_tqdm
+    from tqdm.auto import tqdm  # huggingface_hub's own dependency
 
     from llmrun.memory import human_bytes
 
-    class RichTqdm(hub_tqdm):
+    class RichTqdm(tqdm):
         def __init__(self, *args, **kwargs):
-            kwargs["file"] = io.StringIO()  # tqdm's own drawing goes nowhere
+            kwargs.pop("name", None)  # huggingface_hub's tqdm takes a name (for its on/off switches); tqdm does not
+            kwargs.update(file=io.StringIO(), disable=False)  # counted by tqdm, drawn by Rich
             super().__init__(*args, **kwargs)
             self._bar = progress_bar(f"downloading {self.desc or 'files'}".rstrip(": "))
             self._show = self._bar.__enter__()
@@ -122,7 +123,8 @@ def model_source(spec: str):
     from llmrun.loading import resolve
 
     hub_bars(watched=err.is_terminal)
-    return resolve(spec, rich_tqdm() if err.is_terminal else None)
+    ours = err.is_terminal and os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() not in ("1", "true", "yes", "on")
+    return resolve(spec, rich_tqdm() if ours else None)
 
 
 def open_files(spec: str):
