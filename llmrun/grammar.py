@@ -92,6 +92,7 @@ class Grammar:
         self.compiled = compiled
         self.vocab_size = vocab_size
         self.jump_forward = jump_forward
+        self.luts: dict = {}  # device -> (256, 8) fp32 additive masks, shared by every reply (`Constraint.apply`)
 
     def start(self) -> Constraint:
         return Constraint(self)
@@ -138,8 +139,7 @@ def tokenizer_info(tokenizer, vocab_size: int):
     """The vocabulary as xgrammar reads it: every token's text in the tokenizer's own encoding (byte-level 'Ġ'
     pieces, or SentencePiece '▁' pieces with <0xNN> bytes). Control tokens become empty entries, which xgrammar
     treats as special: never allowed inside the grammar's text, whatever their spelling."""
-    import xgrammar as xgr
-
+    xgr = _xgrammar()
     vocab = tokenizer.vocabulary()
     encoded = [""] * max(vocab_size, max(vocab.values()) + 1)
     for text, i in vocab.items():
@@ -159,13 +159,10 @@ class Constraint:
     figure."""
 
     def __init__(self, grammar: Grammar):
-        import xgrammar as xgr
-
         self.grammar = grammar
-        self._xgr = xgr
-        self.matcher = xgr.GrammarMatcher(grammar.compiled)
+        self._xgr = _xgrammar()
+        self.matcher = self._xgr.GrammarMatcher(grammar.compiled)
         self.seconds = 0.0
-        self._lut: dict = {}  # device -> (256, 8) fp32
 
     @property
     def finished(self) -> bool:
@@ -211,10 +208,10 @@ class Constraint:
         t0 = time.perf_counter()
         squeeze, vocab = logits.dim() == 1, self.grammar.vocab_size
         logits = logits.float().reshape(-1, logits.shape[-1])
-        lut = self._lut.get(logits.device)
+        lut = self.grammar.luts.get(logits.device)
         if lut is None:  # byte value -> the additive mask (0 or -inf) of its 8 tokens, lowest bit first
             bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-            lut = self._lut[logits.device] = torch.zeros(256, 8).masked_fill(bits == 0, float("-inf")).to(logits.device)
+            lut = self.grammar.luts[logits.device] = torch.zeros(256, 8).masked_fill(bits == 0, float("-inf")).to(logits.device)
         # A table lookup and an add: 6x faster on a CPU than a masked fill of the same (T, V).
         rows = bitmask.reshape(logits.shape[0], -1).to(logits.device).view(torch.uint8)
         additive = lut.index_select(0, rows.reshape(-1).int()).view(logits.shape[0], -1)  # (T, 32 W)
