@@ -24,7 +24,8 @@ def reference_ops(on: bool = True):
     finally:
         _reference.reset(token)
 
-__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "quant_matmul", "quant_rows", "rms_norm", "silu_mul"]
+__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "quant_matmul", "quant_rows",
+           "quantized_attention", "rms_norm", "silu_mul"]
 
 
 def _use_cpu_kernels(x: torch.Tensor, dtype=None) -> bool:
@@ -102,18 +103,43 @@ def silu_mul(gate, up):
     return ref.silu_mul(gate, up)
 
 
-def attention(q, k, v, window: int | None = None):
+def attention(q, k, v, window: int | None = None, mass=None):
     """Causal GQA attention: q (B, T, Hq, D), k/v (B, Hkv, S, D) -> (B, T, Hq, D) (see `ref.attention`).
-    On CUDA, decoding and verification (T <= 16) run the split-K Triton kernel; prefill stays on SDPA."""
+    On CUDA, decoding and verification (T <= 16) run the split-K Triton kernel; prefill stays on SDPA.
+    mass: if given, fp32 (B, Hkv, S) to which each key's attention weight is added (`ref.attention_mass`)."""
     if _use_triton(q) and q.shape[1] <= 16 and k.stride(-1) == 1 and v.stride(-1) == 1:
         from .decode_attention import decode_attention
 
-        return _triton("decode_attention", lambda: decode_attention(q, k, v, window),
-                       lambda: ref.attention(q, k, v, window))
+        def fallback():
+            if mass is not None:
+                mass.add_(ref.attention_mass(q, k, window))
+            return ref.attention(q, k, v, window)
+
+        return _triton("decode_attention", lambda: decode_attention(q, k, v, window, mass=mass), fallback)
     if _use_cpu_kernels(q) and _heads_contiguous(q) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] \
             and k.stride() == v.stride():
-        return cpu.attention(q, k, v, window)
-    return ref.attention(q, k, v, window)
+        y = cpu.attention(q, k, v, window)
+    else:
+        y = ref.attention(q, k, v, window)
+    if mass is not None:
+        mass.add_(ref.attention_mass(q, k, window))
+    return y
+
+
+def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None):
+    """`attention` over a quantized cache (`ref.QuantizedKV`, INT8 or INT4) -> (B, T, Hq, D) in q's dtype.
+    On CUDA (T <= 16) the Triton kernel dequantizes tiles in registers; elsewhere the cache is dequantized first."""
+
+    def dequantized():
+        k, v = ref.dequantize_kv(kv)
+        return attention(q, k.to(q.dtype), v.to(q.dtype), window, mass)
+
+    if _use_triton(q) and q.shape[1] <= 16:
+        from .decode_attention import quantized_decode_attention
+
+        return _triton("quantized_decode_attention",
+                       lambda: quantized_decode_attention(q, kv, window, mass=mass), dequantized)
+    return dequantized()
 
 
 def quant_matmul(x, qs, d, m, bits: int):

@@ -10,6 +10,13 @@ GQA: the G = Hq / Hkv query heads that share a kv head, times the T tokens, are 
 score tile (padded to a power of two and masked), so each K/V tile is loaded once for all of them.
 head_dim is padded to a power of two (80, 96 -> 128) and masked.
 
+A quantized cache (`ref.QuantizedKV`, INT8 or INT4, `quantized_decode_attention`) is read as codes and scales, and
+each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products.
+
+Attention mass (H2O), when asked for: the split kernel also writes its masked scores to a (B, Hkv, T * G, keys)
+scratch buffer, the combine (or, with one split, the split kernel) writes each row's log2-sum-exp, and
+`_mass_kernel` adds each key's probabilities, summed over the rows of its kv head, to the caller's buffer.
+
 On CUDA the split kernel is autotuned; elsewhere (the Triton interpreter in the tests) it runs with fixed
 settings. Nothing here queries a device at import.
 """
@@ -23,31 +30,78 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ref
+
 SPLIT_ALIGN = 128  # split boundaries fall on multiples of this many keys (every BLOCK_N divides it)
 MAX_TILE = 64 * 128  # rows (tokens x grouped heads) x padded head_dim per program, to bound the fp32
                      # accumulator's registers; more rows become another grid dimension
 MAX_SPLITS = 64
 
 
-@triton.jit
-def _load_kv(base, offs_n, offs_d, stride_s, mask):
-    """One (BLOCK_N, BLOCK_D) tile of K or V as the dot product consumes it.
+_KEY_GROUP = tl.constexpr(ref.KEY_GROUP)  # positions per INT4 key scale
+_RECENT = tl.constexpr(ref.RECENT)  # slots of INT4's full-precision key ring
 
-    Every K/V read goes through here: a quantized cache (INT8/INT4 with per-row or per-group scales) becomes
-    a change to this function (load the packed codes and scales, return the dequantized tile) plus the
-    pointers it needs, without touching the softmax."""
-    return tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0.0)
+
+@triton.jit
+def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, mask,
+             BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, DTYPE: tl.constexpr):
+    """One (BLOCK_N, BLOCK_D) tile of K or V at positions offs_n, as the dot product consumes it (in DTYPE).
+
+    Every K/V read goes through here, and a quantized tile is dequantized here, in registers. BITS 0: a dense cache.
+    BITS 8: int8 code * the fp16 scale of its (position, group of GROUP channels). BITS 4: bytes holding channels 2i
+    (low nibble) and 2i + 1 (high); code * scale + min, scale and min per (position, channel group), or with
+    PER_CHANNEL (INT4 keys) per (group of KEY_GROUP positions, channel)."""
+    if BITS == 0:
+        x = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0.0)
+    else:
+        if PER_CHANNEL:
+            scale_row, scale_col = offs_n[:, None] // _KEY_GROUP, offs_d[None, :]
+        else:
+            scale_row, scale_col = offs_n[:, None], offs_d[None, :] // GROUP
+        scale = tl.load(scale_base + scale_row * stride_scale_s + scale_col, mask=mask, other=0.0).to(tl.float32)
+        if BITS == 8:
+            codes = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0)
+            x = codes.to(tl.float32) * scale
+        else:
+            packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
+            codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte is read for both channels
+            lo = tl.load(min_base + scale_row * stride_min_s + scale_col, mask=mask, other=0.0).to(tl.float32)
+            x = codes.to(tl.float32) * scale + lo
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _load_keys(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
+               offs_n, offs_d, mask, n_quantized, BITS: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """A tile of K: INT4 keys before n_quantized are codes, the later ones full precision in the ring k_recent."""
+    if BITS == 4:
+        old = offs_n < n_quantized  # (BLOCK_N,)
+        k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d,
+                     mask & old[:, None], BITS, GROUP, True, DTYPE)
+        recent = tl.load(kr_base + (offs_n % _RECENT)[:, None] * stride_krs + offs_d[None, :],
+                         mask=mask & (offs_n >= n_quantized)[:, None], other=0.0)
+        k = tl.where(old[:, None], k, recent.to(DTYPE))
+    else:
+        k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d, mask,
+                     BITS, GROUP, False, DTYPE)
+    return k
 
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, Out, MidO, MidLse,
+    Q, K, V, KScale, KMin, KRecent, VScale, VMin, Out, MidO, MidLse, Lse, Scores,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
+    stride_ksb, stride_ksh, stride_kss,
+    stride_kmb, stride_kmh, stride_kms,
+    stride_krb, stride_krh, stride_krs,
+    stride_vsb, stride_vsh, stride_vss,
+    stride_vmb, stride_vmh, stride_vms,
     stride_ob, stride_ot, stride_oh,
-    T, S, Hkv, G, D, lo, split_len, window, qk_scale,
-    HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    T, S, Hkv, G, D, lo, split_len, window, qk_scale, n_quantized,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
+    SCORES: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)  # b * Hkv + kv head
@@ -67,8 +121,14 @@ def _split_kernel(
     q_ptrs = Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
 
+    # this (batch, kv head)'s slice of each cache tensor; the ones a format does not use are never read
     k_base = K + b * stride_kb + kvh * stride_kh
+    ks_base = KScale + b * stride_ksb + kvh * stride_ksh
+    km_base = KMin + b * stride_kmb + kvh * stride_kmh
+    kr_base = KRecent + b * stride_krb + kvh * stride_krh
     v_base = V + b * stride_vb + kvh * stride_vh
+    vs_base = VScale + b * stride_vsb + kvh * stride_vsh
+    vm_base = VMin + b * stride_vmb + kvh * stride_vmh
     start = lo + split * split_len
     end = tl.minimum(start + split_len, S)
 
@@ -79,41 +139,49 @@ def _split_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = _load_kv(k_base, offs_n, offs_d, stride_ks, kv_mask)  # (BLOCK_N, BLOCK_D)
+        k = _load_keys(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
+                       offs_n, offs_d, kv_mask, n_quantized, BITS, GROUP, q.dtype)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (pos[:, None] - offs_n[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
+        if SCORES:  # Scores (B, Hkv, T * G, S - lo) fp32 contiguous, for the attention mass
+            bh = b * Hkv + kvh
+            tl.store(Scores + (bh * (T * G) + rows)[:, None] * (S - lo) + (offs_n - lo)[None, :], s,
+                     mask=row_ok[:, None] & n_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv(v_base, offs_n, offs_d, stride_vs, kv_mask)
+        v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, offs_n, offs_d, kv_mask,
+                     BITS, GROUP, False, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    Hq = Hkv * G
     if DIRECT:
         o_ptrs = Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if SCORES:  # Lse (B, T, Hq) fp32 contiguous
+            tl.store(Lse + (b * T + t) * Hq + h, lse, mask=row_ok)
     else:
         # MidO (B, T, Hq, n_splits, BLOCK_D) and MidLse (B, T, Hq, n_splits), both contiguous fp32
         n_splits = tl.num_programs(1)
-        Hq = Hkv * G
         mid = ((b * T + t) * Hq + h) * n_splits + split  # (BLOCK_M,)
         tl.store(MidO + mid[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(MidLse + mid, lse, mask=row_ok)
 
 
 @triton.jit
 def _combine_kernel(
-    MidO, MidLse, Out,
+    MidO, MidLse, Out, Lse,
     stride_ob, stride_ot, stride_oh,
     T, Hq, n_splits, D,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b * T + t) * Hq + h
     b = row // (T * Hq)
@@ -125,10 +193,38 @@ def _combine_kernel(
     lse = tl.load(MidLse + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
     o = tl.load(MidO + (row * n_splits + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     m = tl.max(lse, 0)
-    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # a split that saw no key weighs 0
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)  # a split that saw no key weighs 0
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(Out + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=offs_d < D)
+    if WRITE_LSE:  # Lse (B, T, Hq) fp32 contiguous: the row's log2-sum-exp over all its keys
+        tl.store(Lse + row, m + tl.math.log2(tl.sum(w, 0)))
+
+
+@triton.jit
+def _mass_kernel(
+    Scores, Lse, Mass, stride_mb, stride_mh,
+    T, Hkv, G, keys, lo,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Mass[b, kv head, lo + j] += sum over the T * G rows of the head of exp2(Scores[b, head, row, j] - lse(row))."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = offs_s < keys
+    R = T * G
+    acc = tl.zeros([BLOCK_S], tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)  # row = t * G + g
+        r_ok = rows < R
+        lse = tl.load(Lse + (b * T + rows // G) * (Hkv * G) + kvh * G + rows % G, mask=r_ok, other=0.0)
+        s = tl.load(Scores + (pid_bh.to(tl.int64) * R + rows)[:, None] * keys + offs_s[None, :],
+                    mask=r_ok[:, None] & s_ok[None, :], other=float("-inf"))  # (BLOCK_R, BLOCK_S)
+        acc += tl.sum(tl.math.exp2(s - lse[:, None]), 0)
+    m_ptrs = Mass + b.to(tl.int64) * stride_mb + kvh * stride_mh + lo + offs_s
+    tl.store(m_ptrs, tl.load(m_ptrs, mask=s_ok, other=0.0) + acc, mask=s_ok)
 
 
 @cache
@@ -138,7 +234,8 @@ def _split_launcher(cuda: bool):
         return _split_kernel, {"BLOCK_N": 64, "num_warps": 4}
     configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
                for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
-    return triton.autotune(configs, key=["BLOCK_M", "BLOCK_D", "HAS_WINDOW", "DIRECT", "PRECISION"])(_split_kernel), {}
+    key = ["BLOCK_M", "BLOCK_D", "BITS", "GROUP", "HAS_WINDOW", "DIRECT", "SCORES", "PRECISION"]
+    return triton.autotune(configs, key=key)(_split_kernel), {}
 
 
 @cache
@@ -156,7 +253,7 @@ def _num_splits(keys: int, programs: int, device: torch.device) -> int:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, *,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of the T newest tokens over a KV cache, as `ref.attention` defines it.
 
     q: (B, T, Hq, D) token-major, the queries of the last T of S positions (T small: 1 for decode, up to ~16
@@ -166,13 +263,58 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
        head h // (Hq / Hkv).
     window: if given, query t (at position S - T + t) sees only keys in (pos - window, pos]; else [0, pos].
     num_splits: how many pieces the keys are cut into (FlashDecoding); by default enough to fill the GPU.
+    mass: if given, fp32 (B, Hkv, S) with position stride 1 (a view of a longer buffer is fine): each key's
+       softmax weight, summed over the T queries and the G query heads of its kv head, is added to it
+       (`ref.attention_mass`: H2O's accumulated attention). Costs a (B, Hkv, T * G, S) fp32 scratch buffer.
     q, k, v share one dtype (fp32, fp16 or bf16) and device; D any size (tested 64-256).
     Returns (B, T, Hq, D) contiguous in q's dtype; scores use scale 1/sqrt(D) and an fp32 softmax.
     """
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
-    assert k.shape == v.shape == (B, Hkv, S, D) and Hq % Hkv == 0 and 1 <= T <= S, (q.shape, k.shape, v.shape)
+    assert k.shape == v.shape == (B, Hkv, S, D), (q.shape, k.shape, v.shape)
     assert k.dtype == v.dtype == q.dtype and k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous"
+    return _attend(q, (k, v, k, k, k, k, k), 0, 1, 0, S, window, num_splits, mass)
+
+
+def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int | None = None, *,
+                               num_splits: int | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
+    """`decode_attention` over a quantized cache, as `ref.quantized_attention` defines it: each K/V tile is
+    dequantized in registers, to q's dtype; no full-precision copy of the cache is made.
+
+    kv: INT8 or INT4 (layouts in `ref.QuantizedKV`) of B sequences, Hkv heads, S positions, head_dim D = kv.head_dim
+       (a multiple of 16); every tensor any batch/head/position strides, last dim contiguous. INT4's k_recent
+       (B, Hkv, ref.RECENT, D) may be of any float dtype.
+    q (B, T, Hq, D) fp32, fp16 or bf16; window, num_splits, mass as for `decode_attention`.
+    Returns (B, T, Hq, D) contiguous in q's dtype.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, S = kv.k.shape[1], kv.length
+    group = kv.group
+    assert kv.bits in (4, 8) and kv.head_dim == D, (kv.bits, kv.head_dim, q.shape)
+    packed = D // 2 if kv.bits == 4 else D
+    assert kv.k.shape == kv.v.shape == (B, Hkv, S, packed) and kv.v_scale.shape == (B, Hkv, S, D // group), \
+        (q.shape, kv.k.shape, kv.v.shape, kv.v_scale.shape)
+    if kv.bits == 8:
+        assert kv.k_scale.shape == kv.v_scale.shape, (kv.k_scale.shape, kv.v_scale.shape)
+        cache = (kv.k, kv.v, kv.k_scale, kv.k_scale, kv.k_scale, kv.v_scale, kv.v_scale)  # (unused slots repeat)
+    else:
+        n_groups = triton.cdiv(min(kv.n_quantized, S), ref.KEY_GROUP)
+        assert kv.n_quantized % ref.KEY_GROUP == 0 and S - kv.n_quantized <= ref.RECENT, (kv.n_quantized, S)
+        assert kv.k_recent.shape == (B, Hkv, ref.RECENT, D) and kv.v_min.shape == kv.v_scale.shape, \
+            (kv.k_recent.shape, kv.v_min.shape)
+        assert kv.k_scale.shape[2] >= n_groups and kv.k_scale.shape[3] == D and kv.k_min.shape == kv.k_scale.shape, \
+            (kv.k_scale.shape, kv.k_min.shape, n_groups)
+        cache = (kv.k, kv.v, kv.k_scale, kv.k_min, kv.k_recent, kv.v_scale, kv.v_min)
+    assert all(x.stride(-1) == 1 for x in cache), "every tensor of the cache needs a contiguous last dim"
+    return _attend(q, cache, kv.bits, group, kv.n_quantized if kv.bits == 4 else 0, S, window, num_splits, mass)
+
+
+def _attend(q, cache, bits, group, n_quantized, S, window, num_splits, mass):
+    """Launch the kernels on cache = (k, v, k_scale, k_min, k_recent, v_scale, v_min), the tensors a format does not
+    use standing in for any (they are never read)."""
+    B, T, Hq, D = q.shape
+    Hkv = cache[0].shape[1]
+    assert Hq % Hkv == 0 and 1 <= T <= S, (q.shape, cache[0].shape)
     if q.stride(-1) != 1:
         q = q.contiguous()
     G = Hq // Hkv
@@ -193,21 +335,33 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     else:
         mid_o = torch.empty(B, T, Hq, num_splits, BLOCK_D, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, T, Hq, num_splits, dtype=torch.float32, device=q.device)
+    if mass is None:
+        lse = scores = out  # unused
+    else:
+        assert mass.shape == (B, Hkv, S) and mass.dtype == torch.float32 and mass.stride(-1) == 1, \
+            (mass.shape, mass.dtype, mass.stride())
+        lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)  # each row's log2-sum-exp
+        scores = torch.empty(B, Hkv, T * G, keys, dtype=torch.float32, device=q.device)  # log2 units, keys [lo, S)
 
     kernel, settings = _split_launcher(q.device.type == "cuda")
     kernel[(B * Hkv, num_splits, m_blocks)](
-        q, k, v, out, mid_o, mid_lse,
+        q, *cache, out, mid_o, mid_lse, lse, scores,
         q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        *(stride for x in cache for stride in x.stride()[:3]),
         out.stride(0), out.stride(1), out.stride(2),
-        T, S, Hkv, G, D, lo, split_len, window or 0, math.log2(math.e) / math.sqrt(D),
-        HAS_WINDOW=window is not None, DIRECT=direct, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
+        T, S, Hkv, G, D, lo, split_len, window or 0, math.log2(math.e) / math.sqrt(D), n_quantized,
+        BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
     )
     if not direct:
         _combine_kernel[(B * T * Hq,)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, num_splits, D,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
+            mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), T, Hq, num_splits, D,
+            WRITE_LSE=mass is not None, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
+        )
+    if mass is not None:
+        BLOCK_S = 128
+        _mass_kernel[(B * Hkv, triton.cdiv(keys, BLOCK_S))](
+            scores, lse, mass, mass.stride(0), mass.stride(1), T, Hkv, G, keys, lo,
+            BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S,
         )
     return out

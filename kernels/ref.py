@@ -4,6 +4,8 @@ Shapes: B batch, T new tokens, S cached positions (keys), Hq query heads, Hkv ke
 Activations are token-major, (B, T, H, D); the KV cache is head-major, (B, Hkv, S, D).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -83,3 +85,149 @@ def quant_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     """x (..., K) @ W^T -> (..., N) fp32 for W in blocks (see `dequantize_blocks`), activations rounded to int8
     per block of 32 first (`quantize_activations`), as the CPU kernel and llama.cpp do."""
     return quantize_activations(x) @ dequantize_blocks(qs, d, m, bits).T
+
+
+# --- the quantized KV cache -----------------------------------------------------------------------------------------
+# INT8: symmetric, per token, one fp16 scale per group of `group` channels (32, or 16 when head_dim needs it).
+# INT4 (KIVI, Liu et al. 2024): values per token, asymmetric (fp16 scale and minimum per group of channels); keys
+# per channel, asymmetric over groups of KEY_GROUP consecutive positions. A key group is quantized once it is full;
+# until then its keys are read in full precision from `k_recent`, a ring of 2 * KEY_GROUP positions (slot s at
+# s % 64), which also keeps the previous group's exact keys so a short rollback re-fills it bit for bit.
+# Two 4-bit codes share a byte: channel 2i in the low nibble, 2i + 1 in the high one.
+
+KEY_GROUP = 32  # positions per INT4 key scale
+RECENT = 2 * KEY_GROUP  # full-precision ring of the INT4 keys
+
+
+def kv_group(head_dim: int) -> int:
+    """Channels per scale of a per-token quantized head: 32, or 16 for a head_dim that 32 does not divide."""
+    for g in (32, 16):
+        if head_dim % g == 0:
+            return g
+    raise ValueError(f"a quantized KV cache needs head_dim divisible by 16, not {head_dim}")
+
+
+def quantize_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> codes int8 (..., D), scales fp16 (..., D/group): x ~ code * scale, scale = max|x| / 127."""
+    blocks = x.float().unflatten(-1, (-1, group))
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half()
+    inverse = torch.where(scale > 0, 1 / scale.float(), 0)
+    codes = torch.round(blocks * inverse).clamp(-127, 127).to(torch.int8)
+    return codes.flatten(-2), scale[..., 0]
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes int8 (..., D), scales (..., D/group) -> x (..., D) fp32."""
+    return (codes.float().unflatten(-1, (scale.shape[-1], -1)) * scale.float()[..., None]).flatten(-2)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """codes 0..15 (..., D) -> uint8 (..., D/2): channel 2i in the low nibble, 2i + 1 in the high."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., D/2) -> codes (..., D) int16."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).to(torch.int16)
+
+
+def _int4_round(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit over `dim` of x (fp32): (codes, scale fp16, minimum fp16) with x ~ code * scale + min."""
+    lo, hi = x.amin(dim, keepdim=True).half(), x.amax(dim, keepdim=True)
+    scale = ((hi - lo.float()) / 15).half()
+    inverse = torch.where(scale > 0, 1 / scale.float(), 0)
+    codes = torch.round((x - lo.float()) * inverse).clamp(0, 15)
+    return codes, scale, lo
+
+
+def quantize_int4_tokens(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values: x (..., D) -> codes uint8 (..., D/2), scale and min fp16 (..., D/group), per token and group."""
+    codes, scale, lo = _int4_round(x.float().unflatten(-1, (-1, group)), -1)
+    return pack_int4(codes.flatten(-2)), scale[..., 0], lo[..., 0]
+
+
+def dequantize_int4_tokens(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    q = unpack_int4(codes).float().unflatten(-1, (scale.shape[-1], -1))
+    return (q * scale.float()[..., None] + lo.float()[..., None]).flatten(-2)
+
+
+def quantize_int4_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys: x (..., n * KEY_GROUP, D) -> codes uint8 (..., n * KEY_GROUP, D/2), scale and min fp16 (..., n, D):
+    per channel, over each group of KEY_GROUP consecutive positions."""
+    codes, scale, lo = _int4_round(x.float().unflatten(-2, (-1, KEY_GROUP)), -2)
+    return pack_int4(codes.flatten(-3, -2)), scale[..., 0, :], lo[..., 0, :]
+
+
+def dequantize_int4_channels(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """codes (..., S, D/2) with S <= n * KEY_GROUP, scale/min (..., n, D) -> (..., S, D) fp32."""
+    S = codes.shape[-2]
+    scale = scale.float().repeat_interleave(KEY_GROUP, dim=-2)[..., :S, :]
+    lo = lo.float().repeat_interleave(KEY_GROUP, dim=-2)[..., :S, :]
+    return unpack_int4(codes).float() * scale + lo
+
+
+@dataclass
+class QuantizedKV:
+    """One layer's quantized cache as attention reads it: S positions of B sequences, Hkv heads, head_dim D.
+
+    int8: k, v int8 (B, Hkv, S, D); k_scale, v_scale fp16 (B, Hkv, S, D/group).
+    int4: v uint8 (B, Hkv, S, D/2) with v_scale, v_min fp16 (B, Hkv, S, D/group); k uint8 (B, Hkv, S, D/2) whose
+          first `n_quantized` positions (a multiple of KEY_GROUP) are codes, with k_scale, k_min fp16
+          (B, Hkv, >= n_quantized / KEY_GROUP, D); keys [n_quantized, S) are read from k_recent (B, Hkv, RECENT, D)
+          (the model's dtype), position s at s % RECENT.
+    Position, head and batch strides are free (views of a larger buffer); the last dimension is contiguous.
+    """
+
+    bits: int
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_min: torch.Tensor | None = None
+    v_min: torch.Tensor | None = None
+    k_recent: torch.Tensor | None = None
+    n_quantized: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.v_scale.shape[-1] * self.group
+
+    @property
+    def group(self) -> int:
+        return (self.v.shape[-1] * (2 if self.bits == 4 else 1)) // self.v_scale.shape[-1]
+
+
+def dequantize_kv(kv: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values (B, Hkv, S, D) fp32 that a quantized cache stands for."""
+    if kv.bits == 8:
+        return dequantize_int8(kv.k, kv.k_scale), dequantize_int8(kv.v, kv.v_scale)
+    S, nq = kv.length, kv.n_quantized
+    v = dequantize_int4_tokens(kv.v, kv.v_scale, kv.v_min)
+    k_old = dequantize_int4_channels(kv.k[:, :, :nq], kv.k_scale, kv.k_min)
+    recent = torch.arange(nq, S, device=kv.k.device) % kv.k_recent.shape[2]
+    k = torch.cat((k_old, kv.k_recent[:, :, recent].float()), dim=2)
+    return k, v
+
+
+def quantized_attention(q: torch.Tensor, kv: QuantizedKV, window: int | None = None) -> torch.Tensor:
+    """`attention` over a quantized cache: dequantize (to fp32), then attend. Returns (B, T, Hq, D) in q's dtype."""
+    k, v = dequantize_kv(kv)
+    return attention(q.float(), k, v, window).to(q.dtype)
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """The attention weight each key receives, summed over the T queries and the query heads sharing its kv head:
+    q (B, T, Hq, D), k (B, Hkv, S, D) -> (B, Hkv, S) fp32 (one step's share of H2O's accumulated attention)."""
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.float().view(B, T, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, T, D)
+    scores = torch.einsum("bhgtd,bhsd->bhgts", qg, k.float()) / D**0.5  # (B, Hkv, G, T, S)
+    mask = attention_mask(T, S, window, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1).sum((2, 3))
