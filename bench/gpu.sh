@@ -31,4 +31,14 @@ for shape in "${shapes[@]}"; do
         written+=("$out")
     done
 done
+# 4. The KV cache formats at long context (issue 7): decode speed at 8k and 32k positions for bf16, int8 and int4
+#    KV on the 8B shape (quantized KV reads fewer bytes per step), then the formats' quality at a real shape.
+for ctx in 8192 32768; do
+    for kv in bf16 int8 int4; do
+        out="$results/$stamp-$gpu-llama3-8b-kv-$kv-$ctx.json"
+        llmrun bench --random-weights llama3-8b --prompt-tokens $((ctx - 192)) --new-tokens 128 --ctx "$ctx" \
+            --kv "$kv" --repeat 3 --json > "$out"
+        written+=("$out")
+    done
+done
 python bench/results_tables.py "${written[@]}"

@@ -88,6 +88,8 @@ def _lib():
     lib.rope.argtypes = [p, ctypes.c_long, p, p, i, i, i]
     lib.silu_mul.argtypes = [p, p, i, i, i, p]
     lib.attention.argtypes = [p, ctypes.c_long, p, p, ctypes.c_long, i, i, i, i, i, i, p]
+    lib.attention_int8.argtypes = [p, ctypes.c_long, p, p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, i, i, i, i, p]
+    lib.quantize_int8.argtypes = [p, i, i, i, p, p]
     lib.decode_layers.argtypes = [p, p, i, i, p, p]
     return lib
 
@@ -175,6 +177,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     return out
 
 
+def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   window: int | None) -> torch.Tensor:
+    """`attention` over an int8 cache (`ref.quantize_int8`), reading the codes: q (1, T, Hq, D) as for `attention`;
+    k, v int8 (1, Hkv, S, D) and k_scale, v_scale fp16 (1, Hkv, S, D/group), rows contiguous, k and v sharing their
+    strides and so do the scales (views of a KV cache) -> (1, T, Hq, D) fp32.
+
+    Bit-identical to `attention` over `ref.dequantize_int8` of the codes: each row is dequantized in registers."""
+    _, T, Hq, D = q.shape
+    _, Hkv, S, _ = k.shape
+    out = torch.empty(1, T, Hq, D, dtype=torch.float32)
+    _check(_lib().attention_int8(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k_scale.data_ptr(),
+                                 v_scale.data_ptr(), k.stride(1), k_scale.stride(1), T, S, Hq, Hkv, D,
+                                 D // k_scale.shape[-1], window or 0, out.data_ptr()), "attention_int8")
+    return out
+
+
+def quantize_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) fp32 -> codes int8 (..., D), scales fp16 (..., D/group): `ref.quantize_int8`, bit for bit (the
+    decode stack writes an int8 cache with it)."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    codes = torch.empty(*x.shape, dtype=torch.int8)
+    scales = torch.empty(*x.shape[:-1], D // group, dtype=torch.float16)
+    _check(_lib().quantize_int8(x2.data_ptr(), x2.shape[0], D, group, codes.data_ptr(), scales.data_ptr()),
+           "quantize_int8")
+    return codes, scales
+
+
 class _QLinear(ctypes.Structure):
     _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("bits", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int)]
@@ -182,13 +212,14 @@ class _QLinear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _QLinear), ("o", _QLinear),
-                ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
 
 
 class _Stack(ctypes.Structure):
     _fields_ = [("n_layers", ctypes.c_int), ("dim", ctypes.c_int), ("n_heads", ctypes.c_int), ("n_kv_heads", ctypes.c_int),
                 ("head_dim", ctypes.c_int), ("ffn_dim", ctypes.c_int), ("max_len", ctypes.c_int), ("window", ctypes.c_int),
-                ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
+                ("kv_group", ctypes.c_int), ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
 
 
 class DecodeStack:
@@ -196,29 +227,51 @@ class DecodeStack:
     order as the layer-by-layer forward, without the Python between them.
 
     `layers`: per layer a dict of fp32 tensors `attn_norm`, `mlp_norm` and quantized linears `qkv`, `o`,
-    `gate_up`, `down` (objects with `qs`, `d`, `m`, `bits`, `bias`); `k_cache`, `v_cache`: (L, 1, Hkv, max_len, D)
-    fp32 buffers. The tensors must outlive the stack (it holds raw pointers; it also keeps references).
+    `gate_up`, `down` (objects with `qs`, `d`, `m`, `bits`, `bias`). The KV cache, exactly one of:
+    `fp32_kv` = (k, v), fp32 (L, 1, Hkv, max_len, D) each (a dense cache's buffers); or `int8_kv` = (codes, scales),
+    int8 (2, L, 1, Hkv, max_len, D) and fp16 (2, L, 1, Hkv, max_len, D/group), keys then values along the first
+    dimension (an int8 cache's store: the stack writes codes as `ref.quantize_int8` and attends over them).
+    Cache buffers must be contiguous. The tensors must outlive the stack (it holds raw pointers; it also keeps
+    references).
     """
 
-    def __init__(self, layers: list[dict], k_cache: torch.Tensor, v_cache: torch.Tensor, *, n_heads: int,
-                 n_kv_heads: int, head_dim: int, dim: int, ffn_dim: int, eps: float, window: int | None):
+    def __init__(self, layers: list[dict], *, fp32_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 int8_kv: tuple[torch.Tensor, torch.Tensor] | None = None, n_heads: int, n_kv_heads: int,
+                 head_dim: int, dim: int, ffn_dim: int, eps: float, window: int | None):
+        if (fp32_kv is None) == (int8_kv is None):
+            raise ValueError("DecodeStack takes one KV cache: fp32_kv or int8_kv")
+        if fp32_kv is not None:
+            k_cache, v_cache = fp32_kv
+            if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                raise ValueError("fp32_kv must be two contiguous fp32 (L, 1, Hkv, max_len, D) buffers")
+            caches = [(k_cache[i], v_cache[i], None, None) for i in range(len(layers))]
+            max_len, group = k_cache.shape[3], 0
+        else:
+            codes, scales = int8_kv
+            formats = codes.dtype == torch.int8 and scales.dtype == torch.float16
+            if not (formats and codes.is_contiguous() and scales.is_contiguous()):
+                raise ValueError("int8_kv must be contiguous int8 codes and fp16 scales, (2, L, 1, Hkv, max_len, ...)")
+            caches = [(codes[0, i], codes[1, i], scales[0, i], scales[1, i]) for i in range(len(layers))]
+            max_len, group = codes.shape[4], head_dim // scales.shape[-1]
+
         def qlinear(w):
             return _QLinear(w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.m), _ptr(w.bias), w.bits, w.qs.shape[0],
                             w.d.shape[1] * 32)
 
-        self._keep = (layers, k_cache, v_cache)
+        self._keep = (layers, fp32_kv, int8_kv)
         self._layers = (_Layer * len(layers))(*[
             _Layer(L["attn_norm"].data_ptr(), L["mlp_norm"].data_ptr(), qlinear(L["qkv"]), qlinear(L["o"]),
-                   qlinear(L["gate_up"]), qlinear(L["down"]), k_cache[i].data_ptr(), v_cache[i].data_ptr())
-            for i, L in enumerate(layers)
+                   qlinear(L["gate_up"]), qlinear(L["down"]), *(_ptr(t) for t in cache))
+            for L, cache in zip(layers, caches)
         ])
-        self._params = _Stack(len(layers), dim, n_heads, n_kv_heads, head_dim, ffn_dim, k_cache.shape[3], window or 0,
+        self._params = _Stack(len(layers), dim, n_heads, n_kv_heads, head_dim, ffn_dim, max_len, window or 0, group,
                               eps, self._layers)
         self._ref = ctypes.byref(self._params)
 
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (1, T, dim) fp32 hidden states of the tokens at pos .. pos+T-1 -> after the last layer (a new
-        tensor); cos/sin (T, D) their angles. Writes the tokens' K/V at those positions in every layer's cache."""
+        """x (1, T, dim) fp32 hidden states of T tokens -> after the last layer (a new tensor); cos/sin (T, D) their
+        RoPE angles. Writes their K/V into cache slots pos .. pos+T-1 of every layer (their positions, unless an
+        evicting cache has shifted them) and attends over slots [0, pos + T)."""
         x = x.contiguous().clone()
         _check(_lib().decode_layers(self._ref, x.data_ptr(), x.shape[1], pos, cos.data_ptr(), sin.data_ptr()),
                "decode_layers")

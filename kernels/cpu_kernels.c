@@ -54,6 +54,28 @@ static float half_to_float(uint16_t h) {
 #endif
 }
 
+/* fp32 -> fp16, rounding to nearest even (as torch's .half()); past 65504 -> inf */
+static uint16_t float_to_half(float f) {
+#ifdef USE_AVX2
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax > 0x7f800000) return (uint16_t)(sign | 0x7e00);  /* nan */
+    if (ax >= 0x47800000) return (uint16_t)(sign | 0x7c00);  /* >= 2^16 (and inf): inf */
+    if (ax >= 0x38800000) {  /* a normal half (65520 and above round up to inf): rebias, drop 13 bits */
+        uint32_t h = ax - ((uint32_t)(127 - 15) << 23);
+        return (uint16_t)(sign | ((h + 0xfff + ((h >> 13) & 1)) >> 13));
+    }
+    if (ax <= 0x33000000) return (uint16_t)sign;  /* <= 2^-25: rounds to zero */
+    /* a subnormal half: the value in units of 2^-24 is m >> shift */
+    uint32_t m = (ax & 0x7fffff) | 0x800000, shift = 126 - (ax >> 23), h = m >> shift;
+    uint32_t rest = m & ((1u << shift) - 1), tie = 1u << (shift - 1);
+    return (uint16_t)(sign | (h + (rest > tie || (rest == tie && (h & 1)))));
+#endif
+}
+
 /* Where block b's values and scale go in the activation planes. For 4-bit weights (`paired`, AVX2 only) the
  * layout follows the kernel: blocks pair up (b, b+1) as [lo16(b) lo16(b+1) hi16(b) hi16(b+1)], matching 32
  * bytes of packed nibbles, and within each group of eight blocks the scales sit in the order the kernel's
@@ -352,90 +374,194 @@ void silu_mul(const float *gate, const float *up, int M, int F, int ld, float *o
     }
 }
 
+/* ---- causal attention over a KV cache: fp32 rows, or int8 codes dequantized as they are read ---- */
+
+/* One kv head's keys or values: fp32 rows (f), or int8 codes (q) with fp16 scales (sc), one per group of
+ * 2^gshift channels: row s at q + s * D, its scales at sc + s * (D >> gshift). fs: scratch where attend_row puts
+ * the scales of the rows it reads, as fp32, at the same offsets. */
+typedef struct {
+    const float *f;
+    const int8_t *q;
+    const uint16_t *sc;
+    float *fs;
+} kv_rows;
+
+/* Channel i of row s in fp32. An int8 code times its scale is one fp32 product, as in ref.dequantize_int8, so
+ * attention over the codes has the bits of attention over their dequantized copy. gshift 0: fp32 rows. */
+static inline __attribute__((always_inline)) float kv_at(int gshift, kv_rows r, int D, int s, int i) {
+    if (!gshift) return r.f[(size_t)s * D + i];
+    return (float)r.q[(size_t)s * D + i] * r.fs[(size_t)s * (D >> gshift) + (i >> gshift)];
+}
+
+#ifdef USE_AVX2
+/* Channels i .. i+7 of row s (one scale group: groups are 16 or 32 channels) */
+static inline __attribute__((always_inline)) __m256 kv_at8(int gshift, kv_rows r, int D, int s, int i) {
+    if (!gshift) return _mm256_loadu_ps(r.f + (size_t)s * D + i);
+    __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r.q + (size_t)s * D + i))));
+    return _mm256_mul_ps(codes, _mm256_broadcast_ss(r.fs + (size_t)s * (D >> gshift) + (i >> gshift)));
+}
+#endif
+
+static void scales_to_float(const uint16_t *h, size_t n, float *out) {
+    size_t i = 0;
+#ifdef USE_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = half_to_float(h[i]);
+}
+
+/* One query row qr (D) against the key/value rows first..last of one kv head -> o (D). p: scratch, S floats.
+ * gshift is a constant at each call (0: fp32 rows), so every format compiles to its own loops. */
+static inline __attribute__((always_inline)) void attend_row(int gshift, const float *qr, kv_rows k, kv_rows v, int D,
+                                                             int first, int last, float scale, float *p, float *o) {
+    if (gshift) {
+        size_t ng = (size_t)D >> gshift, n = (size_t)(last + 1 - first) * ng;
+        scales_to_float(k.sc + first * ng, n, k.fs + first * ng);
+        scales_to_float(v.sc + first * ng, n, v.fs + first * ng);
+    }
+    float mx = -INFINITY;
+    int s = first;
+#ifdef USE_AVX2
+    if (D % 8 == 0) {  /* eight keys at a time: their dot products reduce together */
+        __m256 mx8 = _mm256_set1_ps(-INFINITY);
+        for (; s + 8 <= last + 1; s += 8) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) {
+                acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qr), kv_at8(gshift, k, D, s + j, 0));
+                for (int i = 8; i < D; i += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_at8(gshift, k, D, s + j, i), acc[j]);
+            }
+            __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+            __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+            __m256 dots = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)),
+                                        _mm256_set1_ps(scale));
+            _mm256_storeu_ps(p + s, dots);
+            mx8 = _mm256_max_ps(mx8, dots);
+        }
+        float m[8];  /* a maximum is exact: the order it is taken in does not matter */
+        _mm256_storeu_ps(m, mx8);
+        for (int j = 0; j < 8; j++) mx = m[j] > mx ? m[j] : mx;
+    }
+#endif
+    for (; s <= last; s++) {
+        float dot = 0.0f;
+        for (int i = 0; i < D; i++) dot += qr[i] * kv_at(gshift, k, D, s, i);
+        p[s] = dot * scale;
+        mx = fmaxf(mx, p[s]);
+    }
+    float sum = 0.0f;
+    s = first;
+#ifdef USE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; s + 8 <= last + 1; s += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(p + s, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum(acc);
+#endif
+    for (; s <= last; s++) sum += (p[s] = expf(p[s] - mx));
+    float inv = 1.0f / sum;
+    int i0 = 0;
+#ifdef USE_AVX2
+    for (; i0 + 64 <= D; i0 += 64) {  /* 64 output values stay in registers over all keys */
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int s = first; s <= last; s++) {
+            __m256 a = _mm256_set1_ps(p[s] * inv);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(a, kv_at8(gshift, v, D, s, i0 + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
+    }
+#endif
+    for (int i = i0; i < D; i++) o[i] = 0.0f;
+    for (int s = first; s <= last; s++) {
+        float a = p[s] * inv;
+        for (int i = i0; i < D; i++) o[i] += a * kv_at(gshift, v, D, s, i);
+    }
+}
+
 /* Causal attention of T new queries against S keys, grouped-query heads.
- * q (T, Hq, D), token rows q_ld floats apart; k, v: head h's key s at k + h * head_stride + s * D (a KV
- * cache's (Hkv, max_len, D) buffer);
- * query t sits at key index S - T + t and sees keys (S - T + t - window, S - T + t] (all earlier ones when
- * window <= 0). out (T, Hq, D). scratch: S floats per thread, allocated here. */
-int attention(const float *q, long q_ld, const float *k, const float *v, long head_stride, int T, int S, int Hq, int Hkv, int D,
-              int window, float *out) {
+ * q (T, Hq, D), token rows q_ld floats apart; k, v: kv head h's rows start head_stride elements (and, int8, its
+ * scales scale_stride elements) after head h - 1's (a KV cache's (Hkv, max_len, ...) buffers); gshift: 0 for fp32
+ * rows, else log2 of the channels per int8 scale.
+ * Query t sits at key index S - T + t and sees keys (S - T + t - window, S - T + t] (all earlier ones when
+ * window <= 0). out (T, Hq, D). scratch: S floats per thread (and the fp32 scales), allocated here. */
+static int attend(const float *q, long q_ld, kv_rows k, kv_rows v, long head_stride, long scale_stride, int gshift,
+                  int T, int S, int Hq, int Hkv, int D, int window, float *out) {
     if (T > S || Hq % Hkv) return -1;
     int group = Hq / Hkv;
+    size_t ng = gshift ? (size_t)D >> gshift : 0;
     float scale = 1.0f / sqrtf((float)D);
     int failed = 0;
 #pragma omp parallel
     {
-        float *p = malloc((size_t)S * sizeof(float));
+        float *p = malloc((size_t)S * (1 + 2 * ng) * sizeof(float));
         if (!p) failed = 1;
 #pragma omp for schedule(static) collapse(2)
         for (int t = 0; t < T; t++)
             for (int h = 0; h < Hq; h++) {
                 if (!p) continue;
                 const float *qr = q + (size_t)t * q_ld + (size_t)h * D;
-                const float *kh = k + (size_t)(h / group) * head_stride, *vh = v + (size_t)(h / group) * head_stride;
+                float *o = out + ((size_t)t * Hq + h) * D;
                 int last = S - T + t, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
-                float mx = -INFINITY;
-                int s = first;
-#ifdef USE_AVX2
-                if (D % 8 == 0) {  /* eight keys at a time: their dot products reduce together */
-                    for (; s + 8 <= last + 1; s += 8) {
-                        __m256 acc[8];
-                        for (int j = 0; j < 8; j++) {
-                            const float *kr = kh + (size_t)(s + j) * D;
-                            acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
-                            for (int i = 8; i < D; i += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc[j]);
-                        }
-                        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-                        __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-                        __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-                        _mm256_storeu_ps(p + s, _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
-                        for (int j = 0; j < 8; j++) mx = fmaxf(mx, p[s + j]);
-                    }
-                }
-#endif
-                for (; s <= last; s++) {
-                    const float *kr = kh + (size_t)s * D;
-                    float dot = 0.0f;
-                    for (int i = 0; i < D; i++) dot += qr[i] * kr[i];
-                    p[s] = dot * scale;
-                    mx = fmaxf(mx, p[s]);
-                }
-                float sum = 0.0f;
-                s = first;
-#ifdef USE_AVX2
-                __m256 acc = _mm256_setzero_ps();
-                for (; s + 8 <= last + 1; s += 8) {
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), _mm256_set1_ps(mx)));
-                    _mm256_storeu_ps(p + s, e);
-                    acc = _mm256_add_ps(acc, e);
-                }
-                sum = hsum(acc);
-#endif
-                for (; s <= last; s++) sum += (p[s] = expf(p[s] - mx));
-                float *o = out + ((size_t)t * Hq + h) * D, inv = 1.0f / sum;
-                int i0 = 0;
-#ifdef USE_AVX2
-                for (; i0 + 64 <= D; i0 += 64) {  /* 64 output values stay in registers over all keys */
-                    __m256 acc[8];
-                    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-                    for (int s = first; s <= last; s++) {
-                        const float *vr = vh + (size_t)s * D + i0;
-                        __m256 a = _mm256_set1_ps(p[s] * inv);
-                        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(vr + 8 * j), acc[j]);
-                    }
-                    for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
-                }
-#endif
-                for (int i = i0; i < D; i++) o[i] = 0.0f;
-                for (int s = first; s <= last; s++) {
-                    const float *vr = vh + (size_t)s * D;
-                    float a = p[s] * inv;
-                    for (int i = i0; i < D; i++) o[i] += a * vr[i];
+                size_t at = (size_t)(h / group) * head_stride, sat = (size_t)(h / group) * scale_stride;
+                if (gshift) {
+                    float *fs = p + S;
+                    kv_rows kh = {NULL, k.q + at, k.sc + sat, fs}, vh = {NULL, v.q + at, v.sc + sat, fs + S * ng};
+                    if (gshift == 5) attend_row(5, qr, kh, vh, D, first, last, scale, p, o);
+                    else attend_row(4, qr, kh, vh, D, first, last, scale, p, o);
+                } else {
+                    kv_rows kh = {k.f + at, NULL, NULL, NULL}, vh = {v.f + at, NULL, NULL, NULL};
+                    attend_row(0, qr, kh, vh, D, first, last, scale, p, o);
                 }
             }
         free(p);
     }
     return failed ? -2 : 0;
+}
+
+/* `attend` over fp32 keys and values k, v */
+int attention(const float *q, long q_ld, const float *k, const float *v, long head_stride, int T, int S, int Hq, int Hkv, int D,
+              int window, float *out) {
+    kv_rows kr = {k, NULL, NULL, NULL}, vr = {v, NULL, NULL, NULL};
+    return attend(q, q_ld, kr, vr, head_stride, 0, 0, T, S, Hq, Hkv, D, window, out);
+}
+
+static int group_shift(int group, int D) {  /* log2(group) for a group of 16 or 32 channels dividing D; else -1 */
+    int shift = group == 16 ? 4 : group == 32 ? 5 : -1;
+    return shift > 0 && D % group == 0 ? shift : -1;
+}
+
+/* `attend` over an int8 cache: codes k, v (rows of D) with fp16 scales k_scale, v_scale (rows of D / group),
+ * per token and group of channels (ref.quantize_int8), dequantized in registers as they are read. */
+int attention_int8(const float *q, long q_ld, const int8_t *k, const int8_t *v, const uint16_t *k_scale,
+                   const uint16_t *v_scale, long head_stride, long scale_stride, int T, int S, int Hq, int Hkv, int D,
+                   int group, int window, float *out) {
+    int gshift = group_shift(group, D);
+    if (gshift < 0) return -1;
+    kv_rows kr = {NULL, k, k_scale, NULL}, vr = {NULL, v, v_scale, NULL};
+    return attend(q, q_ld, kr, vr, head_stride, scale_stride, gshift, T, S, Hq, Hkv, D, window, out);
+}
+
+/* x (M, D) -> codes (M, D), fp16 scales (M, D / group) as ref.quantize_int8 computes them, bit for bit: per group,
+ * scale = fp16(max|x| / 127) and code = round(x * (1 / scale)), ties to even, clamped to +-127. */
+int quantize_int8(const float *x, int M, int D, int group, int8_t *codes, uint16_t *scales) {
+    if (group_shift(group, D) < 0) return -1;
+    for (int r = 0; r < M; r++)
+        for (int g = 0; g < D / group; g++) {
+            const float *xg = x + (size_t)r * D + g * group;
+            int8_t *q = codes + (size_t)r * D + g * group;
+            float amax = 0.0f;
+            for (int i = 0; i < group; i++) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
+            uint16_t h = float_to_half(amax / 127.0f);
+            float scale = half_to_float(h), inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+            for (int i = 0; i < group; i++) {
+                float c = nearbyintf(xg[i] * inv);
+                q[i] = (int8_t)(c < -127.0f ? -127.0f : c > 127.0f ? 127.0f : c);
+            }
+            scales[(size_t)r * (D / group) + g] = h;
+        }
+    return 0;
 }
 
 /* ---- one decode step through every layer in one call: no Python between the ops ---- */
@@ -450,11 +576,15 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *mlp_norm;
     qlinear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* this layer's (Hkv, max_len, D) buffers */
+    /* this layer's cache: fp32 (Hkv, max_len, D) buffers, or (kv_group > 0) int8 codes (Hkv, max_len, D)
+     * with fp16 scales (Hkv, max_len, D / kv_group) */
+    void *k_cache, *v_cache;
+    uint16_t *k_scale, *v_scale;
 } layer_params;
 
 typedef struct {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, ffn_dim, max_len, window;
+    int kv_group; /* 0: an fp32 cache; else an int8 one, a scale per kv_group channels */
     float eps;
     const layer_params *layers;
 } stack_params;
@@ -468,12 +598,14 @@ static int linear(const qlinear *w, const float *x, int M, float *y, int accumul
 }
 
 /* x (T, dim): the hidden states of T consecutive tokens at positions pos .. pos+T-1 (one decode step, or a
- * speculative block to verify), updated in place through every layer; their K/V are written into the caches.
- * The same kernels, in the same order, as the model's layer-by-layer forward, so the results are
- * bit-identical to it. cos/sin (T, D): the angles of those positions. */
+ * speculative block to verify), updated in place through every layer; their K/V are written into the caches
+ * (an int8 cache's quantized as ref.quantize_int8 does). The same kernels, in the same order, as the model's
+ * layer-by-layer forward, so the results are bit-identical to it. cos/sin (T, D): the angles of those positions. */
 int decode_layers(const stack_params *p, float *x, int T, int pos, const float *cos_t, const float *sin_t) {
-    int Hq = p->n_heads, Hkv = p->n_kv_heads, D = p->head_dim, F = p->ffn_dim, rc = 0;
+    int Hq = p->n_heads, Hkv = p->n_kv_heads, D = p->head_dim, F = p->ffn_dim, G = p->kv_group, rc = 0;
+    if (pos < 0 || pos + T > p->max_len || (G && group_shift(G, D) < 0)) return -1;
     long qkv_ld = (long)(Hq + 2 * Hkv) * D, head_stride = (long)p->max_len * D;
+    long scale_stride = G ? (long)p->max_len * (D / G) : 0;
     float *xn = malloc(sizeof(float) * T * p->dim), *qkv = malloc(sizeof(float) * T * qkv_ld),
           *att = malloc(sizeof(float) * T * Hq * D), *gu = malloc(sizeof(float) * T * 2 * F),
           *h = malloc(sizeof(float) * T * F);
@@ -485,13 +617,21 @@ int decode_layers(const stack_params *p, float *x, int T, int pos, const float *
         rope(qkv, qkv_ld, cos_t, sin_t, T, Hq + Hkv, D);
         for (int t = 0; t < T; t++)
             for (int j = 0; j < Hkv; j++) {
-                const float *row = qkv + t * qkv_ld;
+                const float *k = qkv + t * qkv_ld + (Hq + j) * D, *v = k + Hkv * D;
                 long at = j * head_stride + (long)(pos + t) * D;
-                memcpy(L->k_cache + at, row + (Hq + j) * D, sizeof(float) * D);
-                memcpy(L->v_cache + at, row + (Hq + Hkv + j) * D, sizeof(float) * D);
+                if (G) {
+                    long sat = j * scale_stride + (long)(pos + t) * (D / G);
+                    quantize_int8(k, 1, D, G, (int8_t *)L->k_cache + at, L->k_scale + sat);
+                    quantize_int8(v, 1, D, G, (int8_t *)L->v_cache + at, L->v_scale + sat);
+                } else {
+                    memcpy((float *)L->k_cache + at, k, sizeof(float) * D);
+                    memcpy((float *)L->v_cache + at, v, sizeof(float) * D);
+                }
             }
-        if ((rc = attention(qkv, qkv_ld, L->k_cache, L->v_cache, head_stride, T, pos + T, Hq, Hkv, D, p->window, att)))
-            break;
+        rc = G ? attention_int8(qkv, qkv_ld, L->k_cache, L->v_cache, L->k_scale, L->v_scale, head_stride, scale_stride, T,
+                                pos + T, Hq, Hkv, D, G, p->window, att)
+               : attention(qkv, qkv_ld, L->k_cache, L->v_cache, head_stride, T, pos + T, Hq, Hkv, D, p->window, att);
+        if (rc) break;
         if ((rc = linear(&L->o, att, T, x, 1))) break;  /* x += o(attention) */
         rms_norm(x, L->mlp_norm, p->eps, T, p->dim, xn);
         if ((rc = linear(&L->gate_up, xn, T, gu, 0))) break;

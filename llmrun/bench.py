@@ -32,6 +32,10 @@ class Settings:
     weights: str = "auto"  # auto (packed quantized weights, llmrun's kernels) | dequant (plain PyTorch eager)
     threads: int | None = None  # CPU threads; None: PyTorch's choice
     ctx: int | None = None  # KV cache positions
+    kv: str = "auto"  # KV cache format (llmrun.kv_cache.KV_FORMATS); auto: the compute dtype
+    kv_evict: str | None = None  # eviction policy (window | h2o) with ...
+    kv_budget: int | None = None  # ... this many tokens kept, ...
+    kv_sinks: int = 4  # ... the first this many always among them
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
@@ -46,7 +50,9 @@ def resolve(settings: Settings, default_ctx: int) -> Settings:
     device = resolve_device(settings.device)
     dtype = DTYPE_NAMES[str(resolve_dtype(settings.dtype, device)).removeprefix("torch.")]
     threads = settings.threads or torch.get_num_threads()
-    return dataclasses.replace(settings, device=device.type, dtype=dtype, threads=threads, ctx=settings.ctx or default_ctx)
+    kv = dtype if settings.kv == "auto" else settings.kv
+    return dataclasses.replace(settings, device=device.type, dtype=dtype, threads=threads, ctx=settings.ctx or default_ctx,
+                               kv=kv)
 
 
 @contextmanager
@@ -76,11 +82,17 @@ def open_engine(files, settings: Settings):
         device = torch.device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         name = files.source.spec.removeprefix("random:")
-        check_fits(name, files.config, device, dtype, settings.ctx)
+        budget = settings.kv_budget if settings.kv_evict is not None else settings.ctx
+        check_fits(name, files.config, device, dtype, budget, None if settings.kv == "auto" else settings.kv)
         loaded = load_random(files, device, dtype)
     else:
         loaded = load_weights(files, device=settings.device, dtype=settings.dtype, weights=settings.weights)
-    return Engine(loaded, settings.ctx)
+    eviction = None
+    if settings.kv_evict is not None:
+        from llmrun.kv_cache import Eviction
+
+        eviction = Eviction(settings.kv_evict, settings.kv_budget, settings.kv_sinks)
+    return Engine(loaded, settings.ctx, kv_format=None if settings.kv == "auto" else settings.kv, eviction=eviction)
 
 
 def one_line(e: BaseException, with_type: bool = False) -> str:
@@ -223,12 +235,15 @@ def peak_rss() -> int:
 def memory_figures(engine) -> dict:
     import torch
 
+    from llmrun.memory import kv_figures
+
     device = engine.device
     cuda = device.type == "cuda"
     return {
         "weights": engine.loaded.weight_bytes,
         "kv_allocated": engine.cache.nbytes,
         "kv_in_use": engine.cache.bytes_in_use(),
+        **kv_figures(engine.cache),
         "process_peak_rss": peak_rss(),
         "device_peak_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
         "device_peak_reserved": torch.cuda.max_memory_reserved(device) if cuda else None,
@@ -335,7 +350,11 @@ def check_fits_context(prompt_tokens: int, new_tokens: int, ctx: int) -> None:
 
 def describe(settings: Settings) -> str:
     """A resolved Settings in words, e.g. `cpu fp32 --weights auto, 2 threads, ctx 8192`."""
-    return f"{settings.device} {settings.dtype} --weights {settings.weights}, {settings.threads} threads, ctx {settings.ctx}"
+    kv = "" if settings.kv in ("auto", settings.dtype) else f" --kv {settings.kv}"
+    if settings.kv_evict is not None:
+        kv += f" --kv-evict {settings.kv_evict} --kv-budget {settings.kv_budget} --kv-sinks {settings.kv_sinks}"
+    return (f"{settings.device} {settings.dtype} --weights {settings.weights}{kv}, {settings.threads} threads,"
+            f" ctx {settings.ctx}")
 
 
 def compare_rows(files, settings: Settings, figures: dict, workload, progress) -> list[dict]:

@@ -102,11 +102,9 @@ def read_text(spec: str) -> str:
 
 def _window_logits(engine, ids: list[int], window: Window):
     """Feed the window through the cache; yield (position of the first row, logits (T, V) fp32) per chunk."""
-    from llmrun.generate import PREFILL_CHUNK
-
     engine.reset()
-    for pos in range(window.start, window.end, PREFILL_CHUNK):
-        chunk = ids[pos : min(pos + PREFILL_CHUNK, window.end)]
+    for pos in range(window.start, window.end, engine.prefill_chunk):
+        chunk = ids[pos : min(pos + engine.prefill_chunk, window.end)]
         yield pos, engine.forward(chunk, last_only=False).float()
 
 

@@ -6,13 +6,14 @@ extends the previous one (the next chat turn) prefills only its new tokens.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from llmrun.errors import ContextOverflowError, LlmrunError
-from llmrun.kv_cache import KVCache
+from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
 from llmrun.sampling import SamplingParams, make_generator, sample
 from llmrun.speculative import Proposal, verify
@@ -114,34 +115,57 @@ class StopMatcher:
 class Engine:
     """`model` overrides the loaded one (a view of it sharing its weights, e.g. with layers skipped);
     `speculator` (see `llmrun.speculative`) makes generation speculative; `grammar` (see `llmrun.grammar`)
-    constrains every reply."""
+    constrains every reply.
 
-    def __init__(self, loaded: LoadedModel, max_len: int | None = None, model=None):
+    The KV cache holds `max_len` tokens (at most the model's context), in the model's dtype unless `kv_format`
+    says otherwise (see `llmrun.kv_cache`). With an `eviction` policy it holds a budget of them and the context
+    is unbounded (`max_len` is infinite): older tokens make room for new ones."""
+
+    def __init__(self, loaded: LoadedModel, max_len: int | float | None = None, model=None,
+                 kv_format: str | None = None, eviction: Eviction | None = None):
         self.loaded = loaded
         self.model = model or loaded.model
         cfg = self.model.config
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
-        self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
-        self.cache = KVCache.for_model(cfg, self.max_len, loaded.dtype, loaded.device)
-        self.tokens: list[int] = []  # the tokens whose K/V the cache holds, in order
+        self.kv_format, self.eviction = kv_format, eviction
+        ctx = int(min(max_len or cfg.max_seq_len, cfg.max_seq_len))
+        if eviction is not None and eviction.budget > cfg.max_seq_len:
+            raise LlmrunError(f"--kv-budget {eviction.budget} is more than the model's context ({cfg.max_seq_len})")
+        self.cache = KVCache.for_model(self.model, ctx, loaded.dtype, loaded.device, kv_format=kv_format,
+                                       eviction=eviction)
+        self.max_len = ctx if eviction is None else math.inf  # the most tokens a conversation may reach
+        self.max_block = math.inf if eviction is None else eviction.max_write  # the most tokens one forward adds
+        self.prefill_chunk = int(min(PREFILL_CHUNK, self.max_block))
+        self.tokens: list[int] = []  # the tokens fed so far, in order: the cache holds their K/V (less any evicted)
         self.speculator = None
         self.grammar = None
+
+    def sibling(self, loaded: LoadedModel | None = None, model=None) -> Engine:
+        """An engine with this one's context and KV-cache settings, for another model (a speculative draft)."""
+        return Engine(loaded or self.loaded, self.max_len, model=model, kv_format=self.kv_format,
+                      eviction=self.eviction)
 
     def reset(self) -> None:
         self.rollback(0)
 
     def rollback(self, length: int) -> None:
-        """Forget every token from position `length` on (a rejected speculation, an edited conversation)."""
-        self.cache.truncate(length)
-        del self.tokens[length:]
+        """Forget every token from position `length` on (a rejected speculation, an edited conversation). An
+        evicting cache that dropped tokens after `length` cannot go back there: it starts over, empty."""
+        if self.cache.can_truncate(length):
+            self.cache.truncate(length)
+            del self.tokens[length:]
+        else:
+            self.cache.reset()
+            self.tokens.clear()
 
     @torch.inference_mode()
     def forward(self, ids: list[int], last_only: bool = True) -> torch.Tensor:
         """Run ids after the cached tokens; return the logits (V,) of the last one (or (T, V))."""
+        self.cache.make_room(len(ids))  # evicts, or raises ContextOverflowError
         start = self.cache.length
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits = self.model(x, start_pos=start, cache=self.cache, last_only=last_only)
+        logits = self.model(x, start_pos=self.cache.position, cache=self.cache, last_only=last_only)
         # Only now, with the forward complete, do the cache and the token list advance (Ctrl-C safe).
         self.cache.length = start + len(ids)
         self.tokens.extend(ids)
@@ -163,8 +187,9 @@ class Engine:
             common += 1
         common = min(common, len(prompt) - 1)  # always run at least one token to get its logits
         self.rollback(common)
-        for i in range(common, len(prompt), PREFILL_CHUNK):
-            logits = self.forward(prompt[i : i + PREFILL_CHUNK])
+        common = len(self.tokens)  # 0 if an evicting cache had to start over
+        for i in range(common, len(prompt), self.prefill_chunk):
+            logits = self.forward(prompt[i : i + self.prefill_chunk])
         return logits, common
 
     def decode(self, token: int) -> torch.Tensor:
@@ -188,7 +213,8 @@ class Generation:
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams):
         self.engine, self.prompt, self.params = engine, prompt, params
         # "interrupted" until the loop ends on its own (also when it is closed before it starts)
-        self.stats = GenerationStats(prompt_tokens=len(prompt), context_max=engine.max_len, finish_reason="interrupted")
+        self.stats = GenerationStats(prompt_tokens=len(prompt), context_max=engine.cache.max_len,
+                                     finish_reason="interrupted")
         self.token_ids: list[int] = []
         self.text = ""
 
@@ -224,7 +250,7 @@ class Generation:
                     if stats.finish_reason != "interrupted":
                         break
                 else:
-                    if engine.cache.length >= engine.max_len:
+                    if len(engine.tokens) >= engine.max_len:
                         stats.finish_reason = "context"
                     else:
                         tokens = self._step(tokens[-1], generator)
@@ -238,7 +264,7 @@ class Generation:
                     yield tail
         finally:
             if spec is not None:  # accepted draft tokens past the end of the reply: not part of the conversation
-                engine.rollback(min(engine.cache.length, len(self.prompt) + len(self.token_ids)))
+                engine.rollback(min(len(engine.tokens), len(self.prompt) + len(self.token_ids)))
             stats.context_used = engine.cache.length
             if self._constraint is not None:
                 stats.grammar_s = self._constraint.seconds
@@ -274,8 +300,8 @@ class Generation:
         return the next tokens: the accepted drafts and the target's own token after them."""
         engine, params, stats, constraint = self.engine, self.params, self.stats, self._constraint
         spec = engine.speculator
-        start = engine.cache.length
-        room = min(params.max_new_tokens - stats.new_tokens - 1, engine.max_len - start - 1)
+        start = len(engine.tokens)
+        room = int(min(params.max_new_tokens - stats.new_tokens - 1, engine.max_len - start - 1, engine.max_block - 1))
         forced = [] if constraint is None else constraint.forced_tokens(engine.tokenizer, room)
         drafting = spec is not None and not forced
         proposal, k, t0 = Proposal(forced), 0, time.perf_counter()

@@ -1,49 +1,432 @@
-"""The KV cache: preallocated static buffers indexed by absolute position.
+"""The KV cache: preallocated static buffers, in the model's dtype or quantized (INT8, INT4), optionally bounded
+by an eviction policy (a sink-and-window cache, or H2O's heavy hitters).
 
 Static shapes keep the decode step capturable (CUDA graphs, torch.compile); rolling back a rejected
 speculation or reusing a chat prefix is moving `length`, never copying tensors.
+
+Slots and positions. A token's K/V sit in a slot; without eviction its slot is its position. Eviction drops
+tokens and moves the survivors down to free slots at the end, each keeping the position its key was rotated
+at, so RoPE distances stay exact: a new token's position is its slot plus `rope_offset` (how many tokens were
+dropped). Only when the positions would run past the model's context are the kept keys re-rotated to their
+slots (`rope_offset` back to 0), so a chat may go on for ever with a bounded cache.
+
+Formats (`kernels.ref` defines the arithmetic): `int8` stores K and V per token with a scale per 32 channels;
+`int4` is KIVI's recipe, values per token and keys per channel over groups of 32 positions, the newest keys in
+full precision until their group fills. Attention reads the codes directly (`kernels.quantized_attention`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from llmrun.errors import ContextOverflowError
+from llmrun import kernels
+from llmrun.errors import ContextOverflowError, LlmrunError
+from llmrun.kernels import ref
+
+KV_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
+EVICTION_POLICIES = ("window", "h2o")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bytes_per_token(cfg, kv_format: str, dtype=torch.bfloat16) -> float:
+    """KV bytes one token takes in every layer, scales included (INT4: its keys' share of a group's scales)."""
+    D, elems = cfg.head_dim, cfg.n_layers * cfg.n_kv_heads
+    if kv_format in _DTYPES:
+        per_head = 2 * D * _DTYPES[kv_format].itemsize
+    elif kv_format == "int8":
+        per_head = 2 * (D + 2 * D // ref.kv_group(D))
+    elif kv_format == "int4":
+        g = ref.kv_group(D)
+        per_head = (D // 2 + 4 * D // g) + (D // 2 + 4 * D / ref.KEY_GROUP)
+    else:
+        raise ValueError(kv_format)
+    return elems * per_head
+
+
+class _DenseStore:
+    """K and V in one floating-point dtype: (L, B, Hkv, C, D) each."""
+
+    def __init__(self, L, B, H, C, D, dtype, device):
+        self.k = torch.zeros(L, B, H, C, D, dtype=dtype, device=device)
+        self.v = torch.zeros(L, B, H, C, D, dtype=dtype, device=device)
+        # per-layer views, made once: indexing the 5-d buffers on every step costs more than the copy
+        self._k, self._v = self.k.unbind(0), self.v.unbind(0)
+
+    def write(self, layer, slot, k, v):  # k, v (B, Hkv, T, D)
+        self._k[layer].narrow(2, slot, k.shape[2]).copy_(k)
+        self._v[layer].narrow(2, slot, v.shape[2]).copy_(v)
+
+    def read(self, layer, length):
+        return self._k[layer].narrow(2, 0, length), self._v[layer].narrow(2, 0, length)
+
+    def truncate(self, length):
+        pass
+
+    def keys(self, layer, length):
+        return self._k[layer][:, :, :length].float()
+
+    def set_keys(self, layer, k):
+        self._k[layer][:, :, : k.shape[2]].copy_(k)
+
+    def keep(self, layer, length, index):
+        """Move slots `index` (B, Hkv, n), increasing, to slots [0, n)."""
+        for buf in (self._k[layer], self._v[layer]):
+            buf[:, :, : index.shape[2]] = _gather(buf[:, :, :length], index)
+
+    @property
+    def nbytes(self):
+        return self.k.nbytes + self.v.nbytes
+
+
+class _Int8Store:
+    """Codes int8 (L, B, Hkv, C, D) and fp16 scales (L, B, Hkv, C, D/group) for K and for V."""
+
+    def __init__(self, L, B, H, C, D, dtype, device):
+        self.group = ref.kv_group(D)
+        self.dtype = dtype
+        self.codes = torch.zeros(2, L, B, H, C, D, dtype=torch.int8, device=device)  # [k, v]
+        self.scales = torch.zeros(2, L, B, H, C, D // self.group, dtype=torch.float16, device=device)
+
+    def write(self, layer, slot, k, v):
+        for i, x in enumerate((k, v)):
+            codes, scale = ref.quantize_int8(x, self.group)
+            self.codes[i, layer, :, :, slot : slot + x.shape[2]] = codes
+            self.scales[i, layer, :, :, slot : slot + x.shape[2]] = scale
+
+    def read(self, layer, length):
+        c, s = self.codes[:, layer, :, :, :length], self.scales[:, layer, :, :, :length]
+        return ref.QuantizedKV(8, c[0], c[1], s[0], s[1]), None
+
+    def truncate(self, length):
+        pass
+
+    def keys(self, layer, length):
+        return ref.dequantize_int8(self.codes[0, layer, :, :, :length], self.scales[0, layer, :, :, :length])
+
+    def set_keys(self, layer, k):
+        codes, scale = ref.quantize_int8(k, self.group)
+        self.codes[0, layer, :, :, : k.shape[2]] = codes
+        self.scales[0, layer, :, :, : k.shape[2]] = scale
+
+    def keep(self, layer, length, index):
+        n = index.shape[2]
+        for buf in (self.codes[:, layer], self.scales[:, layer]):  # (2, B, Hkv, C, ...)
+            for i in range(2):
+                buf[i, :, :, :n] = _gather(buf[i, :, :, :length], index)
+
+    @property
+    def nbytes(self):
+        return self.codes.nbytes + self.scales.nbytes
+
+
+class _Int4Store:
+    """KIVI: values per token (packed codes (L, B, Hkv, C, D/2), fp16 scale and minimum per group of channels);
+    keys per channel over groups of KEY_GROUP positions (packed codes, fp16 scale and minimum (L, B, Hkv, C/32,
+    D)). A key group is quantized when it fills; `recent` (L, B, Hkv, RECENT, D) keeps, in the model's dtype,
+    the exact keys of the partial group and of the one before it, so a rollback of up to a group re-fills it
+    exactly as it was. Per layer: keys [0, quantized[l]) are codes, [exact_from[l], end) are exact in `recent`."""
+
+    def __init__(self, L, B, H, C, D, dtype, device):
+        self.group, G = ref.kv_group(D), ref.KEY_GROUP
+        self.k = torch.zeros(L, B, H, C, D // 2, dtype=torch.uint8, device=device)
+        self.k_scale = torch.zeros(L, B, H, -(-C // G), D, dtype=torch.float16, device=device)
+        self.k_min = torch.zeros_like(self.k_scale)
+        self.recent = torch.zeros(L, B, H, ref.RECENT, D, dtype=dtype, device=device)
+        self.v = torch.zeros(L, B, H, C, D // 2, dtype=torch.uint8, device=device)
+        self.v_scale = torch.zeros(L, B, H, C, D // self.group, dtype=torch.float16, device=device)
+        self.v_min = torch.zeros_like(self.v_scale)
+        self.quantized = [0] * L
+        self.exact_from = [0] * L
+        self.end = [0] * L
+
+    def _recent_index(self, start, end):
+        return torch.arange(start, end, device=self.recent.device) % ref.RECENT
+
+    def _exact_keys(self, layer, start, end):
+        """Keys [start, end) fp32, from `recent` where it holds them, else dequantized from their codes."""
+        cut = min(max(start, self.exact_from[layer]), end)
+        parts = []
+        if cut > start:  # below the ring: those groups are quantized
+            g0 = start // ref.KEY_GROUP
+            parts.append(ref.dequantize_int4_channels(self.k[layer, :, :, g0 * ref.KEY_GROUP : cut],
+                                                      self.k_scale[layer, :, :, g0:], self.k_min[layer, :, :, g0:])
+                         [:, :, start - g0 * ref.KEY_GROUP :])
+        if end > cut:
+            parts.append(self.recent[layer][:, :, self._recent_index(cut, end)].float())
+        return torch.cat(parts, dim=2) if len(parts) != 1 else parts[0]
+
+    def _write_keys(self, layer, slot, k):
+        G = ref.KEY_GROUP
+        end = slot + k.shape[2]
+        g0 = slot // G * G
+        head = self._exact_keys(layer, g0, slot) if slot > g0 else None
+        seg = k.float() if head is None else torch.cat((head, k.float()), dim=2)  # keys [g0, end)
+        full = end // G * G
+        if full > g0:
+            codes, scale, lo = ref.quantize_int4_channels(seg[:, :, : full - g0])
+            self.k[layer, :, :, g0:full] = codes
+            self.k_scale[layer, :, :, g0 // G : full // G] = scale
+            self.k_min[layer, :, :, g0 // G : full // G] = lo
+        lossy = slot < self.exact_from[layer] or slot > self.end[layer]
+        start = max(g0 if lossy else slot, end - ref.RECENT)
+        self.recent[layer][:, :, self._recent_index(start, end)] = seg[:, :, start - g0 :].to(self.recent.dtype)
+        self.exact_from[layer] = max(start if lossy else self.exact_from[layer], end - ref.RECENT)
+        self.quantized[layer], self.end[layer] = full, end
+
+    def write(self, layer, slot, k, v):
+        self._write_keys(layer, slot, k)
+        codes, scale, lo = ref.quantize_int4_tokens(v, self.group)
+        T = v.shape[2]
+        self.v[layer, :, :, slot : slot + T], self.v_scale[layer, :, :, slot : slot + T] = codes, scale
+        self.v_min[layer, :, :, slot : slot + T] = lo
+
+    def read(self, layer, length):
+        nq = min(self.quantized[layer], length // ref.KEY_GROUP * ref.KEY_GROUP)
+        return ref.QuantizedKV(4, self.k[layer, :, :, :length], self.v[layer, :, :, :length],
+                               self.k_scale[layer], self.v_scale[layer, :, :, :length], self.k_min[layer],
+                               self.v_min[layer, :, :, :length], self.recent[layer], nq), None
+
+    def truncate(self, length):
+        g = length // ref.KEY_GROUP * ref.KEY_GROUP
+        for layer in range(len(self.end)):
+            if length >= self.end[layer]:
+                continue
+            if self.exact_from[layer] > g:  # the partial group's first keys left the ring: take their codes
+                if length > g:
+                    keys = self._exact_keys(layer, g, length)
+                    self.recent[layer][:, :, self._recent_index(g, length)] = keys.to(self.recent.dtype)
+                self.exact_from[layer] = g
+            self.quantized[layer] = min(self.quantized[layer], g)
+            self.end[layer] = length
+
+    def keys(self, layer, length):
+        return self._exact_keys(layer, 0, length)
+
+    def set_keys(self, layer, k):
+        self.quantized[layer] = self.exact_from[layer] = self.end[layer] = 0
+        self._write_keys(layer, 0, k)
+
+    def keep(self, layer, length, index):
+        n = index.shape[2]
+        for buf in (self.v[layer], self.v_scale[layer], self.v_min[layer]):
+            buf[:, :, :n] = _gather(buf[:, :, :length], index)
+        self.set_keys(layer, _gather(self.keys(layer, length), index))  # regrouped: quantized afresh
+
+    @property
+    def nbytes(self):
+        return sum(t.nbytes for t in (self.k, self.k_scale, self.k_min, self.recent, self.v, self.v_scale, self.v_min))
+
+
+def _gather(x, index):
+    """x (B, Hkv, S, ...) -> (B, Hkv, n, ...) at slots index (B, Hkv, n)."""
+    return x.gather(2, index.view(*index.shape, *([1] * (x.dim() - 3))).expand(*index.shape, *x.shape[3:]))
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """A bounded cache. `window`: the first `sinks` tokens and the most recent ones (StreamingLLM). `h2o`: the sinks,
+    a recent window of half the rest, and the tokens that received the most attention so far (Heavy-Hitter
+    Oracle), chosen per layer and kv head."""
+
+    policy: str
+    budget: int  # the most tokens the cache holds
+    sinks: int = 4
+
+    def __post_init__(self):
+        if self.policy not in EVICTION_POLICIES:
+            raise LlmrunError(f"unknown eviction policy {self.policy!r}; choose {' or '.join(EVICTION_POLICIES)}")
+        if self.sinks < 0:
+            raise LlmrunError(f"--kv-sinks must be >= 0, not {self.sinks}")
+        if self.budget < max(64, 4 * self.sinks):
+            raise LlmrunError(f"--kv-budget {self.budget} is too small; give at least {max(64, 4 * self.sinks)} "
+                              f"tokens (4 x --kv-sinks, and at least 64)")
+
+    @property
+    def max_write(self) -> int:
+        """The most tokens one forward may add (longer prompts are fed in pieces this long)."""
+        return self.budget // 4
+
+    @property
+    def slack(self) -> int:
+        """Eviction frees this many slots beyond what the next write needs, so it runs once per `slack` tokens."""
+        return max(1, self.budget // 8)
 
 
 class KVCache:
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # per-layer views, made once: indexing the 5-d buffers on every step costs more than the copy
-        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)
+    """K/V of `batch` sequences for every layer, `max_len` slots (the eviction budget when there is one).
+
+    `kv_format`: one of KV_FORMATS (default: `dtype`, the model's). `eviction`: an `Eviction`, or None for a cache
+    that holds every token and refuses more than `max_len`. `max_position`: the model's context (RoPE positions
+    stay below it; needed with eviction). `length` counts the slots in use; `seen` the tokens written (length plus
+    those evicted)."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device,
+                 kv_format: str | None = None, eviction: Eviction | None = None, max_position: int | None = None):
+        kv_format = kv_format or next((k for k, d in _DTYPES.items() if d == dtype), "fp32")
+        if kv_format not in KV_FORMATS:
+            raise LlmrunError(f"unknown KV cache format {kv_format!r}; choose one of {', '.join(KV_FORMATS)}")
+        if eviction is not None:
+            max_len = eviction.budget
+        self.format, self.eviction, self.dtype = kv_format, eviction, dtype
+        self.shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        store = {"int8": _Int8Store, "int4": _Int4Store}.get(kv_format, _DenseStore)
+        self.store = store(*self.shape, _DTYPES.get(kv_format, dtype), device)
         self.max_len = max_len
-        self.length = 0  # positions [0, length) hold valid keys/values
+        self.max_position = max_position
+        self.length = 0  # slots [0, length) hold valid keys/values
+        self.evicted = 0  # tokens dropped by eviction
+        self.rope_offset = 0  # a new token's position is its slot + rope_offset
+        self.horizon = 0  # tokens seen at the latest eviction: a rollback may go back to here, no further
+        self.positions = self.scores = None
+        if eviction is not None:
+            self.positions = torch.zeros(n_layers, batch, n_kv_heads, max_len, dtype=torch.int64, device=device)
+            if eviction.policy == "h2o":
+                self.scores = torch.zeros(n_layers, batch, n_kv_heads, max_len, dtype=torch.float32, device=device)
+        self._rope = None  # positions (...) -> cos, sin (..., D): set by `for_model`, used to re-rotate keys
 
     @classmethod
-    def for_model(cls, cfg, max_len: int, dtype, device, batch: int = 1) -> KVCache:
-        return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype, device)
+    def for_model(cls, model, max_len: int, dtype, device, batch: int = 1, kv_format: str | None = None,
+                  eviction: Eviction | None = None) -> KVCache:
+        cfg = model.config if hasattr(model, "config") else model
+        if eviction is not None and cfg.sliding_window is not None:
+            raise LlmrunError("--kv-evict cannot be used with a model that has its own sliding-window attention")
+        cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype, device, kv_format, eviction,
+                    cfg.max_seq_len)
+        cache._rope = getattr(model, "rope_at", None)
+        return cache
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, T, Hkv, D) at positions [start, start + T); return views (B, Hkv, start + T, D)."""
-        end = start + k.shape[1]
+    # --- what the model calls ---------------------------------------------------------------------------------
+
+    @property
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (L, B, Hkv, max_len, D) K and V buffers of a cache in a plain dtype, else None."""
+        return (self.store.k, self.store.v) if isinstance(self.store, _DenseStore) else None
+
+    def slot(self, position: int) -> int:
+        return position - self.rope_offset
+
+    def update(self, layer: int, position: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (B, T, Hkv, D) of the tokens at positions [position, position + T) into the next slots.
+
+        Returns what attention reads, the slots [0, end): (k, v) views (B, Hkv, end, D) for a plain cache, or
+        (`kernels.ref.QuantizedKV`, None); and the (B, Hkv, end) accumulator H2O's attention mass goes to (or None).
+        """
+        slot = self.slot(position)
+        end = slot + k.shape[1]
         if end > self.max_len:
             raise ContextOverflowError(f"the KV cache holds {self.max_len} positions; {end} are needed")
-        k_layer, v_layer = self._k_layers[layer], self._v_layers[layer]  # (B, Hkv, max_len, D)
-        k_layer.narrow(2, start, end - start).copy_(k.transpose(1, 2))
-        v_layer.narrow(2, start, end - start).copy_(v.transpose(1, 2))
-        return k_layer.narrow(2, 0, end), v_layer.narrow(2, 0, end)
+        self.store.write(layer, slot, k.transpose(1, 2), v.transpose(1, 2))
+        if self.positions is not None:
+            self.positions[layer, :, :, slot:end] = torch.arange(position, position + k.shape[1], device=k.device)
+        mass = None
+        if self.scores is not None:
+            self.scores[layer, :, :, slot:end] = 0
+            mass = self.scores[layer, :, :, :end]
+        k_read, v_read = self.store.read(layer, end)
+        return k_read, v_read, mass
 
-    def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (rollback): the buffers stay, later writes overwrite them."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
-        self.length = length
+    def contents(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values (B, Hkv, length, D) fp32 that attention reads in `layer` (for tests and checks)."""
+        k, v = self.store.read(layer, self.length)
+        return ref.dequantize_kv(k) if v is None else (k.float(), v.float())
+
+    # --- what the engine calls --------------------------------------------------------------------------------
+
+    @property
+    def seen(self) -> int:
+        return self.length + self.evicted
+
+    @property
+    def position(self) -> int:
+        """The RoPE position of the next token."""
+        return self.length + self.rope_offset
+
+    def make_room(self, n: int) -> None:
+        """Before writing n tokens: evict (with a policy) so they fit, and re-rotate the keys if positions would
+        run past the model's context. Without eviction, raise ContextOverflowError when they do not fit."""
+        if self.eviction is None:
+            if self.length + n > self.max_len:
+                raise ContextOverflowError(f"the KV cache holds {self.max_len} positions; {self.length + n} are needed")
+            return
+        if n > self.eviction.max_write:
+            raise ValueError(f"{n} tokens in one write; an evicting cache takes at most {self.eviction.max_write}")
+        if self.length + n > self.max_len:
+            self._evict(self.max_len - n - self.eviction.slack)
+        if self.max_position is not None and self.position + n > self.max_position:
+            self._renumber()
+
+    def truncate(self, seen: int) -> None:
+        """Forget every token from the `seen`-th on (rollback): the buffers stay, later writes overwrite them."""
+        if not self.can_truncate(seen):
+            raise ValueError(f"cannot truncate a cache of {self.seen} tokens to {seen} (eviction ran at {self.horizon})")
+        self.length = seen - self.evicted
+        self.store.truncate(self.length)
+
+    def can_truncate(self, seen: int) -> bool:
+        """Whether `truncate(seen)` is possible: it must not reach back past the latest eviction."""
+        return self.horizon <= seen <= self.seen
+
+    def reset(self) -> None:
+        self.length = self.evicted = self.rope_offset = self.horizon = 0
+        self.store.truncate(0)
+
+    # --- eviction ---------------------------------------------------------------------------------------------
+
+    def _evict(self, keep: int) -> None:
+        """Keep `keep` tokens per layer and kv head, as the policy chooses; move them to slots [0, keep)."""
+        ev, S = self.eviction, self.length
+        sinks = min(ev.sinks, keep)
+        L, B, H = self.shape[:3]
+        device = self.positions.device
+        if ev.policy == "window":
+            chosen = torch.cat((torch.arange(sinks, device=device), torch.arange(S - (keep - sinks), S, device=device)))
+            index = chosen.expand(L, B, H, keep)
+        else:
+            recent = (keep - sinks) // 2
+            middle = self.scores[:, :, :, sinks : S - recent]  # (L, B, H, candidates): heavy hitters among these
+            heavy = middle.topk(keep - sinks - recent, dim=-1).indices.sort(dim=-1).values + sinks
+            fixed = torch.arange(S - recent, S, device=device).expand(L, B, H, recent)
+            index = torch.cat((torch.arange(sinks, device=device).expand(L, B, H, sinks), heavy, fixed), dim=-1)
+        for layer in range(L):
+            self.store.keep(layer, S, index[layer])
+            self.positions[layer, :, :, :keep] = _gather(self.positions[layer, :, :, :S], index[layer])
+            if self.scores is not None:
+                self.scores[layer, :, :, :keep] = _gather(self.scores[layer, :, :, :S], index[layer])
+        self.evicted += S - keep
+        self.rope_offset += S - keep
+        self.length = keep
+        self.horizon = self.seen
+
+    def _renumber(self) -> None:
+        """Re-rotate every kept key from its position to its slot, and restart positions at the slots."""
+        if self._rope is None:
+            raise ContextOverflowError("this cache cannot re-rotate its keys (no RoPE tables were given)")
+        S = self.length
+        slots = torch.arange(S, device=self.positions.device)
+        for layer in range(self.shape[0]):
+            delta = slots - self.positions[layer, :, :, :S]  # (B, Hkv, S): <= 0
+            cos, sin = self._rope(delta)  # (B, Hkv, S, D)
+            k = self.store.keys(layer, S)
+            half = k.shape[-1] // 2
+            rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
+            self.store.set_keys(layer, k * cos + rotated * sin)
+            self.positions[layer, :, :, :S] = slots
+        self.rope_offset = 0
+        self.horizon = self.seen
+
+    # --- memory -----------------------------------------------------------------------------------------------
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        extra = sum(t.nbytes for t in (self.positions, self.scores) if t is not None)
+        return self.store.nbytes + extra
 
     def bytes_in_use(self) -> int:
         return self.nbytes * self.length // self.max_len
+
+    def fp16_equivalent(self) -> int:
+        """What the tokens in use would take in a 16-bit cache: the baseline of the compression ratio."""
+        L, B, H, _, D = self.shape
+        return 2 * L * B * H * D * 2 * self.length

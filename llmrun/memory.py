@@ -12,6 +12,20 @@ def process_peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
+def kv_figures(cache) -> dict:
+    """The KV cache's format, eviction, the bytes its tokens would take in fp16, and its compression against that."""
+    in_use = cache.bytes_in_use()
+    fp16 = cache.fp16_equivalent()
+    ev = cache.eviction
+    return {
+        "kv_format": cache.format,
+        "kv_eviction": None if ev is None else {"policy": ev.policy, "budget": ev.budget, "sinks": ev.sinks,
+                                                "evicted_tokens": cache.evicted},
+        "kv_fp16_equivalent": fp16,
+        "kv_compression": round(fp16 / in_use, 3) if in_use else None,
+    }
+
+
 def memory_report(engine) -> dict:
     """Bytes: weights, KV cache allocated and in use, process peak; a draft model's own weights and KV cache;
     on CUDA the device's peaks."""
@@ -21,6 +35,7 @@ def memory_report(engine) -> dict:
         "weights": engine.loaded.weight_bytes,
         "kv_allocated": engine.cache.nbytes,
         "kv_in_use": engine.cache.bytes_in_use(),
+        **kv_figures(engine.cache),
         "process_peak_rss": process_peak_rss(),
     }
     drafter = getattr(getattr(engine, "speculator", None), "drafter", None)

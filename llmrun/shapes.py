@@ -94,13 +94,15 @@ def free_memory(device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if available is None else available
 
 
-def check_fits(name: str, config, device, dtype, ctx: int) -> None:
-    """Refuse, with one line, a shape whose weights and KV cache would not fit in the free memory."""
+def check_fits(name: str, config, device, dtype, ctx: int, kv_format: str | None = None) -> None:
+    """Refuse, with one line, a shape whose weights and KV cache (in `kv_format`, default `dtype`) would not fit in
+    the free memory."""
+    from llmrun.kv_cache import bytes_per_token
     from llmrun.memory import human_bytes
 
     size = dtype.itemsize
     weights = config.n_params * size
-    kv = config.kv_bytes_per_token(size) * ctx
+    kv = (config.kv_bytes_per_token(size) if kv_format is None else bytes_per_token(config, kv_format)) * ctx
     free = free_memory(device)
     if weights + kv > free:
         raise LlmrunError(

@@ -148,10 +148,14 @@ class ModelDrafter:
         """k tokens drafted autoregressively. Under a `constraint` (`llmrun.grammar.Constraint`, left as it was
         found) the draft samples from its grammar-masked distribution, which is then its q for verification."""
         engine = self.engine
-        k = min(k, engine.max_len - len(context))
+        k = int(min(k, engine.max_len - len(context), engine.max_block - 1))
         if k <= 0:
             return Proposal()
         behind, t0 = len(context) - len(engine.tokens), time.perf_counter()
+        # An evicting cache makes room for the whole draft now: an eviction between draft tokens would stop the
+        # rollback after verification from reaching back, and the draft would start over.
+        if engine.eviction is not None:
+            engine.cache.make_room(int(min(max(behind, 0) + k, engine.max_block)))
         logits, _ = engine.prefill(context)  # one or two new tokens; after a pause in drafting, every one since
         setup_s = time.perf_counter() - t0 if behind > 2 else 0.0
         penalize = params.repetition_penalty != 1.0
@@ -323,7 +327,6 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
     longest n-gram to look up.
     """
     from llmrun.errors import LlmrunError
-    from llmrun.generate import Engine
 
     if draft is not None and ngram is not None:
         raise LlmrunError("--draft and --ngram both choose the drafter; pass one of them")
@@ -338,15 +341,15 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
         return Speculator(NgramDrafter(ngram), length)
     if draft in ("self", "self:int4"):
         sub, name = engine.model.with_int4_weights(), "self (int4 copy)"
-        return _model_speculator(engine, Engine(engine.loaded, engine.max_len, model=sub), name, length)
+        return _model_speculator(engine, engine.sibling(model=sub), name, length)
     if draft == "self:skip":
         n = engine.model.config.n_layers
         keep = self_draft_layers(n)
         sub, name = engine.model.with_layers(keep), f"self ({len(keep)}/{n} layers)"
-        return _model_speculator(engine, Engine(engine.loaded, engine.max_len, model=sub), name, length)
+        return _model_speculator(engine, engine.sibling(model=sub), name, length)
     loaded = load(draft)
     check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
-    return _model_speculator(engine, Engine(loaded, engine.max_len), draft, length)
+    return _model_speculator(engine, engine.sibling(loaded), draft, length)
 
 
 def _model_speculator(target, draft, name: str, length: DraftLength) -> Speculator:

@@ -50,11 +50,15 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
         qk = kernels.apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads in one pass
         q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv :]  # (B, T, H, D) each
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, start_pos, k, v)  # (B, Hkv, start_pos + T, D)
+        if cache is None:
+            y = kernels.attention(q, k.transpose(1, 2), v.transpose(1, 2), window)  # k, v (B, Hkv, T, D)
         else:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)
-        y = kernels.attention(q, k, v, window)  # (B, T, Hq, D)
+            # k, v (B, Hkv, S, D) over the cache's S slots, or a quantized cache (v None); mass: H2O's scores
+            k, v, mass = cache.update(self.layer_idx, start_pos, k, v)
+            if v is None:
+                y = kernels.quantized_attention(q, k, window, mass=mass)
+            else:
+                y = kernels.attention(q, k, v, window, mass=mass)  # (B, T, Hq, D)
         return self.o(y.reshape(B, T, Hq * self.head_dim))
 
 
@@ -150,21 +154,43 @@ class Transformer(nn.Module):
             self._cos, self._sin = angles.cos().float().to(device), angles.sin().float().to(device)
         return self._cos, self._sin
 
+    def rope_at(self, positions: torch.Tensor):
+        """cos, sin (..., D) fp32 of the RoPE angles at `positions` (...), which may be negative: rotating a key
+        by them moves it that many positions."""
+        cfg = self.config
+        inv = torch.tensor(rope_inv_freq(cfg, self.rope_freq_factors), dtype=torch.float64, device=positions.device)
+        pos = positions.to(torch.float64)
+        if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear":
+            pos = pos / cfg.rope_scaling.factor
+        angles = pos[..., None] * inv  # (..., D/2)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().float(), angles.sin().float()
+
     def _decode_stack(self, x, cache):
         """The CPU's whole-stack decode step (`kernels.cpu.DecodeStack`) for this cache, when every layer's
-        matmuls are quantized for the CPU kernels and activations are fp32; else None."""
-        key = (cache.k.data_ptr(), cache.v.data_ptr())
+        matmuls are quantized for the CPU kernels, activations are fp32, the cache is fp32 or int8 and no
+        attention mass is collected (H2O); else None."""
+        if getattr(cache, "scores", None) is not None:
+            return None
+        dense, fmt = getattr(cache, "dense", None), getattr(cache, "format", None)
+        if dense is not None and dense[0].dtype == torch.float32:
+            kv = dict(fp32_kv=dense)
+        elif fmt == "int8":
+            kv = dict(int8_kv=(cache.store.codes, cache.store.scales))
+        else:
+            return None
+        key = tuple(t.data_ptr() for t in next(iter(kv.values())))
         if self._stack is not None and self._stack[0] == key:
             return self._stack[1]
         stack = None
         linears = [(l.attn.qkv, l.attn.o, l.mlp.gate_up, l.mlp.down) for l in self.layers]
-        if (x.device.type == "cpu" and x.dtype == torch.float32 and cache.k.dtype == torch.float32
+        if (x.device.type == "cpu" and x.dtype == torch.float32
                 and all(isinstance(w, QuantLinear) for ws in linears for w in ws) and kernels.cpu.available()):
             cfg = self.config
             layers = [dict(attn_norm=l.attn_norm.weight, mlp_norm=l.mlp_norm.weight, qkv=l.attn.qkv, o=l.attn.o,
                            gate_up=l.mlp.gate_up, down=l.mlp.down) for l in self.layers]
             stack = kernels.cpu.DecodeStack(
-                layers, cache.k, cache.v, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                layers, **kv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                 dim=cfg.dim, ffn_dim=cfg.ffn_dim, eps=cfg.norm_eps, window=cfg.sliding_window)
         self._stack = (key, stack)
         return stack
@@ -188,7 +214,7 @@ class Transformer(nn.Module):
         short = T <= STACK_MAX_TOKENS and B == 1 and cache is not None and not self.reference_ops
         stack = self._decode_stack(x, cache) if short else None
         if stack is not None:  # one C call for all layers: the same kernels as the loop below, bit for bit
-            x = stack(x, start_pos, cos, sin)
+            x = stack(x, cache.slot(start_pos), cos, sin)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, start_pos, cache, self.config.sliding_window)

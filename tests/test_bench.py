@@ -34,9 +34,10 @@ SCHEMA = {
     "environment": dict, "notes": list,
 }
 ENVIRONMENT_KEYS = {"device_name", "cpu_count", "torch", "triton", "llmrun", "commit", "python"}
-CONFIG_KEYS = {"device", "dtype", "weights", "threads", "ctx"}
+CONFIG_KEYS = {"kv", "kv_evict", "kv_budget", "kv_sinks", "device", "dtype", "weights", "threads", "ctx"}
 WORKLOAD_KEYS = {"kind", "prompt_tokens", "new_tokens", "repeat", "warmup", "batch", "chat_template"}
-MEMORY_KEYS = {"weights", "kv_allocated", "kv_in_use", "process_peak_rss", "device_peak_allocated", "device_peak_reserved"}
+MEMORY_KEYS = {"weights", "kv_allocated", "kv_in_use", "process_peak_rss", "device_peak_allocated", "device_peak_reserved",
+               "kv_format", "kv_eviction", "kv_fp16_equivalent", "kv_compression"}
 COMPARE_KEYS = {"name", "version", "config", "skipped", "ttft_s", "prefill_tok_s", "decode_tok_s", "e2e_tok_s",
                 "decode_ratio", "prefill_ratio"}
 SWEEP_KEYS = {"rank", "config", "flags", "error", "kl", "top1_agreement", *sweep.SWEEP_FIGURES}

@@ -131,7 +131,9 @@ def test_info_json(cli):
     assert doc["chat_template"] is True
     assert doc["tokenizer"] == "bpe"
     assert doc["format"] == "gguf"
-    assert doc["kv_bytes_per_token"] == {"fp32": 2 * 30 * 3 * 64 * 4, "bf16": 2 * 30 * 3 * 64 * 2}
+    per_head = {"fp32": 2 * 64 * 4, "bf16": 2 * 64 * 2, "fp16": 2 * 64 * 2, "int8": 2 * (64 + 2 * 2),
+                "int4": (32 + 2 * 2 * 2) + (32 + 2 * 2 * 64 / 32)}  # codes + fp16 scales (and minimums)
+    assert doc["kv_bytes_per_token"] == {fmt: 30 * 3 * n for fmt, n in per_head.items()}
     assert 130e6 < doc["parameters"] < 140e6
 
 

@@ -113,6 +113,47 @@ def test_attention_matches_reference_on_cache_views(Hq, Hkv, D, T, S, window):
         assert torch.equal(alone[0, 0], got[0, t])
 
 
+@pytest.mark.parametrize("D", [64, 80, 128])
+def test_int8_quantization_is_the_reference_bit_for_bit(D):
+    group = ref.kv_group(D)
+    x = torch.randn(7, 5, D) * torch.rand(7, 5, 1) * 30
+    x[0, 0] = 0  # scale 0: codes 0
+    x[0, 1, :group] = 3e-5 * torch.randn(group)  # scales below fp16's smallest normal
+    x[0, 2, :group] = torch.randn(group) * 1e7  # max / 127 past fp16's range: scale inf, codes 0
+    x[0, 3] = (torch.arange(D) % group - group / 2 + 0.5) / 8  # scale 1/8 exactly: every code a tie, to even
+    x[0, 3, ::group] = 127 / 8
+    codes, scales = cpu.quantize_int8(x, group)
+    want_codes, want_scales = ref.quantize_int8(x, group)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
+
+
+def random_int8_cache(Hkv, S, D, max_len=320, seed=0):
+    """k, v codes (1, Hkv, S, D) and their scales: views of (1, Hkv, max_len, ...) buffers, as the cache hands them."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 1, Hkv, max_len, D, generator=g) * torch.rand(D, generator=g) * 4
+    (kc, ks), (vc, vs) = ref.quantize_int8(k, ref.kv_group(D)), ref.quantize_int8(v, ref.kv_group(D))
+    return kc[:, :, :S], vc[:, :, :S], ks[:, :, :S], vs[:, :, :S]
+
+
+@pytest.mark.parametrize("Hq, Hkv", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("D", [64, 80, 128])
+@pytest.mark.parametrize("T, S", [(1, 1), (1, 33), (4, 33), (16, 33), (1, 300), (4, 300), (16, 300)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_int8_attention_matches_reference(Hq, Hkv, D, T, S, window):
+    kc, vc, ks, vs = random_int8_cache(Hkv, S, D)
+    q = torch.randn(1, T, Hq, D)
+    got = cpu.attention_int8(q, kc, vc, ks, vs, window)
+    want = ref.quantized_attention(q, ref.QuantizedKV(8, kc, vc, ks, vs), window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # the codes dequantized in registers: the bits of the fp32 kernel over the dequantized cache (what the
+    # layer loop runs), so the decode stack over an int8 cache matches the loop exactly
+    k, v = ref.dequantize_int8(kc, ks), ref.dequantize_int8(vc, vs)
+    assert torch.equal(got, cpu.attention(q, k, v, window))
+    t = T - 1  # the last query alone, at the same position, gives the same bits
+    assert torch.equal(cpu.attention_int8(q[:, t:].contiguous(), kc, vc, ks, vs, window)[0, 0], got[0, t])
+
+
 @pytest.fixture(scope="module", params=[("smollm2", "Q4_1"), ("smollm2", "Q4_0"), ("smollm2", "Q8_0"),
                                         ("qwen2", "Q4_1"), ("mistral", "Q8_0")])
 def tiny_quantized(request, tmp_path_factory):
@@ -128,7 +169,8 @@ def tiny_quantized(request, tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("q") / f"tiny-{arch}-{qtype}.gguf", model, qtype=qtype)
 
 
-def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized):
+@pytest.mark.parametrize("kv_format", ["fp32", "int8"])
+def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized, kv_format):
     from llmrun.models.llama import STACK_MAX_TOKENS
     from llmrun.kv_cache import KVCache
     from llmrun.loading import load_model
@@ -144,21 +186,60 @@ def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized)
     tokens = torch.randint(0, packed.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(3))
 
     def run(sizes):  # forward the tokens in consecutive pieces of these sizes through one cache
-        cache, out, start = KVCache.for_model(packed.config, n + 4, torch.float32, "cpu"), [], 0
+        cache = KVCache.for_model(packed.config, n + 4, torch.float32, "cpu", kv_format=kv_format)
+        out, start = [], 0
         for size in sizes:
             out.append(packed.model(tokens[:, start : start + size], start, cache)[0])
             start += size
-        return torch.cat(out)
+        return torch.cat(out), cache
 
     with torch.no_grad():
         exact = plain.model(tokens)[0]
-        prefill = run([n])
-        torch.testing.assert_close(prefill, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
-        steps = run([1] * n)
+        prefill, cache = run([n])
+        if kv_format == "fp32":  # the packed weights' error alone (an int8 cache's: tests/test_kv_cache.py)
+            torch.testing.assert_close(prefill, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
+        steps, step_cache = run([1] * n)
         assert packed.model._stack[1] is not None  # the steps ran as one C call each (kernels.cpu.DecodeStack)
-        blocks = run([3, 1, 7, STACK_MAX_TOKENS - 7, 4])  # speculative blocks through the same C call
+        blocks, _ = run([3, 1, 7, STACK_MAX_TOKENS - 7, 4])  # speculative blocks through the same C call
     assert torch.equal(steps, prefill)  # one token at a time: the same bits
     assert torch.equal(blocks, prefill)
+    if kv_format == "int8":  # the stack wrote the codes and scales the layer loop wrote (with ref.quantize_int8)
+        assert torch.equal(step_cache.store.codes, cache.store.codes)
+        assert torch.equal(step_cache.store.scales, cache.store.scales)
+
+
+def test_an_int8_cache_decodes_through_the_stack_as_through_the_layer_loop(smollm2, monkeypatch):
+    """The embedded model with an INT8 cache: the whole-stack C call writes the codes ref.quantize_int8 writes and
+    gives the logits of the layer-by-layer forward, bit for bit."""
+    from llmrun.kv_cache import KVCache
+    from llmrun.models.llama import Transformer
+
+    model = smollm2.model
+    tokens = torch.randint(0, smollm2.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    pieces = [12, 1, 1, 5, 1, 16, 1, 3]  # a short prefill, decode steps, speculative blocks: all T <= 16
+
+    def run(kv_format):
+        cache = KVCache.for_model(model, 64, torch.float32, "cpu", kv_format=kv_format)
+        out, start = [], 0
+        with torch.no_grad():
+            for size in pieces:
+                out.append(model(tokens[:, start : start + size], start, cache)[0])
+                start += size
+        return torch.cat(out), cache
+
+    stacked, cache = run("int8")
+    assert model._stack[1] is not None and model._stack[0] == (cache.store.codes.data_ptr(), cache.store.scales.data_ptr())
+    _, dense = run("fp32")  # layer 0's K/V do not depend on the cache's format: the codes are theirs, quantized
+    for i, x in enumerate((dense.store.k[0], dense.store.v[0])):
+        codes, scales = ref.quantize_int8(x[:, :, :sum(pieces)], ref.kv_group(x.shape[-1]))
+        assert torch.equal(cache.store.codes[i, 0, :, :, :sum(pieces)], codes)
+        assert torch.equal(cache.store.scales[i, 0, :, :, :sum(pieces)], scales)
+
+    monkeypatch.setattr(Transformer, "_decode_stack", lambda self, x, cache: None)
+    looped, loop_cache = run("int8")
+    assert torch.equal(stacked, looped)
+    assert torch.equal(cache.store.codes, loop_cache.store.codes)
+    assert torch.equal(cache.store.scales, loop_cache.store.scales)
 
 
 def test_without_cpu_kernels_the_dequantized_path_runs_with_a_note(tiny_quantized, monkeypatch):

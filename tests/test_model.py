@@ -105,8 +105,8 @@ def test_kv_cache_truncate_and_overflow():
     cfg = CONFIGS["llama"]
     cache = KVCache.for_model(cfg, 8, torch.float32, "cpu")
     k = torch.randn(1, 6, cfg.n_kv_heads, cfg.head_dim)  # (B, T, Hkv, D)
-    kk, vv = cache.update(0, 0, k, k)
-    assert kk.shape[2] == 6
+    kk, vv, mass = cache.update(0, 0, k, k)
+    assert kk.shape[2] == 6 and mass is None
     cache.length = 6
     cache.truncate(2)
     assert cache.length == 2

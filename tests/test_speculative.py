@@ -57,12 +57,13 @@ def engine(smollm2):
 
 def _assert_cache_matches_a_fresh_prefill(engine):
     """The valid part of the cache holds exactly what prefilling `engine.tokens` from scratch gives."""
-    fresh = Engine(engine.loaded, engine.max_len, model=engine.model)
+    fresh = engine.sibling(model=engine.model)
     fresh.prefill(engine.tokens + [0])  # the extra token makes the prefill cover every token of the list
     n = len(engine.tokens)
     assert engine.cache.length == n
-    assert torch.equal(engine.cache.k[:, :, :, :n], fresh.cache.k[:, :, :, :n])
-    assert torch.equal(engine.cache.v[:, :, :, :n], fresh.cache.v[:, :, :, :n])
+    for layer in range(engine.model.config.n_layers):
+        (k, v), (k_fresh, v_fresh) = engine.cache.contents(layer), fresh.cache.contents(layer)
+        assert torch.equal(k, k_fresh[:, :, :n]) and torch.equal(v, v_fresh[:, :, :n])
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

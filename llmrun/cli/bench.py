@@ -76,9 +76,12 @@ def bench(
         prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeat=repeat, warmup=warmup,
         vocab_size=files.config.vocab_size if random_weights else None,
     )
-    settings = lib.resolve(lib.Settings(opts.device, opts.dtype, opts.weights, opts.threads, opts.ctx),
+    ev = opts.eviction
+    settings = lib.resolve(lib.Settings(opts.device, opts.dtype, opts.weights, opts.threads, opts.ctx, opts.kv or "auto",
+                                        ev and ev.policy, ev and ev.budget, ev.sinks if ev else 4),
                            default_ctx=min(trained, DEFAULT_CTX_CAP))
-    lib.check_fits_context(len(workload.prompt), new_tokens, settings.ctx)
+    if ev is None:  # an evicting cache has no end
+        lib.check_fits_context(len(workload.prompt), new_tokens, settings.ctx)
     name = files.source.spec
     with progress_bar(f"bench {name}") as update:
         doc = lib.benchmark(files, settings, workload, model=name, compare=compare, sweep_axes=sweep_axes,

@@ -170,7 +170,7 @@ def open_engine(model: str, opts):
     trained = loaded.config.max_seq_len
     for warning in [*loaded.tokenizer.warnings, *loaded.notes]:
         err.print(Text(f"warning: {warning}", style="yellow"))
-    engine = Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP))
+    engine = Engine(loaded, opts.ctx or min(trained, DEFAULT_CTX_CAP), kv_format=opts.kv, eviction=opts.eviction)
     if opts.draft is not None or opts.ngram is not None:
         engine.speculator = _speculator(engine, opts)
     if opts.grammar is not None:
@@ -212,7 +212,8 @@ def status_line(stats, memory: dict) -> Text:
                      f" {stats.mask_us_per_token or 0:.0f} µs/tok")
     parts += [
         f"weights {human_bytes(memory['weights'])}",
-        f"KV {human_bytes(memory['kv_in_use'])}/{human_bytes(memory['kv_allocated'])}",
+        f"KV {human_bytes(memory['kv_in_use'])}/{human_bytes(memory['kv_allocated'])} {memory['kv_format']}"
+        + (f" ({memory['kv_compression']:.1f}x vs fp16)" if memory["kv_compression"] else ""),
     ]
     if "draft_weights" in memory:
         parts.append(f"draft {human_bytes(memory['draft_weights'] + memory['draft_kv_allocated'])}")

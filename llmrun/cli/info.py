@@ -15,6 +15,8 @@ from .options import JsonFlag, ModelArg
 @user_errors
 def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
     """Architecture, parameters, weight bytes by dtype, context, KV bytes per token, tokenizer and template."""
+    from llmrun.kv_cache import KV_FORMATS
+    from llmrun.kv_cache import bytes_per_token as kv_bytes
     from llmrun.memory import human_bytes
 
     files = open_files(model)
@@ -38,7 +40,7 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         "rope_scaling": cfg.rope_scaling.kind if cfg.rope_scaling else None,
         "sliding_window": cfg.sliding_window,
         "tied_embeddings": cfg.tie_embeddings,
-        "kv_bytes_per_token": {"fp32": cfg.kv_bytes_per_token(4), "bf16": cfg.kv_bytes_per_token(2)},
+        "kv_bytes_per_token": {fmt: kv_bytes(cfg, fmt) for fmt in KV_FORMATS},
         "tokenizer": tok.kind,
         "chat_template": tok.chat_template is not None,
     }
@@ -48,9 +50,9 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
     table = Table(title=f"{model}", show_header=False)
     for key, value in doc.items():
         if key == "weight_bytes":
-            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + f" (total {human_bytes(sum(value.values()))})"
+            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + " (int4 adds a 64-token full-precision key window)" + f" (total {human_bytes(sum(value.values()))})"
         elif key == "kv_bytes_per_token":
-            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items())
+            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + " (int4 adds a 64-token full-precision key window)"
         elif key == "parameters":
             value = f"{value:,} ({value / 1e6:.1f} M)"
         table.add_row(key.replace("_", " "), str(value))

@@ -21,6 +21,7 @@ SAMPLING = "Sampling"
 RUNTIME = "Runtime"
 SPECULATIVE = "Speculative decoding"
 STRUCTURED = "Structured output"
+KV = "KV cache"
 NGRAM_DEFAULT = 3  # `--ngram` without a value
 
 
@@ -35,6 +36,20 @@ class DType(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+
+
+class KVFormat(str, Enum):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    int8 = "int8"
+    int4 = "int4"
+
+
+class KVEvict(str, Enum):
+    window = "window"
+    h2o = "h2o"
 
 
 class Weights(str, Enum):
@@ -67,6 +82,8 @@ class RunOptions:
     adaptive: bool = True  # choose K per step (and turn drafting off when it does not pay)
     grammar: object = None  # structured output: a llmrun.grammar.GrammarSpec
     jump_forward: bool = True  # propose the text a grammar forces instead of sampling it token by token
+    kv: str | None = None  # KV cache format (None: the compute dtype)
+    eviction: object = None  # a llmrun.kv_cache.Eviction: a bounded KV cache
 
 
 _SAMPLING = [
@@ -91,6 +108,10 @@ _RUNTIME = [
     ("weights", Weights, Weights.auto, typer.Option(help="auto: keep a quantized file packed and run it with llmrun's kernels where they exist; dequant: expand the weights to --dtype and run plain PyTorch.", rich_help_panel=RUNTIME)),
     ("threads", Optional[int], None, typer.Option(min=1, help="CPU threads (default: PyTorch's choice, one per core).", rich_help_panel=RUNTIME)),
     ("ctx", Optional[int], None, typer.Option(min=16, help="Context length in tokens (default: the model's, at most 8192; for eval, the window: 512).", rich_help_panel=RUNTIME)),
+    ("kv", KVFormat, KVFormat.auto, typer.Option(help="KV cache format: auto (the compute dtype), fp32/bf16/fp16, int8 (per token, 8.5 bits), int4 (KIVI: keys per channel, values per token, ~4.6 bits). Attention reads the quantized cache directly.", rich_help_panel=KV)),
+    ("kv_evict", Optional[KVEvict], None, typer.Option(help="Bound the KV cache to --kv-budget tokens: window keeps --kv-sinks first tokens and the most recent (StreamingLLM); h2o also keeps the tokens that got the most attention (H2O). The conversation may then grow past the context.", rich_help_panel=KV)),
+    ("kv_budget", Optional[int], None, typer.Option(min=1, help="Tokens an evicting cache holds (with --kv-evict).", rich_help_panel=KV)),
+    ("kv_sinks", int, 4, typer.Option(min=0, help="First tokens an evicting cache always keeps (attention sinks).", rich_help_panel=KV)),
 ]
 _SPECULATIVE = [
     ("draft", Optional[str], None, typer.Option(help="Speculative decoding with a draft model that shares the target's tokenizer (a .gguf, HF directory or hub id), or 'self': a 4-bit copy of the target ('self:skip': the target with layers skipped).", rich_help_panel=SPECULATIVE)),
@@ -105,6 +126,7 @@ def _build(values: dict) -> RunOptions:
     from llmrun.sampling import SamplingParams
 
     speculative = {name: values[name] for name, *_ in _SPECULATIVE if name in values}
+    speculative.update(kv=None if values["kv"] is KVFormat.auto else values["kv"].value, eviction=_eviction(values))
     if "temperature" not in values:  # a command without sampling options
         return RunOptions(None, values["device"].value, values["dtype"].value, values["ctx"],
                           values["weights"].value, values["threads"], **speculative)
@@ -121,6 +143,18 @@ def _build(values: dict) -> RunOptions:
     return RunOptions(params, values["device"].value, values["dtype"].value, values["ctx"],
                       values["weights"].value, values["threads"], **speculative, grammar=grammar,
                       jump_forward=values["jump_forward"])
+
+
+def _eviction(values: dict):
+    if values["kv_evict"] is None:
+        if values["kv_budget"] is not None:
+            raise typer.BadParameter("needs --kv-evict window or h2o (which tokens to drop)", param_hint="'--kv-budget'")
+        return None
+    if values["kv_budget"] is None:
+        raise typer.BadParameter("needs --kv-budget N (how many tokens the cache keeps)", param_hint="'--kv-evict'")
+    from llmrun.kv_cache import Eviction
+
+    return Eviction(values["kv_evict"].value, values["kv_budget"], values["kv_sinks"])
 
 
 def expand_bare_options(argv: list[str]) -> list[str]:
