@@ -50,9 +50,7 @@ def resolve(settings: Settings, default_ctx: int) -> Settings:
     device = resolve_device(settings.device)
     dtype = DTYPE_NAMES[str(resolve_dtype(settings.dtype, device)).removeprefix("torch.")]
     threads = settings.threads or torch.get_num_threads()
-    kv = dtype if settings.kv == "auto" else settings.kv
-    return dataclasses.replace(settings, device=device.type, dtype=dtype, threads=threads, ctx=settings.ctx or default_ctx,
-                               kv=kv)
+    return dataclasses.replace(settings, device=device.type, dtype=dtype, threads=threads, ctx=settings.ctx or default_ctx)
 
 
 @contextmanager

@@ -325,6 +325,8 @@ class KVCache:
             self.scores[layer, :, :, slot:end] = 0
             mass = self.scores[layer, :, :, :end]
         k_read, v_read = self.store.read(layer, end)
+        if v_read is not None and k_read.dtype != k.dtype:  # a float cache in another dtype (--kv fp16 on fp32)
+            k_read, v_read = k_read.to(k.dtype), v_read.to(k.dtype)
         return k_read, v_read, mass
 
     def contents(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

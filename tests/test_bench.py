@@ -128,7 +128,8 @@ def test_json_document_on_a_tiny_gguf(cli, tiny_gguf):
     check_schema(doc)
     cfg = CONFIGS["llama"]
     assert doc["model"] == str(tiny_gguf)
-    assert doc["config"] == {"device": "cpu", "dtype": "fp32", "weights": "auto", "threads": 1, "ctx": cfg.max_seq_len}
+    assert doc["config"] == {"device": "cpu", "dtype": "fp32", "weights": "auto", "threads": 1, "ctx": cfg.max_seq_len,
+                             "kv": "auto", "kv_evict": None, "kv_budget": None, "kv_sinks": 4}
     assert doc["workload"] == {"kind": "open", "prompt_tokens": 8, "new_tokens": 3, "repeat": 2, "warmup": False,
                                "batch": 1, "chat_template": False}
     assert doc["kv_bytes_per_token"] == cfg.kv_bytes_per_token(4)
@@ -314,7 +315,8 @@ def test_prompt_kinds_and_exact_lengths():
     (["--plot", "sweep.png"], ["--plot", "add --sweep"], 2),
     (["--sweep", "--plot", "sweep.txt"], ["--plot", ".png"], 2),
     (["--sweep", "--plot", "/no/such/folder/sweep.png"], ["--plot", "does not exist"], 2),
-    (["--sweep", "--axis", "kv=fp8"], ["--axis", "unknown axis", "dtype, weights, threads"], 2),
+    (["--sweep", "--axis", "cache=fp8"], ["--axis", "unknown axis", "dtype, weights, threads, kv"], 2),
+    (["--sweep", "--axis", "kv=fp8"], ["--axis", "kv", "int8, int4"], 2),
     (["--sweep", "--axis", "dtype=fp8"], ["--axis", "fp8", "fp32, bf16, fp16"], 2),
     (["--sweep", "--axis", "threads=0"], ["--axis", "positive integer"], 2),
     (["--sweep", "--axis", "dtype"], ["--axis", "NAME=VALUE"], 2),

@@ -38,8 +38,11 @@ def test_quant_matmul_matches_reference(bits, offsets, N, K, M):
     want = ref.quant_matmul(x, qs, d, m, bits)
     # the same int8-rounded activations and weights; only the fp32 summation order differs
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    exact = x @ ref.dequantize_blocks(qs, d, m, bits).T
-    assert (got - exact).norm() <= 0.02 * exact.norm()  # 8-bit activations: ~0.5% error
+    w = ref.dequantize_blocks(qs, d, m, bits)
+    exact = x @ w.T
+    # 8-bit activations: each value is off by at most half a step, amax / 254, so each block of 32 by at most
+    # sqrt(32) / 254 of its norm (a bound relative to |exact| fails when the outputs cancel out)
+    assert (got - exact).norm() <= 1.001 * 32**0.5 / 254 * x.norm() * w.norm()
 
 
 @pytest.mark.parametrize("bits, offsets", FORMATS)
