@@ -318,8 +318,7 @@ class KVCache:
         if end > self.max_len:
             raise ContextOverflowError(f"the KV cache holds {self.max_len} positions; {end} are needed")
         self.store.write(layer, slot, k.transpose(1, 2), v.transpose(1, 2))
-        if self.positions is not None:
-            self.positions[layer, :, :, slot:end] = torch.arange(position, position + k.shape[1], device=k.device)
+        self.record_positions(position, k.shape[1], layer)
         mass = None
         if self.scores is not None:
             self.scores[layer, :, :, slot:end] = 0
@@ -333,6 +332,14 @@ class KVCache:
         """The keys and values (B, Hkv, length, D) fp32 that attention reads in `layer` (for tests and checks)."""
         k, v = self.store.read(layer, self.length)
         return ref.dequantize_kv(k) if v is None else (k.float(), v.float())
+
+    def record_positions(self, position: int, n: int, layer: int | slice = slice(None)) -> None:
+        """Note that the n tokens from `position` on sit in their slots (of `layer`, default every layer): a writer
+        that bypasses `update` (the CPU's one-call decode stack) calls this. Eviction and re-rotation need it."""
+        if self.positions is not None:
+            slot = self.slot(position)
+            self.positions[layer, :, :, slot : slot + n] = torch.arange(position, position + n,
+                                                                         device=self.positions.device)
 
     # --- what the engine calls --------------------------------------------------------------------------------
 

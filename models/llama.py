@@ -215,6 +215,7 @@ class Transformer(nn.Module):
         stack = self._decode_stack(x, cache) if short else None
         if stack is not None:  # one C call for all layers: the same kernels as the loop below, bit for bit
             x = stack(x, cache.slot(start_pos), cos, sin)
+            cache.record_positions(start_pos, T)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, start_pos, cache, self.config.sliding_window)

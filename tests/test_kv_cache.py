@@ -389,3 +389,17 @@ def test_cli_bad_kv_options_give_one_line_errors(monkeypatch, capsys, args, mess
     code, out, err = run_main(["chat", "-p", "hi", "-n", "4", *args], monkeypatch, capsys)
     assert code != 0 and out == ""
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_the_one_call_decode_stack_records_positions_for_eviction(smollm2, fmt):
+    """The packed model decodes through the C stack, which writes K/V itself: the positions eviction moves and
+    re-rotation reads must still be those of the tokens."""
+    engine = Engine(smollm2, kv_format=fmt, eviction=Eviction("window", 64, 4))
+    ids = smollm2.tokenizer.encode(COPY * 6)  # ~120 tokens through a 64-token cache
+    for token in ids:  # one token per forward: every write goes through the stack
+        engine.forward([token])
+    cache = engine.cache
+    assert cache.evicted > 0
+    want = [*range(4), *range(cache.seen - (cache.length - 4), cache.seen)]
+    assert (cache.positions[:, 0, :, : cache.length] == torch.tensor(want)).all()
