@@ -382,7 +382,7 @@ def test_repl_multi_turn_reuses_the_kv_cache_and_runs_slash_commands(terminal):
     assert "tok/s" in first  # the status line after the reply
     stats = t.stats()
     assert "llmrun stats" in stats
-    assert _stat(stats, "turns") == "1"
+    assert _stat(stats, "turns") == "1" and _stat(stats, "memory.kv_format") == "fp32"
     assert _stat(stats, "reused_tokens") == "0"
 
     t.send("And what is the capital of Italy?")

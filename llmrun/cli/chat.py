@@ -233,6 +233,10 @@ def _print_stats(conversation, last) -> None:
         for key, value in last.stats.as_dict().items():
             table.add_row(key, str(value))
     for key, value in memory_report(conversation.engine).items():
-        table.add_row(f"memory.{key}", human_bytes(value))
+        if key == "kv_compression":
+            value = "-" if value is None else f"{value:.2f}x vs fp16"
+        elif isinstance(value, int):  # bytes
+            value = human_bytes(value)
+        table.add_row(f"memory.{key}", str(value))
     table.add_row("turns", str(_turns(conversation)))
     err.print(table)
