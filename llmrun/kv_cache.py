@@ -30,12 +30,17 @@ EVICTION_POLICIES = ("window", "h2o")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def bytes_per_token(cfg, kv_format: str, dtype=torch.bfloat16) -> float:
+def format_of(dtype) -> str:
+    """The KV format name of a floating-point dtype (the default format: the model's own)."""
+    return next((name for name, d in _DTYPES.items() if d == dtype), "fp32")
+
+
+def bytes_per_token(cfg, kv_format: str) -> float:
     """KV bytes one token takes in every layer, scales included (INT4: its keys' share of a group's scales)."""
-    D, elems = cfg.head_dim, cfg.n_layers * cfg.n_kv_heads
     if kv_format in _DTYPES:
-        per_head = 2 * D * _DTYPES[kv_format].itemsize
-    elif kv_format == "int8":
+        return cfg.kv_bytes_per_token(_DTYPES[kv_format].itemsize)
+    D, elems = cfg.head_dim, cfg.n_layers * cfg.n_kv_heads
+    if kv_format == "int8":
         per_head = 2 * (D + 2 * D // ref.kv_group(D))
     elif kv_format == "int4":
         g = ref.kv_group(D)
@@ -264,12 +269,12 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device,
                  kv_format: str | None = None, eviction: Eviction | None = None, max_position: int | None = None):
-        kv_format = kv_format or next((k for k, d in _DTYPES.items() if d == dtype), "fp32")
+        kv_format = kv_format or format_of(dtype)
         if kv_format not in KV_FORMATS:
             raise LlmrunError(f"unknown KV cache format {kv_format!r}; choose one of {', '.join(KV_FORMATS)}")
         if eviction is not None:
             max_len = eviction.budget
-        self.format, self.eviction, self.dtype = kv_format, eviction, dtype
+        self.format, self.eviction = kv_format, eviction
         self.shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         store = {"int8": _Int8Store, "int4": _Int4Store}.get(kv_format, _DenseStore)
         self.store = store(*self.shape, _DTYPES.get(kv_format, dtype), device)

@@ -97,12 +97,11 @@ def free_memory(device) -> int:
 def check_fits(name: str, config, device, dtype, ctx: int, kv_format: str | None = None) -> None:
     """Refuse, with one line, a shape whose weights and KV cache (in `kv_format`, default `dtype`) would not fit in
     the free memory."""
-    from llmrun.kv_cache import bytes_per_token
+    from llmrun.kv_cache import bytes_per_token, format_of
     from llmrun.memory import human_bytes
 
-    size = dtype.itemsize
-    weights = config.n_params * size
-    kv = (config.kv_bytes_per_token(size) if kv_format is None else bytes_per_token(config, kv_format)) * ctx
+    weights = config.n_params * dtype.itemsize
+    kv = bytes_per_token(config, kv_format or format_of(dtype)) * ctx
     free = free_memory(device)
     if weights + kv > free:
         raise LlmrunError(

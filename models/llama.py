@@ -143,27 +143,21 @@ class Transformer(nn.Module):
 
     def _rope_tables(self, end: int, device):
         if self._cos is None or self._cos.shape[0] < end or self._cos.device != device:
-            cfg = self.config
             length = max(end, 256 if self._cos is None else 2 * self._cos.shape[0])
-            inv = torch.tensor(rope_inv_freq(cfg, self.rope_freq_factors), dtype=torch.float64)
-            pos = torch.arange(length, dtype=torch.float64)
-            if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear":
-                pos = pos / cfg.rope_scaling.factor
-            angles = torch.outer(pos, inv)  # (length, D/2)
-            angles = torch.cat((angles, angles), dim=-1)  # (length, D): pairs (i, i + D/2) share an angle
-            self._cos, self._sin = angles.cos().float().to(device), angles.sin().float().to(device)
+            cos, sin = self.rope_at(torch.arange(length))  # (length, D)
+            self._cos, self._sin = cos.to(device), sin.to(device)
         return self._cos, self._sin
 
     def rope_at(self, positions: torch.Tensor):
-        """cos, sin (..., D) fp32 of the RoPE angles at `positions` (...), which may be negative: rotating a key
-        by them moves it that many positions."""
+        """cos, sin (..., D) fp32 of the RoPE angles at `positions` (...), computed in fp64; positions may be
+        negative: rotating a key by them moves it that many positions."""
         cfg = self.config
         inv = torch.tensor(rope_inv_freq(cfg, self.rope_freq_factors), dtype=torch.float64, device=positions.device)
         pos = positions.to(torch.float64)
         if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear":
             pos = pos / cfg.rope_scaling.factor
         angles = pos[..., None] * inv  # (..., D/2)
-        angles = torch.cat((angles, angles), dim=-1)
+        angles = torch.cat((angles, angles), dim=-1)  # (..., D): pairs (i, i + D/2) share an angle
         return angles.cos().float(), angles.sin().float()
 
     def _decode_stack(self, x, cache):

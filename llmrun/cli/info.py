@@ -50,7 +50,7 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
     table = Table(title=f"{model}", show_header=False)
     for key, value in doc.items():
         if key == "weight_bytes":
-            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + " (int4 adds a 64-token full-precision key window)" + f" (total {human_bytes(sum(value.values()))})"
+            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + f" (total {human_bytes(sum(value.values()))})"
         elif key == "kv_bytes_per_token":
             value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + " (int4 adds a 64-token full-precision key window)"
         elif key == "parameters":
