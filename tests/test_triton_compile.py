@@ -1,0 +1,444 @@
+"""Every Triton kernel llmrun launches, compiled ahead of time for NVIDIA GPUs on a machine without one: sm_80
+(A100) and sm_90 (H100, H200), through Triton's own compiler down to a cubin.
+
+The other kernel tests run the kernels' Python under TRITON_INTERPRET=1, which never sees what only the compiler
+does: tl.dot's minimum tile sizes, dtype mismatches in the IR, ops a target lacks, more shared memory than the GPU
+has. Compiling proves that each launch builds for both targets and that its shared memory fits; it says nothing
+of numerics (the interpreter tests) or speed.
+
+Which launches: the ops of `llmrun.kernels` are called as `models/llama.py` calls them (q a slice of the fused qkv
+projection, K/V read back from a `KVCache` of each format, H2O's mass buffer, `QuantLinear`'s packed planes), for
+the named shapes of `llmrun.shapes` plus head_dim 80, 96 and 256, in bf16, fp16 and fp32, at first-forward,
+decode and verify lengths, on small CPU tensors. Meanwhile tensors report `is_cuda` and split counts read an
+H100's SM count, so the wrappers take their CUDA branches (autotuning, split-K, CUDA block sizes); each launch is
+recorded instead of run (once per autotune config) and bound by Triton's own launcher code as on the GPU (`*bf16`,
+`i32`, an int equal to 1 made a constant, 16-byte alignment).
+
+That gives ~12,000 distinct specializations, and a compile takes seconds (the attention kernel over an INT4 cache
+~6 s), so a greedy cover picks per kernel the few that show every value of every parameter at least once (each
+dtype, constexpr, autotune setting, alignment, constant 1), plus its largest tile. Those compile in a subprocess
+without TRITON_INTERPRET (under it `triton.jit` gives nothing to compile), in parallel, into a temporary cache.
+LLMRUN_COMPILE_ALL=1 compiles every recorded specialization instead (hours).
+"""
+
+import dataclasses
+import functools
+import importlib
+import math
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow  # recording takes seconds, compiling a minute
+
+# target -> (compute capability, shared memory one block may use: the opt-in maximum); A100, H100 and H200
+TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}
+H100_SMS = 132  # split counts follow the SM count; an A100's 108 make splits of the same kinds
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Llama-family geometries beyond llmrun.shapes (whose heads are all 64 or 128 wide), for the other head sizes
+# the kernels take: (dim, n_heads, n_kv_heads, head_dim, ffn_dim, sliding_window, vocab_size)
+EXTRA_SHAPES = {
+    "head80-gqa2": (2560, 32, 16, 80, 6912, None, 32000),
+    "head96-gqa5-window": (3840, 40, 8, 96, 10240, 2048, 32000),
+    "head256-gqa8": (2048, 8, 1, 256, 16384, None, 32000),
+}
+# (S, T): the cache holds S positions after writing the T newest; T tokens attend. A first forward (S == T),
+# decode steps and speculative verification (T 3, 6, 16 make every row-block size with GQA) over caches cut into
+# 1 to 64 splits.
+ATTENTION_STATES = [(1, 1), (9, 9), (200, 1), (400, 3), (600, 1), (600, 6), (600, 16), (4200, 1)]
+
+
+# --- recording the launches ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One specialization of a kernel, as Triton's launcher binds it (JITFunction.run's binder): hashable."""
+
+    module: str
+    name: str
+    # ((param, kind, value), ...) in parameter order: kind "*bf16", "i32", "fp32"... with value "D" (known
+    # divisible by 16) or "" or None; or kind "constexpr" (a tl.constexpr, or an int equal to 1) with its value
+    params: tuple
+    options: tuple  # (("num_warps", 4), ...): launch options, sorted
+    tuned: tuple = ()  # names an autotune config sets; () for a fixed launch
+
+    @property
+    def kernel(self):
+        return f"{self.module.rsplit('.', 1)[-1]}.{self.name}"
+
+    def untuned(self):
+        """What the launch itself decides: everything but the settings of its autotune config."""
+        return frozenset(x for x in self.params + self.options if x[0] not in self.tuned)
+
+    def describe(self):
+        consts = {p: v for p, kind, v in self.params if kind == "constexpr"}
+        ptrs = {p: kind for p, kind, _ in self.params if kind.startswith("*")}
+        return f"{self.kernel} {consts} {dict(self.options)} {ptrs}"
+
+    def compile_args(self):
+        """(signature, constexprs, attrs) for ASTSource, as JITFunction._pack_args makes them (flat params)."""
+        signature = {param: kind for param, kind, _ in self.params}
+        constexprs = {(i,): value for i, (_, kind, value) in enumerate(self.params) if kind == "constexpr"}
+        attrs = {(i,): value for i, (_, kind, value) in enumerate(self.params) if kind != "constexpr" and value}
+        return signature, constexprs, attrs
+
+
+def _jit_functions():
+    """{name: kernel} of every @triton.jit function defined in llmrun.kernels."""
+    import llmrun.kernels as package
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    found = {}
+    for path in sorted(os.listdir(os.path.dirname(package.__file__))):
+        if path.endswith(".py") and path != "__init__.py":
+            module = importlib.import_module(f"{package.__name__}.{path[:-3]}")
+            found.update((name, obj) for name, obj in vars(module).items()
+                         if isinstance(obj, (InterpretedFunction, JITFunction))
+                         and obj.fn.__module__ == module.__name__)
+    return found
+
+
+def _record(sm_count):
+    """The distinct Specs of the launches the sweep makes on a GPU with `sm_count` SMs, in the order first made."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from llmrun import kernels
+    from llmrun.kernels import decode_attention, triton_quant_matmul
+
+    bind, specs = _binder(), {}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        specs.setdefault(bind(self, args, kwargs))
+
+    def tuned_run(self, *args, grid=None, warmup=False, **kwargs):
+        first = bind(self.fn, args, {**kwargs, **self.configs[0].all_kwargs()})
+        for config in self.configs:  # each config sets constexprs and options: the same binding otherwise
+            meta = config.all_kwargs()
+            params = tuple((p, "constexpr", config.kwargs[p]) if p in config.kwargs else (p, kind, value)
+                           for p, kind, value in first.params)
+            options = {**dict(first.options), **{k: v for k, v in meta.items() if k not in config.kwargs}}
+            specs.setdefault(dataclasses.replace(first, params=params, options=tuple(sorted(options.items())),
+                                                 tuned=tuple(meta)))
+
+    split_launcher, num_splits = decode_attention._split_launcher, decode_attention._num_splits
+    with pytest.MonkeyPatch.context() as mp:
+        for cls in (InterpretedFunction, JITFunction):
+            mp.setattr(cls, "run", run)
+        mp.setattr(Autotuner, "run", tuned_run)
+        # the CUDA branches: kernels.__init__ and triton_quant_matmul ask tensor.is_cuda; decode_attention asks
+        # q.device (its two device queries are answered directly); both count SMs
+        mp.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        mp.setattr(decode_attention, "_split_launcher", lambda cuda: split_launcher(True))
+        mp.setattr(decode_attention, "_num_splits",
+                   lambda keys, programs, device: num_splits(keys, programs, torch.device("cuda", 0)))
+        for module in (decode_attention, triton_quant_matmul):
+            mp.setattr(module, "_sm_count", lambda index: sm_count)
+        mp.setattr(kernels, "_triton", lambda name, run, fallback: run())  # no silent fallback to PyTorch
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny tensors: threads only contend
+        try:
+            with torch.no_grad():
+                _sweep()
+        finally:
+            torch.set_num_threads(threads)
+    return list(specs)
+
+
+def _shapes():
+    """(dim, n_heads, n_kv_heads, head_dim, ffn_dim, sliding_window, vocab_size) of every shape swept."""
+    from llmrun.shapes import SHAPES
+
+    shapes = [(s["dim"], s["n_heads"], s["n_kv_heads"], s["head_dim"], s["ffn_dim"], s.get("sliding_window"),
+               s["vocab_size"]) for s in SHAPES.values()]
+    return list(dict.fromkeys(shapes)) + list(EXTRA_SHAPES.values())  # llama3-8b and 3.1-8b are one shape here
+
+
+def _sweep():
+    for shape in _shapes():
+        for dtype in DTYPES:
+            _small_ops(shape, dtype)
+            _attention(shape, dtype)
+            _quant_matmul(shape, dtype)
+
+
+def _small_ops(shape, dtype):
+    """RMSNorm (with and without the residual add), RoPE on the q and k heads of the fused qkv, the SiLU gate."""
+    from llmrun import kernels
+
+    dim, Hq, Hkv, D, F = shape[:5]
+    weight = torch.empty(dim, dtype=dtype)
+    for T in (1, 7):
+        x, y = torch.empty(1, T, dim, dtype=dtype), torch.empty(1, T, dim, dtype=dtype)
+        kernels.rms_norm(x, weight, 1e-5)
+        kernels.add_rms_norm(x, y, weight, 1e-5)
+        qkv = torch.empty(1, T, Hq + 2 * Hkv, D, dtype=dtype)
+        kernels.apply_rope(qkv[:, :, : Hq + Hkv], torch.empty(T, D), torch.empty(T, D))
+        gate_up = torch.empty(1, T, 2 * F, dtype=dtype)
+        kernels.silu_mul(gate_up[..., :F], gate_up[..., F:])
+
+
+def _attention(shape, dtype):
+    """Attention as `models/llama.py` calls it: over the second layer of a KVCache of each format (with H2O's mass
+    where eviction is allowed), and without a cache over the forward's own keys."""
+    from llmrun import kernels
+    from llmrun.kv_cache import Eviction, KVCache
+
+    _, Hq, Hkv, D, _, window = shape[:6]
+
+    def qkv(T):  # q, k, v (1, T, H, D): views of the fused projection
+        x = torch.randn(1, T, Hq + 2 * Hkv, D).to(dtype)
+        return x[:, :, :Hq], x[:, :, Hq : Hq + Hkv], x[:, :, Hq + Hkv :]
+
+    for kv_format in (None, "int8", "int4"):
+        for h2o in (False, True) if window is None else (False,):  # sliding-window models refuse eviction
+            # one cache serves every state (a write needs no history); the second layer's views start where the
+            # first ends, which these two lengths leave aligned to 16 bytes or not
+            max_len = 4208 if h2o else 4203
+            cache = KVCache(2, 1, Hkv, max_len, D, dtype, "cpu", kv_format, Eviction("h2o", max_len) if h2o else None)
+            for S, T in ATTENTION_STATES:
+                q, k, v = qkv(T)
+                k, v, mass = cache.update(1, S - T, k, v)
+                if v is None:
+                    kernels.quantized_attention(q, k, window, mass=mass)
+                else:
+                    kernels.attention(q, k, v, window, mass=mass)
+    for T in (1, 9, 16):
+        q, k, v = qkv(T)
+        kernels.attention(q, k.transpose(1, 2), v.transpose(1, 2), window)
+
+
+def _quant_matmul(shape, dtype):
+    """Each linear layer of the model in blocks of 32 (GGUF's Q4_1, Q4_0, Q8_0) for 1 to 8 rows of activations (the
+    GEMV kernel, split-K by SM count) and for 9 (W dequantized for torch.matmul); AWQ's groups of 64 and 128 through
+    the kernel's own API (the model's layers hold blocks of 32)."""
+    from llmrun import kernels
+    from llmrun.kernels.triton_quant_matmul import quant_linear
+
+    dim, Hq, Hkv, D, F, _, vocab = shape
+    linears = [((Hq + 2 * Hkv) * D, dim), (dim, Hq * D), (2 * F, dim), (dim, F), (vocab, dim)]  # W (N, K)
+    prefill = (9,) if dim <= 1024 else ()  # torch.matmul really runs here: on the small shapes only
+    for bits, offsets in ((4, True), (4, False), (8, False)):
+        for N, K in linears:
+            qs, d, m = _planes(N, K, bits, offsets, 32)
+            for M in (1, 2, 3, 8) + (prefill if N == dim else ()):  # BLOCK_M 1, 2, 4, 8
+                kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits)
+        for group in (64, 128):
+            N, K = min((N, K) for N, K in linears if K % group == 0)
+            for M in (1, 8) + prefill:
+                quant_linear(torch.zeros(1, M, K, dtype=dtype), *_planes(N, K, bits, offsets, group), bits, group)
+
+
+def _planes(N, K, bits, offsets, group):
+    """Packed W (N, K), never read (no launch runs): empty, so the vocabulary's rows cost no memory."""
+    qs = torch.empty(N, K // 2, dtype=torch.uint8) if bits == 4 else torch.empty(N, K, dtype=torch.int8)
+    d = torch.empty(N, K // group, dtype=torch.float16)
+    return qs, d, torch.empty_like(d) if offsets else None
+
+
+def _binder():
+    """-> bind(kernel, args, kwargs) -> Spec, by Triton's own launcher code (the binder JITFunction.run calls)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))  # alignment and constant-1 rules are the same on every target
+    binders = {}
+
+    def bind(kernel, args, kwargs):
+        fn = kernel.fn
+        if fn not in binders:
+            jit = kernel if isinstance(kernel, JITFunction) else JITFunction(fn)
+            binders[fn] = jit, create_function_from_signature(jit.signature, jit.params, backend)
+        jit, binder = binders[fn]
+        _, specialization, options = binder(*args, **kwargs)
+        params = tuple((p.name, kind, value) for p, (kind, value) in zip(jit.params, specialization))
+        return Spec(fn.__module__, fn.__name__, params, tuple(sorted(options.items())))
+
+    return bind
+
+
+# --- choosing what to compile ---------------------------------------------------------------------------------------
+
+
+def _size(spec, skip=()):
+    """A proxy for a spec's tiles, hence its shared memory and compile time: the product of its BLOCK_* constants
+    and num_stages, times the bytes of an element of each of its pointers, summed (params in `skip` left out)."""
+    size = 1
+    for name, kind, value in spec.params:
+        if kind == "constexpr" and name.startswith("BLOCK") and name not in skip:
+            size *= value
+    if "num_stages" not in skip:
+        size *= dict(spec.options).get("num_stages", 3)
+    return size * sum(_element_bytes(kind) for _, kind, _ in spec.params if kind.startswith("*"))
+
+
+@functools.cache
+def _element_bytes(kind):  # "*bf16" -> 2
+    return int(re.sub(r"\D", "", kind) or 8) // 8
+
+
+def _cover(specs, size, features):
+    """A greedy cover: specs until every feature any of them has is shown, each time the one showing the most not
+    yet shown per square root of its size (compile time grows with the tiles, more slowly), the first on a tie."""
+    features = {s: frozenset(features(s)) for s in specs}
+    left, chosen = set().union(*features.values()), []
+    while left:
+        best = max(specs, key=lambda s: len(features[s] & left) / math.sqrt(size[s]))
+        chosen.append(best)
+        left -= features[best]
+    return chosen
+
+
+def _choose(specs):
+    """specs (in recording order, so that every run chooses the same) -> those to compile.
+
+    Per kernel, a cover of what its launches show: each parameter's type and alignment, or its constant value, and
+    each launch option; and its largest tile. An autotuned kernel's variety is split in two: a cover of its
+    configs' settings (BLOCK_N, num_warps, num_stages) on its smallest launch, and a cover of the rest with its
+    smallest config, the one whose shared memory must fit (the autotuner skips the configs that do not)."""
+    by_kernel = {}
+    for spec in specs:
+        by_kernel.setdefault(spec.kernel, []).append(spec)
+    chosen = {}
+    for group in by_kernel.values():
+        size = {s: _size(s) for s in group}
+        group.sort(key=size.get)
+        tuned = group[0].tuned
+        if not tuned:
+            cover = [*_cover(group, size, lambda s: set(s.params) | set(s.options)), group[-1]]
+        else:
+            config = {s: frozenset(x for x in s.params + s.options if x[0] in tuned) for s in group}
+            tile = {s: _size(s, skip=tuned) for s in group}
+            smallest = min(group, key=tile.get)  # the smallest launch with the smallest config (group is sorted)
+            with_smallest_config = [s for s in group if config[s] == config[smallest]]
+            cover = _cover([s for s in group if s.untuned() == smallest.untuned()], size, config.get)
+            cover += [*_cover(with_smallest_config, size, Spec.untuned), max(with_smallest_config, key=tile.get)]
+        chosen.update(dict.fromkeys(cover))
+    return list(chosen)
+
+
+# --- compiling, in a subprocess without TRITON_INTERPRET --------------------------------------------------------
+
+
+def _compile_one(job):
+    """(module, name, (signature, constexprs, attrs), options, arch) -> (shared memory bytes or None, error or None,
+    seconds)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    module, name, (signature, constexprs, attrs), options, arch = job
+    target = GPUTarget("cuda", arch, 32)
+    start = time.perf_counter()
+    try:
+        attrs = {path: make_backend(target).parse_attr(value) for path, value in attrs.items()}
+        source = ASTSource(getattr(importlib.import_module(module), name), signature, constexprs, attrs)
+        compiled = triton.compile(source, target=target, options=dict(options))
+    except Exception as e:  # noqa: BLE001 - any compiler error is the finding
+        return None, f"{type(e).__name__}: {e}", time.perf_counter() - start
+    return compiled.metadata.shared, None, time.perf_counter() - start
+
+
+def _compile_main(jobs_path, results_path):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import llmrun.kernels  # noqa: F401 - imported once, before the fork
+    import triton.compiler  # noqa: F401
+
+    with open(jobs_path, "rb") as f:
+        jobs, workers = pickle.load(f)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(_compile_one, jobs))
+    with open(results_path, "wb") as f:
+        pickle.dump(results, f)
+
+
+def _compile(specs, archs, cache_dir):
+    """{(spec, arch): (shared memory, error, seconds)}, compiled in parallel by a fresh Python."""
+    jobs = [(s, arch) for s in sorted(specs, key=lambda s: -_size(s)) for arch in archs]  # the long ones first
+    raw = [(s.module, s.name, s.compile_args(), s.options, arch) for s, arch in jobs]
+    workers = max(1, min(len(os.sched_getaffinity(0)), 8))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs_path, results_path = os.path.join(tmp, "jobs"), os.path.join(tmp, "results")
+        with open(jobs_path, "wb") as f:
+            pickle.dump((raw, workers), f)
+        done = subprocess.run([sys.executable, __file__, jobs_path, results_path], env=env, capture_output=True,
+                              text=True, timeout=1200)
+        assert done.returncode == 0, done.stderr[-3000:]
+        with open(results_path, "rb") as f:
+            return dict(zip(jobs, pickle.load(f)))
+
+
+# --- the tests -------------------------------------------------------------------------------------------------------
+
+
+def _nvidia_backend_or_skip():
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as e:  # noqa: BLE001 - no NVIDIA backend in this build, or no ptxas
+        pytest.skip(f"this Triton build cannot compile for NVIDIA GPUs: {type(e).__name__}: {e}")
+    if not ptxas or not os.access(ptxas, os.X_OK):
+        pytest.skip(f"this Triton build has no usable ptxas ({ptxas!r})")
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """The distinct specializations of every launch llmrun makes on a GPU."""
+    _nvidia_backend_or_skip()
+    return _record(H100_SMS)
+
+
+@pytest.fixture(scope="module")
+def compiled(launched, tmp_path_factory):
+    """{(spec, arch): (shared memory bytes, error, seconds)} of the chosen specs on both targets."""
+    chosen = launched if os.environ.get("LLMRUN_COMPILE_ALL") == "1" else _choose(launched)
+    return _compile(chosen, [arch for arch, _ in TARGETS.values()], tmp_path_factory.mktemp("triton-cache"))
+
+
+def test_every_triton_kernel_is_launched(launched):
+    """Each @triton.jit function in kernels/ is launched by the sweep above, or called by one that is."""
+    kernels = _jit_functions()
+    called = {name for fn in kernels.values() for name in fn.fn.__code__.co_names if name in kernels}
+    assert set(kernels) - called - {s.name for s in launched} == set()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kernels_compile_and_fit_shared_memory(target, compiled):
+    """No compile error; every fixed launch fits the target's shared memory, and of an autotuned launch's configs,
+    one at least (the autotuner skips the others, after compiling them: they are reported as a warning)."""
+    arch, limit = TARGETS[target]
+    results = {spec: result for (spec, a), result in compiled.items() if a == arch}
+    fits = {spec.untuned() for spec, (shared, _, _) in results.items() if shared is not None and shared <= limit}
+    failures, too_big = [], []
+    for spec, (shared, error, _) in sorted(results.items(), key=lambda r: r[0].describe()):
+        if error is not None:
+            failures.append(f"{spec.describe()}\n    " + error.strip()[-1500:].replace("\n", "\n    "))
+        elif shared > limit:
+            line = f"{spec.describe()}: {shared} bytes of shared memory, {target} has {limit}"
+            (too_big if spec.tuned and spec.untuned() in fits else failures).append(line)
+    if too_big:
+        warnings.warn(f"{len(too_big)} autotune configs do not fit {target}:\n" + "\n".join(too_big), stacklevel=1)
+    assert not failures, f"{len(failures)} of {len(results)} fail on {target}:\n" + "\n".join(failures)
+
+
+if __name__ == "__main__":
+    _compile_main(*sys.argv[1:])
