@@ -128,11 +128,14 @@ def attention(q, k, v, window: int | None = None, mass=None):
 
 def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None):
     """`attention` over a quantized cache (`ref.QuantizedKV`, INT8 or INT4) -> (B, T, Hq, D) in q's dtype.
-    On CUDA (T <= 16) the Triton kernel dequantizes tiles in registers; elsewhere the cache is dequantized first."""
+    On CUDA (T <= 16) the Triton kernel dequantizes tiles in registers; elsewhere the cache is dequantized first,
+    once per run of query rows that read the same INT4 keys (`ref.quantized_row_blocks`)."""
 
     def dequantized():
-        k, v = ref.dequantize_kv(kv)
-        return attention(q, k.to(q.dtype), v.to(q.dtype), window, mass)
+        parts = [attention(q[:, r0:r1], k.to(q.dtype), v.to(q.dtype), window,
+                           None if mass is None else mass[:, :, : k.shape[2]])
+                 for r0, r1, k, v in ref.quantized_row_blocks(kv, q.shape[1])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     if _use_triton(q) and q.shape[1] <= 16:
         from .decode_attention import quantized_decode_attention

@@ -11,7 +11,10 @@ score tile (padded to a power of two and masked), so each K/V tile is loaded onc
 head_dim is padded to a power of two (80, 96 -> 128) and masked.
 
 A quantized cache (`ref.QuantizedKV`, INT8 or INT4, `quantized_decode_attention`) is read as codes and scales, and
-each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products.
+each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products. INT4 keys switch from codes
+to the exact ring at a position that depends on the query row (`ref.QuantizedKV.row_quantized`), between nq_lo
+(the first row's) and nq_hi (the last row's): a tile of keys below nq_lo or from nq_hi on reads one version for every
+row; the one or two tiles that overlap [nq_lo, nq_hi) score both and pick per (row, key).
 
 Attention mass (H2O), when asked for: the split kernel also writes its masked scores to a (B, Hkv, T * G, keys)
 scratch buffer, the combine (or, with one split, the split kernel) writes each row's log2-sum-exp, and
@@ -99,7 +102,7 @@ def _split_kernel(
     stride_vsb, stride_vsh, stride_vss,
     stride_vmb, stride_vmh, stride_vms,
     stride_ob, stride_ot, stride_oh,
-    T, S, Hkv, G, D, lo, split_len, window, qk_scale, n_quantized,
+    T, S, Hkv, G, D, lo, split_len, window, qk_scale, nq_lo, nq_hi,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
     SCORES: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -115,6 +118,8 @@ def _split_kernel(
     h = kvh * G + rows % G  # query head
     row_ok = rows < T * G
     pos = S - T + t  # key position of each row's token
+    # INT4: keys before row_nq are read as codes, the later ones exact (ref.QuantizedKV.row_quantized)
+    row_nq = tl.minimum(tl.maximum((pos + 1) // _KEY_GROUP * _KEY_GROUP, nq_lo), nq_hi)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
 
@@ -140,8 +145,15 @@ def _split_kernel(
         n_ok = offs_n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = _load_keys(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
-                       offs_n, offs_d, kv_mask, n_quantized, BITS, GROUP, q.dtype)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+                       offs_n, offs_d, kv_mask, nq_lo, BITS, GROUP, q.dtype)  # (BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+        if BITS == 4:
+            if (n0 < nq_hi) & (n0 + BLOCK_N > nq_lo):  # rows disagree on some keys here: codes up to nq_hi too
+                k_codes = _load_keys(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base,
+                                     stride_krs, offs_n, offs_d, kv_mask, nq_hi, BITS, GROUP, q.dtype)
+                s_codes = tl.dot(q, tl.trans(k_codes), input_precision=PRECISION)
+                s = tl.where(offs_n[None, :] < row_nq[:, None], s_codes, s)
+        s = s * qk_scale
         visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (pos[:, None] - offs_n[None, :] < window)
@@ -273,7 +285,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     _, Hkv, S, _ = k.shape
     assert k.shape == v.shape == (B, Hkv, S, D), (q.shape, k.shape, v.shape)
     assert k.dtype == v.dtype == q.dtype and k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous"
-    return _attend(q, (k, v, k, k, k, k, k), 0, 1, 0, S, window, num_splits, mass)
+    return _attend(q, (k, v, k, k, k, k, k), 0, 1, (0, 0), S, window, num_splits, mass)
 
 
 def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int | None = None, *,
@@ -299,19 +311,22 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
         cache = (kv.k, kv.v, kv.k_scale, kv.k_scale, kv.k_scale, kv.v_scale, kv.v_scale)  # (unused slots repeat)
     else:
         n_groups = triton.cdiv(min(kv.n_quantized, S), ref.KEY_GROUP)
-        assert kv.n_quantized % ref.KEY_GROUP == 0 and S - kv.n_quantized <= ref.RECENT, (kv.n_quantized, S)
+        assert kv.n_quantized % ref.KEY_GROUP == 0 and kv.first_exact % ref.KEY_GROUP == 0, (kv.n_quantized,
+                                                                                            kv.first_exact)
+        assert kv.first_exact <= kv.n_quantized and S - kv.first_exact <= ref.RECENT, (kv.first_exact, S)
         assert kv.k_recent.shape == (B, Hkv, ref.RECENT, D) and kv.v_min.shape == kv.v_scale.shape, \
             (kv.k_recent.shape, kv.v_min.shape)
         assert kv.k_scale.shape[2] >= n_groups and kv.k_scale.shape[3] == D and kv.k_min.shape == kv.k_scale.shape, \
             (kv.k_scale.shape, kv.k_min.shape, n_groups)
         cache = (kv.k, kv.v, kv.k_scale, kv.k_min, kv.k_recent, kv.v_scale, kv.v_min)
     assert all(x.stride(-1) == 1 for x in cache), "every tensor of the cache needs a contiguous last dim"
-    return _attend(q, cache, kv.bits, group, kv.n_quantized if kv.bits == 4 else 0, S, window, num_splits, mass)
+    nq = kv.row_quantized(T) if kv.bits == 4 else [0]
+    return _attend(q, cache, kv.bits, group, (nq[0], nq[-1]), S, window, num_splits, mass)
 
 
-def _attend(q, cache, bits, group, n_quantized, S, window, num_splits, mass):
+def _attend(q, cache, bits, group, nq_range, S, window, num_splits, mass):
     """Launch the kernels on cache = (k, v, k_scale, k_min, k_recent, v_scale, v_min), the tensors a format does not
-    use standing in for any (they are never read)."""
+    use standing in for any (they are never read); INT4 rows read keys below nq_range[0] to nq_range[1] as codes."""
     B, T, Hq, D = q.shape
     Hkv = cache[0].shape[1]
     assert Hq % Hkv == 0 and 1 <= T <= S, (q.shape, cache[0].shape)
@@ -349,7 +364,7 @@ def _attend(q, cache, bits, group, n_quantized, S, window, num_splits, mass):
         q.stride(0), q.stride(1), q.stride(2),
         *(stride for x in cache for stride in x.stride()[:3]),
         out.stride(0), out.stride(1), out.stride(2),
-        T, S, Hkv, G, D, lo, split_len, window or 0, math.log2(math.e) / math.sqrt(D), n_quantized,
+        T, S, Hkv, G, D, lo, split_len, window or 0, math.log2(math.e) / math.sqrt(D), *nq_range,
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
     )

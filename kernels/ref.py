@@ -4,6 +4,7 @@ Shapes: B batch, T new tokens, S cached positions (keys), Hq query heads, Hkv ke
 Activations are token-major, (B, T, H, D); the KV cache is head-major, (B, Hkv, S, D).
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,9 @@ def quant_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
 # until then its keys are read in full precision from `k_recent`, a ring of 2 * KEY_GROUP positions (slot s at
 # s % 64), which also keeps the previous group's exact keys so a short rollback re-fills it bit for bit.
 # Two 4-bit codes share a byte: channel 2i in the low nibble, 2i + 1 in the high one.
+# Which keys a query reads as codes depends on its position (`QuantizedKV.row_quantized`): each row of a block of
+# queries reads what it would have read had the tokens been fed one at a time, so a speculative block verifies
+# exactly what plain decoding computes.
 
 KEY_GROUP = 32  # positions per INT4 key scale
 RECENT = 2 * KEY_GROUP  # full-precision ring of the INT4 keys
@@ -174,8 +178,9 @@ class QuantizedKV:
     int8: k, v int8 (B, Hkv, S, D); k_scale, v_scale fp16 (B, Hkv, S, D/group).
     int4: v uint8 (B, Hkv, S, D/2) with v_scale, v_min fp16 (B, Hkv, S, D/group); k uint8 (B, Hkv, S, D/2) whose
           first `n_quantized` positions (a multiple of KEY_GROUP) are codes, with k_scale, k_min fp16
-          (B, Hkv, >= n_quantized / KEY_GROUP, D); keys [n_quantized, S) are read from k_recent (B, Hkv, RECENT, D)
-          (the model's dtype), position s at s % RECENT.
+          (B, Hkv, >= n_quantized / KEY_GROUP, D); k_recent (B, Hkv, RECENT, D) (the model's dtype) holds the exact
+          keys [first_exact, S), position s at s % RECENT, with first_exact <= n_quantized a multiple of KEY_GROUP
+          and S - first_exact <= RECENT (None: n_quantized). Which of the two a query reads: `row_quantized`.
     Position, head and batch strides are free (views of a larger buffer); the last dimension is contiguous.
     """
 
@@ -188,6 +193,11 @@ class QuantizedKV:
     v_min: torch.Tensor | None = None
     k_recent: torch.Tensor | None = None
     n_quantized: int = 0
+    first_exact: int | None = None
+
+    def __post_init__(self):
+        if self.first_exact is None:
+            self.first_exact = self.n_quantized
 
     @property
     def length(self) -> int:
@@ -201,12 +211,26 @@ class QuantizedKV:
     def group(self) -> int:
         return (self.v.shape[-1] * (2 if self.bits == 4 else 1)) // self.v_scale.shape[-1]
 
+    def row_quantized(self, T: int) -> list[int]:
+        """INT4: how many keys, from position 0, each query of the T newest positions reads as codes (the rest it
+        reads exact from k_recent). Row r sits at position p = S - T + r; when one-token decoding ran it, the full
+        key groups were those ending at or before p + 1: floor((p + 1) / KEY_GROUP) * KEY_GROUP keys, here clamped to
+        [first_exact, n_quantized]. T = 1 reads n_quantized. In a cache written as decoding writes it (blocks of at
+        most KEY_GROUP + 1 tokens, rollbacks no deeper) the clamp never bites, so every row reads what a one-token
+        step read; a longer block's early rows read codes where the ring has lost their exact keys."""
+        S, G = self.length, KEY_GROUP
+        return [min(max((S - T + r + 1) // G * G, self.first_exact), self.n_quantized) for r in range(T)]
 
-def dequantize_kv(kv: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values (B, Hkv, S, D) fp32 that a quantized cache stands for."""
+
+def dequantize_kv(kv: QuantizedKV, n_quantized: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values (B, Hkv, S, D) fp32 that a quantized cache stands for. INT4: keys [0, n_quantized) from
+    their codes, the rest exact from k_recent; by default kv.n_quantized (what the newest position's query reads),
+    at least kv.first_exact."""
     if kv.bits == 8:
         return dequantize_int8(kv.k, kv.k_scale), dequantize_int8(kv.v, kv.v_scale)
-    S, nq = kv.length, kv.n_quantized
+    S = kv.length
+    nq = kv.n_quantized if n_quantized is None else n_quantized
+    assert kv.first_exact <= nq <= kv.n_quantized, (kv.first_exact, nq, kv.n_quantized)
     v = dequantize_int4_tokens(kv.v, kv.v_scale, kv.v_min)
     k_old = dequantize_int4_channels(kv.k[:, :, :nq], kv.k_scale, kv.k_min)
     recent = torch.arange(nq, S, device=kv.k.device) % kv.k_recent.shape[2]
@@ -214,10 +238,31 @@ def dequantize_kv(kv: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
+def quantized_row_blocks(kv: QuantizedKV, T: int) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """The T newest positions' queries cut into runs of rows that read the same keys: yields (r0, r1, k, v), rows
+    [r0, r1) attending k, v fp32 (B, Hkv, S - T + r1, D), the positions up to the run's last row (INT8: one run)."""
+    S = kv.length
+    nq = kv.row_quantized(T) if kv.bits == 4 else [None] * T
+    cuts = [r for r in range(1, T) if nq[r] != nq[r - 1]]
+    for r0, r1 in zip([0, *cuts], [*cuts, T]):  # T = 0: one run of no rows
+        k, v = dequantize_kv(kv, nq[r0] if r0 < T else None)
+        yield r0, r1, k[:, :, : S - T + r1], v[:, :, : S - T + r1]
+
+
 def quantized_attention(q: torch.Tensor, kv: QuantizedKV, window: int | None = None) -> torch.Tensor:
-    """`attention` over a quantized cache: dequantize (to fp32), then attend. Returns (B, T, Hq, D) in q's dtype."""
-    k, v = dequantize_kv(kv)
-    return attention(q.float(), k, v, window).to(q.dtype)
+    """`attention` over a quantized cache: dequantize (to fp32), then attend, each query row reading the keys
+    `QuantizedKV.row_quantized` gives it. Returns (B, T, Hq, D) in q's dtype."""
+    parts = [attention(q[:, r0:r1].float(), k, v, window) for r0, r1, k, v in quantized_row_blocks(kv, q.shape[1])]
+    return torch.cat(parts, dim=1).to(q.dtype)
+
+
+def quantized_attention_mass(q: torch.Tensor, kv: QuantizedKV, window: int | None = None) -> torch.Tensor:
+    """`attention_mass` over a quantized cache, each query row with its own keys: q (B, T, Hq, D) -> (B, Hkv, S)."""
+    B, T = q.shape[:2]
+    mass = torch.zeros(B, kv.k.shape[1], kv.length, device=q.device)
+    for r0, r1, k, _ in quantized_row_blocks(kv, T):
+        mass[:, :, : k.shape[2]] += attention_mass(q[:, r0:r1], k, window)
+    return mass
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> torch.Tensor:

@@ -188,10 +188,14 @@ class _Int4Store:
         self.v_min[layer, :, :, slot : slot + T] = lo
 
     def read(self, layer, length):
-        nq = min(self.quantized[layer], length // ref.KEY_GROUP * ref.KEY_GROUP)
+        G = ref.KEY_GROUP
+        nq = min(self.quantized[layer], length // G * G)
+        # a block's queries may read exact keys from the first group start where the ring holds them all: not before
+        # exact_from (a rollback past the ring lost the older ones), nor more than RECENT positions back
+        first_exact = min(nq, -(-max(self.exact_from[layer], length - ref.RECENT) // G) * G)
         return ref.QuantizedKV(4, self.k[layer, :, :, :length], self.v[layer, :, :, :length],
                                self.k_scale[layer], self.v_scale[layer, :, :, :length], self.k_min[layer],
-                               self.v_min[layer, :, :, :length], self.recent[layer], nq), None
+                               self.v_min[layer, :, :, :length], self.recent[layer], nq, first_exact), None
 
     def truncate(self, length):
         g = length // ref.KEY_GROUP * ref.KEY_GROUP

@@ -130,6 +130,51 @@ def test_an_int4_rollback_past_the_exact_keys_uses_their_codes():
     assert (got_k - want_k).abs().max() < 0.2 * k.abs().max()  # lossy, but bounded by a 4-bit step or two
 
 
+@pytest.mark.parametrize("rejected", [0, 9, 33])
+@pytest.mark.parametrize("start, T", [(40, 8), (60, 4), (95, 1), (90, 17), (31, 33), (63, 33), (100, 33)])
+def test_each_row_of_an_int4_block_reads_the_keys_one_token_steps_read(start, T, rejected):
+    """A block of T tokens after a prompt of `start` (and after a block of `rejected` other tokens rolled back, at
+    most the 33 of a speculation's deepest rollback): query row r reads bit for bit the keys and values a one-token
+    step at its position read. (60, 4): the group [32, 64) fills at the last row; (63, 33): the groups ending at 64
+    and 96 fill in the block."""
+    S = start + T
+    k, v = random_kv(max(S, start + rejected))
+    other_k, other_v = random_kv(start + rejected, seed=1)
+    block = KVCache(L, B, H, 256, D, torch.float32, "cpu", kv_format="int4")
+    write(block, k, v, [start])
+    if rejected:
+        write(block, other_k, other_v, [rejected], start=start)
+        block.truncate(start)
+    kv, _, _ = write(block, k, v, [T], start=start)
+    steps = KVCache(L, B, H, 256, D, torch.float32, "cpu", kv_format="int4")
+    write(steps, k, v, [start])
+    rows = {}  # row r -> the keys and values (B, H, start + r + 1, D) a one-token step at position start + r read
+    for r in range(T):
+        one, _, _ = write(steps, k, v, [1], start=start + r)
+        rows[r] = ref.dequantize_kv(one)
+    seen = 0
+    for r0, r1, k_read, v_read in ref.quantized_row_blocks(kv, T):
+        for r in range(r0, r1):
+            n = start + r + 1
+            assert torch.equal(k_read[:, :, :n], rows[r][0]) and torch.equal(v_read[:, :, :n], rows[r][1]), r
+            seen += 1
+    assert seen == T
+
+
+def test_a_long_int4_block_reads_codes_where_the_ring_lost_the_exact_keys():
+    """A prefill chunk longer than the ring: rows whose one-token keys are gone read the groups' codes instead."""
+    k, v = random_kv(200)
+    cache = KVCache(L, B, H, 256, D, torch.float32, "cpu", kv_format="int4")
+    write(cache, k, v, [100])
+    kv, _, _ = write(cache, k, v, [100], start=100)
+    assert (kv.n_quantized, kv.first_exact) == (192, 160)  # the ring holds the exact keys [136, 200)
+    # rows at positions 100..199: those before 159 read up to 160 as codes, not their own 96 or 128
+    assert kv.row_quantized(100) == [160] * 91 + [192] * 9
+    r0, r1, k_read, _ = next(ref.quantized_row_blocks(kv, 100))
+    assert (r0, r1) == (0, 91)
+    torch.testing.assert_close(k_read[:, :, :160], expected("int4", k, v)[0][:, :, :160], rtol=0, atol=1e-5)
+
+
 def test_without_eviction_a_full_cache_refuses_more():
     cache = KVCache(L, B, H, 8, D, torch.float32, "cpu")
     cache.make_room(8)
@@ -277,17 +322,23 @@ def reply(engine, ids, params=GREEDY, speculator=None):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_greedy_speculation_over_a_quantized_cache_emits_the_plain_greedy_tokens(smollm2, fmt):
-    """INT8 (per token) is exact: a block's K/V are quantized as one token's would be. INT4 is not guaranteed
-    exact: a block that fills a key group lets its earlier tokens read that group quantized, where decoding one
-    token at a time would read it exact (the README says so); here the tokens agree, the caches only nearly."""
+    """INT8 (per token): a block's K/V are quantized as one token's would be. INT4: each row of a block reads the
+    key groups that were full when one-token decoding reached it as codes, the rest exact. Either way the tokens,
+    and the cache bit for bit, are plain greedy decoding's (~65 tokens: the key groups ending at 32 and 64 fill)."""
     engine = Engine(smollm2, 256, kv_format=fmt)
     ids = smollm2.tokenizer.encode(COPY)
+    n_layers = engine.model.config.n_layers
     plain = reply(engine, ids)
+    plain_cache = [engine.cache.contents(layer) for layer in range(n_layers)]
     for n, k in ((3, 5), (2, 8)):
         spec = reply(engine, ids, speculator=Speculator(NgramDrafter(n), DraftLength(k, adaptive=False)))
         assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0
+        n_tok = min(len(engine.tokens), plain_cache[0][0].shape[2])
+        for layer in range(n_layers):
+            for got, want in zip(engine.cache.contents(layer), plain_cache[layer]):  # keys, values
+                assert torch.equal(got[:, :, :n_tok], want[:, :, :n_tok])
         if fmt == "int4":
-            continue
+            continue  # a fresh prefill reads its keys otherwise (a long block: `row_quantized`)
         fresh = engine.sibling()
         fresh.prefill(engine.tokens + [0])  # the cache after all those rollbacks: as if prefilled afresh
         for layer in range(engine.model.config.n_layers):

@@ -38,7 +38,7 @@ class OracleDrafter:
         at = len(context)
         tokens = self.full[at : at + k]
         if self.wrong:
-            tokens = [t + 1 if (at + i) % self.wrong == 0 else t for i, t in enumerate(tokens)]
+            tokens = [t ^ 1 if (at + i) % self.wrong == 0 else t for i, t in enumerate(tokens)]  # in the vocabulary
         return Proposal(tokens)
 
 
@@ -104,6 +104,50 @@ def test_greedy_identity_holds_across_stop_strings_and_the_token_budget(engine, 
         spec, spec_text = _generate(engine, ids, params, Speculator(oracle, DraftLength(8, adaptive=False)))
         assert (spec.token_ids, spec_text, spec.stats.finish_reason) == (plain.token_ids, plain_text, plain.stats.finish_reason)
         assert spec.stats.decode_steps <= max(1, len(plain.token_ids) // 3)  # whole blocks were accepted
+    engine.speculator = None
+
+
+def _contents(engine):
+    return [engine.cache.contents(layer) for layer in range(engine.model.config.n_layers)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3.1", "qwen2"])
+def test_greedy_speculation_over_an_int4_cache_is_plain_greedy(tmp_path, arch):
+    """With `--kv int4` each row of a verification block reads the key groups that were full when one-token decoding
+    reached its position as codes and the rest exact, so speculation emits plain greedy's tokens and leaves its
+    cache bit for bit. 100 new tokens (three key groups fill) after prompts of 10 and 21 tokens, in blocks of up to 33
+    (accepted whole, cut at a rejection) from an oracle, a lookup and a draft model. The targets' linear layers
+    are 4-bit blocks: their C kernel rounds each row alike however many rows a forward has (fp32 nn.Linear
+    need not, and a last-bit difference can move a 4-bit key code)."""
+    import dataclasses
+
+    from llmrun.loading import load_model
+
+    from .tiny import CONFIGS, random_model, write_hf_dir
+
+    cfg = CONFIGS[arch]
+    loaded = load_model(str(write_hf_dir(tmp_path / "target", random_model(cfg))), "cpu", "fp32")
+    small = random_model(dataclasses.replace(cfg, n_layers=1), seed=7)
+    draft = load_model(str(write_hf_dir(tmp_path / "draft", small)), "cpu", "fp32")
+    engine = Engine(loaded, 256, model=loaded.model.with_int4_weights(), kv_format="int4")
+    params = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+    for seed, n in enumerate((10, 21)):
+        ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain, _ = _generate(engine, ids, params)
+        plain_cache = _contents(engine)
+        drafters = [
+            (OracleDrafter(ids, plain.token_ids), DraftLength(8, adaptive=False)),
+            (OracleDrafter(ids, plain.token_ids, wrong=5), DraftLength(16, adaptive=False)),
+            (OracleDrafter(ids, plain.token_ids, wrong=13), DraftLength(32, adaptive=False)),
+            (NgramDrafter(2), DraftLength(6, adaptive=False)),
+            (ModelDrafter(engine.sibling(draft), "tiny"), DraftLength(4, adaptive=False)),
+        ]
+        for drafter, length in drafters:
+            spec, _ = _generate(engine, ids, params, Speculator(drafter, length))
+            assert spec.token_ids == plain.token_ids, (drafter.name, length.max_k, seed)
+            m = min(len(engine.tokens), len(ids) + len(plain.token_ids) - 1)
+            for (k, v), (k_plain, v_plain) in zip(_contents(engine), plain_cache):
+                assert torch.equal(k[:, :, :m], k_plain[:, :, :m]) and torch.equal(v[:, :, :m], v_plain[:, :, :m])
     engine.speculator = None
 
 

@@ -93,36 +93,50 @@ def in_buffer(x, spare=3):
     return buf[2, :, :, :x.shape[2]]
 
 
-def quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype):
-    """A QuantizedKV of random keys (a few outlier channels, x20) and values, every tensor a view of a larger buffer.
-    INT4 keys [0, n_quantized) are codes; [n_quantized, S) sit in the ring k_recent, whose other slots are NaN."""
+def random_keys_values(B, Hkv, S, D):
+    """k, v (B, Hkv, S, D) fp32: random, the keys with a few outlier channels (x20) as real keys have."""
     k = torch.randn(B, Hkv, S, D, device=DEVICE)
     k[..., [1, D // 2, D - 3]] *= 20
-    v = torch.randn(B, Hkv, S, D, device=DEVICE)
+    return k, torch.randn(B, Hkv, S, D, device=DEVICE)
+
+
+def quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact=None, kv=None):
+    """A QuantizedKV of random keys and values (or of kv = (k, v)), every tensor a view of a larger buffer.
+    INT4 keys [0, n_quantized) are codes; [first_exact, S) (default [n_quantized, S)) sit exact in the ring
+    k_recent, whose other slots are NaN."""
+    k, v = random_keys_values(B, Hkv, S, D) if kv is None else kv
     group = ref.kv_group(D)
     if bits == 8:
         (k_codes, k_scale), (v_codes, v_scale) = ref.quantize_int8(k, group), ref.quantize_int8(v, group)
         return ref.QuantizedKV(8, in_buffer(k_codes), in_buffer(v_codes), in_buffer(k_scale), in_buffer(v_scale))
+    first_exact = n_quantized if first_exact is None else first_exact
     v_codes, v_scale, v_min = ref.quantize_int4_tokens(v, group)
     k_codes = torch.randint(0, 256, (B, Hkv, S, D // 2), dtype=torch.uint8, device=DEVICE)  # garbage past n_quantized
     k_codes[:, :, :n_quantized], k_scale, k_min = ref.quantize_int4_channels(k[:, :, :n_quantized])
     k_recent = torch.full((B, Hkv, ref.RECENT, D), float("nan"), dtype=dtype, device=DEVICE)
-    recent = torch.arange(n_quantized, S, device=DEVICE)
+    recent = torch.arange(first_exact, S, device=DEVICE)
     k_recent[:, :, recent % ref.RECENT] = k[:, :, recent].to(dtype)
     return ref.QuantizedKV(4, in_buffer(k_codes), in_buffer(v_codes), in_buffer(k_scale), in_buffer(v_scale),
-                           in_buffer(k_min), in_buffer(v_min), in_buffer(k_recent, spare=0), n_quantized)
+                           in_buffer(k_min), in_buffer(v_min), in_buffer(k_recent, spare=0), n_quantized, first_exact)
 
 
-def check_quantized(bits, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, **kwargs):
-    kv = quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype)
+def check_quantized(bits, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, first_exact=None, mass=False, **kwargs):
+    kv = quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact)
     q = torch.randn(B, T, Hq + 2 * Hkv, D, device=DEVICE).to(dtype)[:, :, :Hq]
-    want = ref.quantized_attention(q.float(), kv, window)
-    k, v = ref.dequantize_kv(kv)
-    same = ref.attention(q, k.to(dtype), v.to(dtype), window)
-    got = quantized_decode_attention(q, kv, window, **kwargs)
+    # against fp64: fp32's own rounding (a softmax over up to 1000 keys with x20 outliers) is not nothing either
+    blocks = list(ref.quantized_row_blocks(kv, T))
+    want = torch.cat([ref.attention(q[:, r0:r1].double(), k.double(), v.double(), window) for r0, r1, k, v in blocks],
+                     dim=1)
+    same = torch.cat([ref.attention(q[:, r0:r1], k.to(dtype), v.to(dtype), window) for r0, r1, k, v in blocks], dim=1)
+    acc = mass_buffer(B, Hkv, S) if mass else None
+    before = None if acc is None else acc.clone()
+    got = quantized_decode_attention(q, kv, window, mass=acc, **kwargs)
     assert got.shape == (B, T, Hq, D) and got.dtype == dtype
-    limit = 2 * (same.float() - want).abs().max().item() + ATOL[dtype]
-    assert (got.float() - want).abs().max().item() <= limit
+    limit = 2 * (same.double() - want).abs().max().item() + ATOL[dtype]
+    assert (got.double() - want).abs().max().item() <= limit
+    if mass:
+        want_mass = before + ref.quantized_attention_mass(q.float(), kv, window)
+        assert (acc - want_mass).abs().max().item() <= 1e-5 * T * Hq
 
 
 # (B, T, Hq, Hkv, S, D, window, n_quantized): GQA 1, 3, 4; T 1, 4, 16; S 1, 31, 33, 100, 128, 1000; D 64, 80, 128.
@@ -163,6 +177,82 @@ def check_mass(got, before, q, k, window):
     assert (got - want).abs().max().item() <= 1e-5 * q.shape[1] * q.shape[2]
 
 
+# --- INT4: each query row of a block reads the keys one-token decoding read there --------------------------------
+
+
+def int4_state(S):
+    """(n_quantized, first_exact) of a cache of S keys written as decoding writes it: the full groups are codes, and
+    the ring holds the exact keys of the last RECENT positions from a group's start on."""
+    n_quantized = S // ref.KEY_GROUP * ref.KEY_GROUP
+    return n_quantized, min(n_quantized, max(0, -(-(S - ref.RECENT) // ref.KEY_GROUP) * ref.KEY_GROUP))
+
+
+def rows_one_by_one(q, k, v, window, n_quantized, first_exact):
+    """Brute force: every query row alone, over keys [0, its nq) dequantized from their codes (quantized over the
+    whole groups of [0, n_quantized)) and exact ones after; nq = the keys of the groups full when its token came,
+    clamped to [first_exact, n_quantized]. -> output (B, T, Hq, D) and attention mass (B, Hkv, S), fp32."""
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    codes = ref.dequantize_int4_channels(*ref.quantize_int4_channels(k[:, :, :n_quantized]))
+    values = ref.dequantize_int4_tokens(*ref.quantize_int4_tokens(v, ref.kv_group(D)))
+    out, mass = torch.zeros(B, T, Hq, D, device=q.device), torch.zeros(B, Hkv, S, device=q.device)
+    for r in range(T):
+        p = S - T + r
+        nq = min(max((p + 1) // ref.KEY_GROUP * ref.KEY_GROUP, first_exact), n_quantized)
+        keys = torch.cat((codes[:, :, :nq], k[:, :, nq:]), dim=2)
+        first = 0 if window is None else max(0, p + 1 - window)
+        for h in range(Hq):
+            scores = torch.einsum("bd,bsd->bs", q[:, r, h], keys[:, h // (Hq // Hkv), first : p + 1]) / D**0.5
+            w = scores.softmax(-1)  # (B, keys first..p)
+            out[:, r, h] = torch.einsum("bs,bsd->bd", w, values[:, h // (Hq // Hkv), first : p + 1])
+            mass[:, h // (Hq // Hkv), first : p + 1] += w
+    return out, mass
+
+
+# (T, S, window): blocks of 1, 4, 17, 33 queries whose rows' groups switch 0, 1 or 2 times (33 rows from position 63:
+# the groups ending at 64 and at 96 fill inside the block), and 64 rows (a prefill chunk) whose early rows are clamped
+# to first_exact: the ring no longer holds their exact keys.
+ROW_BLOCKS = [(1, 97, None), (4, 100, None), (4, 98, 20), (17, 130, None), (17, 1000, 300), (33, 96, None),
+              (33, 600, 100), (64, 200, None)]
+
+
+@pytest.mark.parametrize("T, S, window", ROW_BLOCKS)
+def test_int4_reference_reads_each_rows_own_keys(T, S, window):
+    B, Hq, Hkv, D = 2, 6, 2, 64
+    n_quantized, first_exact = int4_state(S)
+    k, v = random_keys_values(B, Hkv, S, D)
+    kv = quantized_cache(4, B, Hkv, S, D, n_quantized, torch.float32, first_exact, kv=(k, v))
+    q = torch.randn(B, T, Hq, D, device=DEVICE)
+    want, want_mass = rows_one_by_one(q, k, v, window, n_quantized, first_exact)
+    assert (ref.quantized_attention(q, kv, window) - want).abs().max().item() <= ATOL[torch.float32]
+    assert (ref.quantized_attention_mass(q, kv, window) - want_mass).abs().max().item() <= 1e-5 * T
+    all_codes = ref.attention(q, *ref.dequantize_kv(kv), window)  # every row reading n_quantized keys as codes
+    rows_differ = len(set(kv.row_quantized(T))) > 1
+    assert rows_differ == ((all_codes - want).abs().max().item() > 1e-3)
+
+
+# (B, T, Hq, Hkv, S, D, window, num_splits): GQA 1, 3, 4; D 64, 80, 128; the row blocks above; one or more splits
+INT4_ROW_SHAPES = [
+    (1, 1, 4, 4, 97, 64, None, None),
+    (2, 4, 6, 2, 98, 80, None, None),
+    (1, 4, 4, 1, 100, 128, 20, None),
+    (1, 17, 3, 3, 130, 64, None, 2),
+    (1, 17, 4, 1, 1000, 80, 300, None),
+    (1, 33, 6, 2, 96, 128, None, None),  # 99 rows: two row blocks
+    (1, 33, 4, 1, 600, 64, 100, 3),
+    (1, 64, 2, 1, 200, 64, None, None),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, Hq, Hkv, S, D, window, num_splits", INT4_ROW_SHAPES)
+def test_int4_rows_read_their_own_keys(B, T, Hq, Hkv, S, D, window, num_splits, dtype, monkeypatch):
+    monkeypatch.setattr(module, "SPLIT_ALIGN", 32)  # splits of 32 keys: a split boundary inside the two-version range
+    n_quantized, first_exact = int4_state(S)
+    check_quantized(4, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, first_exact, mass=dtype == torch.float32,
+                    num_splits=num_splits)
+
+
 # (B, T, Hq, Hkv, S, D, window, num_splits)
 MASS_SHAPES = [
     (1, 1, 4, 4, 1, 64, None, None),
@@ -200,17 +290,19 @@ def test_mass_over_a_quantized_cache(bits, num_splits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_dispatch(bits):
-    """`kernels.attention(mass=)` and `kernels.quantized_attention` (C kernel or reference on a CPU, Triton on CUDA)."""
-    B, T, Hq, Hkv, S, D, window = 1, 4, 6, 2, 70, 64, 50
+    """`kernels.attention(mass=)` and `kernels.quantized_attention` (C kernel or reference on a CPU, Triton on CUDA).
+    INT4: the block's first row reads the group [32, 64) exact, the others as codes."""
+    B, T, Hq, Hkv, S, D, window = 1, 4, 6, 2, 66, 64, 50
     q = torch.randn(B, T, Hq, D, device=DEVICE)
-    kv = quantized_cache(bits, B, Hkv, S, D, 32, torch.float32)
+    n_quantized, first_exact = int4_state(S)
+    kv = quantized_cache(bits, B, Hkv, S, D, n_quantized, torch.float32, first_exact)
     k, v = ref.dequantize_kv(kv)
     for mass in (None, mass_buffer(B, Hkv, S)):
         before = None if mass is None else mass.clone()
         got = kernels.quantized_attention(q, kv, window, mass=mass)
         assert (got - ref.quantized_attention(q, kv, window)).abs().max().item() <= ATOL[torch.float32]
         if mass is not None:
-            check_mass(mass, before, q, k, window)
+            assert (mass - before - ref.quantized_attention_mass(q, kv, window)).abs().max().item() <= 1e-5 * T * Hq
             mass.copy_(before)
         got = kernels.attention(q, k, v, window, mass=mass)
         assert (got - ref.attention(q, k, v, window)).abs().max().item() <= ATOL[torch.float32]
