@@ -4,6 +4,7 @@ Triton still runs), the C kernels of `kernels.cpu` for fp32 tensors on the CPU w
 the reference ops elsewhere."""
 
 import contextvars
+import dataclasses
 import warnings
 from contextlib import contextmanager
 
@@ -24,8 +25,8 @@ def reference_ops(on: bool = True):
     finally:
         _reference.reset(token)
 
-__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "quant_matmul", "quant_rows",
-           "quantized_attention", "rms_norm", "silu_mul"]
+__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "quant_matmul",
+           "quant_rows", "quantized_attention", "rms_norm", "silu_mul"]
 
 
 def _use_cpu_kernels(x: torch.Tensor, dtype=None) -> bool:
@@ -103,11 +104,17 @@ def silu_mul(gate, up):
     return ref.silu_mul(gate, up)
 
 
-def attention(q, k, v, window: int | None = None, mass=None):
+def attention(q, k, v, window: int | None = None, mass=None, length=None):
     """Causal GQA attention: q (B, T, Hq, D), k/v (B, Hkv, S, D) -> (B, T, Hq, D) (see `ref.attention`).
     On CUDA, decoding and verification (T <= 16) run the split-K Triton kernel; prefill stays on SDPA.
-    mass: if given, fp32 (B, Hkv, S) to which each key's attention weight is added (`ref.attention_mass`)."""
-    if _use_triton(q) and q.shape[1] <= 16 and k.stride(-1) == 1 and v.stride(-1) == 1:
+    mass: if given, fp32 (B, Hkv, S) to which each key's attention weight is added (`ref.attention_mass`).
+    length: if given, an int32 (1,) device tensor: only keys [0, length) are in use (the queries are the last T of
+    them) and S is the buffer's capacity; the Triton kernel reads it on the device (a step in a CUDA graph)."""
+    triton = _use_triton(q) and q.shape[1] <= 16 and k.stride(-1) == 1 and v.stride(-1) == 1
+    if length is not None and not triton:  # read the count here (a host sync: no CUDA graph runs this path)
+        n = int(length)
+        k, v, mass, length = k[:, :, :n], v[:, :, :n], None if mass is None else mass[:, :, :n], None
+    if triton:
         from .decode_attention import decode_attention
 
         def fallback():
@@ -115,21 +122,44 @@ def attention(q, k, v, window: int | None = None, mass=None):
                 mass.add_(ref.attention_mass(q, k, window))
             return ref.attention(q, k, v, window)
 
+        if length is not None:  # a CUDA graph's step: no fallback could run inside the capture
+            return decode_attention(q, k, v, window, mass=mass, length=length)
         return _triton("decode_attention", lambda: decode_attention(q, k, v, window, mass=mass), fallback)
-    if _use_cpu_kernels(q) and _heads_contiguous(q) and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] \
-            and k.stride() == v.stride():
-        y = cpu.attention(q, k, v, window)
-    else:
-        y = ref.attention(q, k, v, window)
+    if _use_cpu_kernels(q) and _heads_contiguous(q) and _cache_rows(k) and k.stride() == v.stride() \
+            and (mass is None or mass.stride(-1) == 1):
+        return cpu.attention(q, k, v, window, mass)
+    y = ref.attention(q, k, v, window)
     if mass is not None:
         mass.add_(ref.attention_mass(q, k, window))
     return y
 
 
-def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None):
+def _cache_rows(x) -> bool:  # (1, Hkv, S, ...) whose rows are contiguous: a view of a KV cache buffer
+    return x.shape[0] == 1 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
+def _cpu_reads(q, kv: ref.QuantizedKV, mass) -> bool:
+    """Whether the C kernels can attend over kv's codes directly (batch 1, cache views, fp32 queries)."""
+    if not (_use_cpu_kernels(q) and _heads_contiguous(q) and (mass is None or mass.stride(-1) == 1)):
+        return False
+    if kv.bits == 8:
+        return (all(_cache_rows(t) for t in (kv.k, kv.v, kv.k_scale, kv.v_scale)) and kv.k.stride() == kv.v.stride()
+                and kv.k_scale.stride() == kv.v_scale.stride())
+    return cpu.int4_layout_ok(kv.k, kv.v, kv.k_scale, kv.k_min, kv.v_scale, kv.v_min, kv.k_recent)
+
+
+def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None, length=None):
     """`attention` over a quantized cache (`ref.QuantizedKV`, INT8 or INT4) -> (B, T, Hq, D) in q's dtype.
-    On CUDA (T <= 16) the Triton kernel dequantizes tiles in registers; elsewhere the cache is dequantized first,
-    once per run of query rows that read the same INT4 keys (`ref.quantized_row_blocks`)."""
+    On CUDA (T <= 16) the Triton kernel dequantizes tiles in registers, and so do the C kernels on the CPU (fp32);
+    elsewhere the cache is dequantized first, once per run of query rows that read the same INT4 keys
+    (`ref.quantized_row_blocks`). length: as for `attention` (INT8 only)."""
+    if length is not None:
+        assert kv.bits == 8, "a device-side length is for float and INT8 caches"
+        if not (_use_triton(q) and q.shape[1] <= 16):
+            n = int(length)
+            kv = dataclasses.replace(kv, k=kv.k[:, :, :n], v=kv.v[:, :, :n], k_scale=kv.k_scale[:, :, :n],
+                                     v_scale=kv.v_scale[:, :, :n])
+            mass, length = None if mass is None else mass[:, :, :n], None
 
     def dequantized():
         parts = [attention(q[:, r0:r1], k.to(q.dtype), v.to(q.dtype), window,
@@ -140,9 +170,21 @@ def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=
     if _use_triton(q) and q.shape[1] <= 16:
         from .decode_attention import quantized_decode_attention
 
+        if length is not None:
+            return quantized_decode_attention(q, kv, window, mass=mass, length=length)
         return _triton("quantized_decode_attention",
                        lambda: quantized_decode_attention(q, kv, window, mass=mass), dequantized)
+    if _cpu_reads(q, kv, mass):
+        if kv.bits == 8:
+            return cpu.attention_int8(q, kv.k, kv.v, kv.k_scale, kv.v_scale, window, mass)
+        return cpu.attention_int4(q, kv, window, mass)
     return dequantized()
+
+
+def cpu_kernels_serve(x: torch.Tensor) -> bool:
+    """Whether the C kernels serve x (fp32 on the CPU, kernels built, not inside `reference_ops`): where callers
+    outside kernels/ (the KV cache's INT4 writes) take their C path."""
+    return _use_cpu_kernels(x)
 
 
 def quant_matmul(x, qs, d, m, bits: int):

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# -ffp-contract=off: a product then a sum round twice, as in torch, so dequantizing matches kernels/ref.py bit for bit
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
 
 _reason: str | None = None
 
@@ -87,8 +88,11 @@ def _lib():
     lib.rms_norm.argtypes = [p, p, ctypes.c_float, i, i, p]
     lib.rope.argtypes = [p, ctypes.c_long, p, p, i, i, i]
     lib.silu_mul.argtypes = [p, p, i, i, i, p]
-    lib.attention.argtypes = [p, ctypes.c_long, p, p, ctypes.c_long, i, i, i, i, i, i, p]
-    lib.attention_int8.argtypes = [p, ctypes.c_long, p, p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, i, i, i, i, p]
+    L = ctypes.c_long
+    lib.attention.argtypes = [p, L, p, p, L, i, i, i, i, i, i, p, L, p]
+    lib.attention_int8.argtypes = [p, L, p, p, p, p, L, L, i, i, i, i, i, i, i, p, L, p]
+    lib.attention_int4.argtypes = [p, L, p, i, i, i, i, i, i, i, i, p, L, p]
+    lib.int4_write.argtypes = [p, p, i, i, i, i, p, p, L]
     lib.quantize_int8.argtypes = [p, i, i, i, p, p]
     lib.decode_layers.argtypes = [p, p, i, i, p, p]
     return lib
@@ -164,21 +168,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+def _mass(mass: torch.Tensor | None) -> tuple[int | None, int]:
+    """H2O's accumulator (1, Hkv, S) fp32, rows contiguous -> (pointer, row stride) for the C attention."""
+    if mass is None:
+        return None, 0
+    if mass.dtype != torch.float32 or mass.stride(-1) != 1:
+        raise ValueError("the attention mass accumulator must be fp32 with contiguous rows")
+    return mass.data_ptr(), mass.stride(1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+              mass: torch.Tensor | None = None) -> torch.Tensor:
     """q (1, T, Hq, D), heads contiguous within a token; k, v (1, Hkv, S, D) with contiguous rows (a KV cache
     view) -> (1, T, Hq, D) contiguous.
 
-    Query t is at key position S - T + t and attends causally (within `window` positions when given)."""
+    Query t is at key position S - T + t and attends causally (within `window` positions when given).
+    mass: None, or (1, Hkv, S) fp32 to which each key's softmax weight is added (`ref.attention_mass`)."""
     _, T, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     out = torch.empty(1, T, Hq, D, dtype=torch.float32)
     _check(_lib().attention(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(1), T, S, Hq, Hkv, D,
-                            window or 0, out.data_ptr()), "attention")
+                            window or 0, *_mass(mass), out.data_ptr()), "attention")
     return out
 
 
 def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                   window: int | None) -> torch.Tensor:
+                   window: int | None, mass: torch.Tensor | None = None) -> torch.Tensor:
     """`attention` over an int8 cache (`ref.quantize_int8`), reading the codes: q (1, T, Hq, D) as for `attention`;
     k, v int8 (1, Hkv, S, D) and k_scale, v_scale fp16 (1, Hkv, S, D/group), rows contiguous, k and v sharing their
     strides and so do the scales (views of a KV cache) -> (1, T, Hq, D) fp32.
@@ -189,8 +204,60 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: t
     out = torch.empty(1, T, Hq, D, dtype=torch.float32)
     _check(_lib().attention_int8(q.data_ptr(), q.stride(1), k.data_ptr(), v.data_ptr(), k_scale.data_ptr(),
                                  v_scale.data_ptr(), k.stride(1), k_scale.stride(1), T, S, Hq, Hkv, D,
-                                 D // k_scale.shape[-1], window or 0, out.data_ptr()), "attention_int8")
+                                 D // k_scale.shape[-1], window or 0, *_mass(mass), out.data_ptr()), "attention_int8")
     return out
+
+
+class _Int4Cache(ctypes.Structure):  # int4_cache: one layer's INT4 cache, per kv head
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("k_min", ctypes.c_void_p),
+                ("v_scale", ctypes.c_void_p), ("v_min", ctypes.c_void_p), ("recent", ctypes.c_void_p),
+                ("code_stride", ctypes.c_long), ("k_scale_stride", ctypes.c_long), ("v_scale_stride", ctypes.c_long),
+                ("recent_stride", ctypes.c_long), ("group", ctypes.c_int)]
+
+
+def int4_layout_ok(k, v, k_scale, k_min, v_scale, v_min, recent) -> bool:
+    """Whether one layer's INT4 cache tensors (`ref.QuantizedKV`'s, batch 1, fp32 recent keys) have the strides the
+    C kernels read: rows contiguous, keys and values sharing the codes' head stride, scales and minimums theirs."""
+    D = recent.shape[-1]
+    rows = all(t.shape[0] == 1 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+               for t in (k, v, k_scale, k_min, v_scale, v_min, recent))
+    return (rows and recent.dtype == torch.float32 and k.stride(1) == v.stride(1) and k.shape[-1] * 2 == D
+            and k_scale.stride(1) == k_min.stride(1) and v_scale.stride(1) == v_min.stride(1)
+            and k_scale.shape[-1] == D and D % v_scale.shape[-1] == 0)
+
+
+def _int4_cache(k, v, k_scale, k_min, v_scale, v_min, recent) -> _Int4Cache:
+    D = recent.shape[-1]
+    return _Int4Cache(k.data_ptr(), v.data_ptr(), k_scale.data_ptr(), k_min.data_ptr(), v_scale.data_ptr(),
+                      v_min.data_ptr(), recent.data_ptr(), k.stride(1), k_scale.stride(1), v_scale.stride(1),
+                      recent.stride(1), D // v_scale.shape[-1])
+
+
+def attention_int4(q: torch.Tensor, kv, window: int | None, mass: torch.Tensor | None = None) -> torch.Tensor:
+    """`attention` over an INT4 cache (`ref.QuantizedKV` with bits 4, batch 1, `int4_layout_ok`), reading the codes:
+    each query row reads the keys `QuantizedKV.row_quantized` gives it. q (1, T, Hq, D) as for `attention` ->
+    (1, T, Hq, D) fp32.
+
+    Bit-identical to `attention` over `ref.dequantize_kv(kv, n)` for each row's n: codes are dequantized in
+    registers with kernels/ref.py's roundings."""
+    _, T, Hq, D = q.shape
+    Hkv, S = kv.k.shape[1], kv.length
+    cache = _int4_cache(kv.k, kv.v, kv.k_scale, kv.k_min, kv.v_scale, kv.v_min, kv.k_recent)
+    out = torch.empty(1, T, Hq, D, dtype=torch.float32)
+    _check(_lib().attention_int4(q.data_ptr(), q.stride(1), ctypes.byref(cache), T, S, Hq, Hkv, D, kv.n_quantized,
+                                 kv.first_exact, window or 0, *_mass(mass), out.data_ptr()), "attention_int4")
+    return out
+
+
+def int4_write(layer: tuple[torch.Tensor, ...], state: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes k, v fp32 (1, Hkv, T, D) into slots slot .. slot + T - 1 of one layer's INT4 cache, as
+    llmrun/kv_cache.py's store writes them (bit for bit): `layer` = its (k, v, k_scale, k_min, v_scale, v_min,
+    recent) buffers, (1, Hkv, ...) each (`int4_layout_ok`); state int32 (3,) {quantized, exact_from, end},
+    updated in place."""
+    Hkv, T, D = k.shape[1:]
+    tokens = torch.stack((k, v)).transpose(2, 3).contiguous()  # (2, 1, T, Hkv, D): token rows, heads within
+    _check(_lib().int4_write(ctypes.byref(_int4_cache(*layer)), state.data_ptr(), Hkv, D, slot, T,
+                             tokens[0].data_ptr(), tokens[1].data_ptr(), Hkv * D), "int4_write")
 
 
 def quantize_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,59 +280,84 @@ class _QLinear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _QLinear), ("o", _QLinear),
                 ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("int4", _Int4Cache),
+                ("int4_state", ctypes.c_void_p), ("scores", ctypes.c_void_p)]
 
 
 class _Stack(ctypes.Structure):
     _fields_ = [("n_layers", ctypes.c_int), ("dim", ctypes.c_int), ("n_heads", ctypes.c_int), ("n_kv_heads", ctypes.c_int),
                 ("head_dim", ctypes.c_int), ("ffn_dim", ctypes.c_int), ("max_len", ctypes.c_int), ("window", ctypes.c_int),
-                ("kv_group", ctypes.c_int), ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
+                ("kv_format", ctypes.c_int), ("kv_group", ctypes.c_int), ("eps", ctypes.c_float),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+_CACHE_FP32, _CACHE_INT8, _CACHE_INT4 = range(3)  # cpu_kernels.c's cache formats
 
 
 class DecodeStack:
-    """A decode step (or a short speculative block) through all layers in a single C call (`decode_layers`): the same kernels in the same
-    order as the layer-by-layer forward, without the Python between them.
+    """A decode step (or a short speculative block) through all layers in a single C call (`decode_layers`): the
+    same kernels in the same order as the layer-by-layer forward, without the Python between them.
 
     `layers`: per layer a dict of fp32 tensors `attn_norm`, `mlp_norm` and quantized linears `qkv`, `o`,
     `gate_up`, `down` (objects with `qs`, `d`, `m`, `bits`, `bias`). The KV cache, exactly one of:
-    `fp32_kv` = (k, v), fp32 (L, 1, Hkv, max_len, D) each (a dense cache's buffers); or `int8_kv` = (codes, scales),
-    int8 (2, L, 1, Hkv, max_len, D) and fp16 (2, L, 1, Hkv, max_len, D/group), keys then values along the first
-    dimension (an int8 cache's store: the stack writes codes as `ref.quantize_int8` and attends over them).
-    Cache buffers must be contiguous. The tensors must outlive the stack (it holds raw pointers; it also keeps
-    references).
+    - `fp32_kv` = (k, v), fp32 (L, 1, Hkv, max_len, D) each (a dense cache's buffers);
+    - `int8_kv` = (codes, scales), int8 (2, L, 1, Hkv, max_len, D) and fp16 (2, L, 1, Hkv, max_len, D/group), keys
+      then values along the first dimension (an int8 cache's store: the stack writes codes as `ref.quantize_int8`
+      and attends over them);
+    - `int4_kv` = (k, v, k_scale, k_min, v_scale, v_min, recent, state): an INT4 cache's store, each buffer
+      (L, 1, Hkv, ...) with each layer `int4_layout_ok`, and state int32 (L, 3) {quantized, exact_from, end} per
+      layer, which the stack updates as it writes (as `int4_write`).
+    `scores`: None, or fp32 (L, 1, Hkv, max_len): H2O's attention mass, to which each step adds its attention's
+    (its own slots restarting at 0). Buffers must be contiguous. The tensors must outlive the stack (it holds raw
+    pointers; it also keeps references).
     """
 
     def __init__(self, layers: list[dict], *, fp32_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 int8_kv: tuple[torch.Tensor, torch.Tensor] | None = None, n_heads: int, n_kv_heads: int,
-                 head_dim: int, dim: int, ffn_dim: int, eps: float, window: int | None):
-        if (fp32_kv is None) == (int8_kv is None):
-            raise ValueError("DecodeStack takes one KV cache: fp32_kv or int8_kv")
+                 int8_kv: tuple[torch.Tensor, torch.Tensor] | None = None, int4_kv: tuple[torch.Tensor, ...] | None = None,
+                 scores: torch.Tensor | None = None, n_heads: int, n_kv_heads: int, head_dim: int, dim: int,
+                 ffn_dim: int, eps: float, window: int | None):
+        if sum(kv is not None for kv in (fp32_kv, int8_kv, int4_kv)) != 1:
+            raise ValueError("DecodeStack takes one KV cache: fp32_kv, int8_kv or int4_kv")
+        n, group, no_int4 = len(layers), 0, (_Int4Cache(), None)
         if fp32_kv is not None:
             k_cache, v_cache = fp32_kv
             if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 raise ValueError("fp32_kv must be two contiguous fp32 (L, 1, Hkv, max_len, D) buffers")
-            caches = [(k_cache[i], v_cache[i], None, None) for i in range(len(layers))]
-            max_len, group = k_cache.shape[3], 0
-        else:
+            fmt, max_len = _CACHE_FP32, k_cache.shape[3]
+            caches = [(k_cache[i].data_ptr(), v_cache[i].data_ptr(), None, None, *no_int4) for i in range(n)]
+        elif int8_kv is not None:
             codes, scales = int8_kv
             formats = codes.dtype == torch.int8 and scales.dtype == torch.float16
             if not (formats and codes.is_contiguous() and scales.is_contiguous()):
                 raise ValueError("int8_kv must be contiguous int8 codes and fp16 scales, (2, L, 1, Hkv, max_len, ...)")
-            caches = [(codes[0, i], codes[1, i], scales[0, i], scales[1, i]) for i in range(len(layers))]
-            max_len, group = codes.shape[4], head_dim // scales.shape[-1]
+            fmt, max_len, group = _CACHE_INT8, codes.shape[4], head_dim // scales.shape[-1]
+            caches = [(*(t.data_ptr() for t in (codes[0, i], codes[1, i], scales[0, i], scales[1, i])), *no_int4)
+                      for i in range(n)]
+        else:
+            *buffers, state = int4_kv
+            if not (state.dtype == torch.int32 and state.is_contiguous() and state.shape == (n, 3)
+                    and all(int4_layout_ok(*(b[i] for b in buffers)) for i in range(n))):
+                raise ValueError("int4_kv must be an INT4 cache's (L, 1, Hkv, ...) buffers with contiguous rows and "
+                                 "its int32 (L, 3) state")
+            fmt, max_len = _CACHE_INT4, buffers[0].shape[3]
+            caches = [(None, None, None, None, _int4_cache(*(b[i] for b in buffers)), state[i].data_ptr())
+                      for i in range(n)]
+        if scores is not None and not (scores.dtype == torch.float32 and scores.is_contiguous()
+                                       and scores.shape[-1] == max_len):
+            raise ValueError("scores must be a contiguous fp32 (L, 1, Hkv, max_len) buffer")
 
         def qlinear(w):
             return _QLinear(w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.m), _ptr(w.bias), w.bits, w.qs.shape[0],
                             w.d.shape[1] * 32)
 
-        self._keep = (layers, fp32_kv, int8_kv)
-        self._layers = (_Layer * len(layers))(*[
+        self._keep = (layers, fp32_kv, int8_kv, int4_kv, scores)
+        self._layers = (_Layer * n)(*[
             _Layer(L["attn_norm"].data_ptr(), L["mlp_norm"].data_ptr(), qlinear(L["qkv"]), qlinear(L["o"]),
-                   qlinear(L["gate_up"]), qlinear(L["down"]), *(_ptr(t) for t in cache))
-            for L, cache in zip(layers, caches)
+                   qlinear(L["gate_up"]), qlinear(L["down"]), *cache, None if scores is None else scores[i].data_ptr())
+            for i, (L, cache) in enumerate(zip(layers, caches))
         ])
-        self._params = _Stack(len(layers), dim, n_heads, n_kv_heads, head_dim, ffn_dim, max_len, window or 0, group,
-                              eps, self._layers)
+        self._params = _Stack(n, dim, n_heads, n_kv_heads, head_dim, ffn_dim, max_len, window or 0, fmt, group, eps,
+                              self._layers)
         self._ref = ctypes.byref(self._params)
 
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define USE_AVX2 1
@@ -374,35 +378,87 @@ void silu_mul(const float *gate, const float *up, int M, int F, int ld, float *o
     }
 }
 
-/* ---- causal attention over a KV cache: fp32 rows, or int8 codes dequantized as they are read ---- */
+/* ---- causal attention over a KV cache: fp32 rows, or codes dequantized as they are read ---- */
 
-/* One kv head's keys or values: fp32 rows (f), or int8 codes (q) with fp16 scales (sc), one per group of
- * 2^gshift channels: row s at q + s * D, its scales at sc + s * (D >> gshift). fs: scratch where attend_row puts
- * the scales of the rows it reads, as fp32, at the same offsets. */
+/* How one kv head's keys or values are stored (kernels/ref.py defines each format):
+ *   KV_F32      fp32 rows: row s at f + s * D
+ *   KV_INT8     int8 codes q (rows of D) times fp16 scales sc (rows of D >> gshift): per token and group of channels
+ *   KV_INT4     packed int4 codes q (rows of D / 2 bytes) times scales sc plus minimums mn, per token and group
+ *               (INT4 values)
+ *   KV_INT4_CH  INT4 keys: rows below nq are packed codes with a scale and a minimum per channel for each group of
+ *               KEY_GROUP rows (sc, mn: a row of D per group); rows from nq on are exact, row s at f + (s % RECENT) * D
+ * Head h's data start h * f_stride floats, h * q_stride code bytes and h * s_stride scales after head 0's. fs, fm: scratch where
+ * attend_row puts the scales and minimums it reads, as fp32, at the same offsets. */
+enum { KV_F32, KV_INT8, KV_INT4, KV_INT4_CH };
+enum { KEY_GROUP = 32, RECENT = 2 * KEY_GROUP };
+
 typedef struct {
     const float *f;
-    const int8_t *q;
-    const uint16_t *sc;
-    float *fs;
+    const void *q;
+    const uint16_t *sc, *mn;
+    long f_stride, q_stride, s_stride;
+    float *fs, *fm;
+    int nq;
 } kv_rows;
 
-/* Channel i of row s in fp32. An int8 code times its scale is one fp32 product, as in ref.dequantize_int8, so
- * attention over the codes has the bits of attention over their dequantized copy. gshift 0: fp32 rows. */
-static inline __attribute__((always_inline)) float kv_at(int gshift, kv_rows r, int D, int s, int i) {
-    if (!gshift) return r.f[(size_t)s * D + i];
-    return (float)r.q[(size_t)s * D + i] * r.fs[(size_t)s * (D >> gshift) + (i >> gshift)];
+static inline __attribute__((always_inline)) float nibble(const void *q, int D, int s, int i) {
+    uint8_t b = ((const uint8_t *)q)[(size_t)s * (D / 2) + i / 2];
+    return (float)(i & 1 ? b >> 4 : b & 15);
+}
+
+/* Channel i of row s in fp32: a code times its scale (plus its minimum) in separate roundings, as kernels/ref.py
+ * dequantizes, so attention over the codes has the bits of the fp32 kernel over their dequantized copy. */
+static inline __attribute__((always_inline)) float kv_at(int fmt, int gshift, kv_rows r, int D, int s, int i) {
+    size_t g;
+    switch (fmt) {
+    case KV_F32:
+        return r.f[(size_t)s * D + i];
+    case KV_INT8:
+        return (float)((const int8_t *)r.q)[(size_t)s * D + i] * r.fs[(size_t)s * (D >> gshift) + (i >> gshift)];
+    case KV_INT4:
+        g = (size_t)s * (D >> gshift) + (i >> gshift);
+        return nibble(r.q, D, s, i) * r.fs[g] + r.fm[g];
+    default:
+        if (s >= r.nq) return r.f[(size_t)(s % RECENT) * D + i];
+        g = (size_t)(s / KEY_GROUP) * D + i;
+        return nibble(r.q, D, s, i) * r.fs[g] + r.fm[g];
+    }
 }
 
 #ifdef USE_AVX2
-/* Channels i .. i+7 of row s (one scale group: groups are 16 or 32 channels) */
-static inline __attribute__((always_inline)) __m256 kv_at8(int gshift, kv_rows r, int D, int s, int i) {
-    if (!gshift) return _mm256_loadu_ps(r.f + (size_t)s * D + i);
-    __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r.q + (size_t)s * D + i))));
-    return _mm256_mul_ps(codes, _mm256_broadcast_ss(r.fs + (size_t)s * (D >> gshift) + (i >> gshift)));
+/* The 8 codes of 4 packed bytes at p (channel 2j in the low nibble of byte j), as floats */
+static inline __m256 nibbles8(const uint8_t *p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    __m256i x = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)));
+}
+
+/* Channels i .. i+7 of row s (i a multiple of 8: within one scale group, as groups are 16 or 32 channels) */
+static inline __attribute__((always_inline)) __m256 kv_at8(int fmt, int gshift, kv_rows r, int D, int s, int i) {
+    size_t g;
+    switch (fmt) {
+    case KV_F32:
+        return _mm256_loadu_ps(r.f + (size_t)s * D + i);
+    case KV_INT8: {
+        __m128i c = _mm_loadl_epi64((const __m128i *)((const int8_t *)r.q + (size_t)s * D + i));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)),
+                             _mm256_broadcast_ss(r.fs + (size_t)s * (D >> gshift) + (i >> gshift)));
+    }
+    case KV_INT4:
+        g = (size_t)s * (D >> gshift) + (i >> gshift);
+        return _mm256_add_ps(_mm256_mul_ps(nibbles8((const uint8_t *)r.q + (size_t)s * (D / 2) + i / 2),
+                                           _mm256_broadcast_ss(r.fs + g)), _mm256_broadcast_ss(r.fm + g));
+    default:
+        if (s >= r.nq) return _mm256_loadu_ps(r.f + (size_t)(s % RECENT) * D + i);
+        g = (size_t)(s / KEY_GROUP) * D + i;
+        return _mm256_add_ps(_mm256_mul_ps(nibbles8((const uint8_t *)r.q + (size_t)s * (D / 2) + i / 2),
+                                           _mm256_loadu_ps(r.fs + g)), _mm256_loadu_ps(r.fm + g));
+    }
 }
 #endif
 
-static void scales_to_float(const uint16_t *h, size_t n, float *out) {
+static void halves_to_float(const uint16_t *h, size_t n, float *out) {
     size_t i = 0;
 #ifdef USE_AVX2
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
@@ -410,15 +466,38 @@ static void scales_to_float(const uint16_t *h, size_t n, float *out) {
     for (; i < n; i++) out[i] = half_to_float(h[i]);
 }
 
-/* One query row qr (D) against the key/value rows first..last of one kv head -> o (D). p: scratch, S floats.
- * gshift is a constant at each call (0: fp32 rows), so every format compiles to its own loops. */
-static inline __attribute__((always_inline)) void attend_row(int gshift, const float *qr, kv_rows k, kv_rows v, int D,
-                                                             int first, int last, float scale, float *p, float *o) {
-    if (gshift) {
+/* Converts the scales (and minimums) of rows first..last to fp32, into r.fs (r.fm) */
+static void load_scales(int fmt, int gshift, kv_rows r, int D, int first, int last) {
+    if (fmt == KV_INT8 || fmt == KV_INT4) {
         size_t ng = (size_t)D >> gshift, n = (size_t)(last + 1 - first) * ng;
-        scales_to_float(k.sc + first * ng, n, k.fs + first * ng);
-        scales_to_float(v.sc + first * ng, n, v.fs + first * ng);
+        halves_to_float(r.sc + first * ng, n, r.fs + first * ng);
+        if (fmt == KV_INT4) halves_to_float(r.mn + first * ng, n, r.fm + first * ng);
+    } else if (fmt == KV_INT4_CH && first < r.nq) {
+        int end = last + 1 < r.nq ? last + 1 : r.nq;
+        size_t g0 = (size_t)first / KEY_GROUP * D, n = ((size_t)(end - 1) / KEY_GROUP + 1) * D - g0;
+        halves_to_float(r.sc + g0, n, r.fs + g0);
+        halves_to_float(r.mn + g0, n, r.fm + g0);
     }
+}
+
+/* Scratch floats one head's scales and minimums take in load_scales, for S rows */
+static size_t scale_scratch(int fmt, int gshift, int D, int S) {
+    switch (fmt) {
+    case KV_INT8: return (size_t)S * (D >> gshift);
+    case KV_INT4: return 2 * (size_t)S * (D >> gshift);
+    case KV_INT4_CH: return 2 * (size_t)((S + KEY_GROUP - 1) / KEY_GROUP) * D;
+    default: return 0;
+    }
+}
+
+/* One query row qr (D) against the key/value rows first..last of one kv head -> o (D); with w, each key's
+ * softmax weight is added to w[s]. p: scratch, S floats. kfmt, vfmt and gshift are constants at each call, so
+ * every format compiles to its own loops. */
+static inline __attribute__((always_inline)) void attend_row(int kfmt, int vfmt, int gshift, const float *qr, kv_rows k,
+                                                             kv_rows v, int D, int first, int last, float scale,
+                                                             float *p, float *o, float *w) {
+    load_scales(kfmt, gshift, k, D, first, last);
+    load_scales(vfmt, gshift, v, D, first, last);
     float mx = -INFINITY;
     int s = first;
 #ifdef USE_AVX2
@@ -427,8 +506,9 @@ static inline __attribute__((always_inline)) void attend_row(int gshift, const f
         for (; s + 8 <= last + 1; s += 8) {
             __m256 acc[8];
             for (int j = 0; j < 8; j++) {
-                acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qr), kv_at8(gshift, k, D, s + j, 0));
-                for (int i = 8; i < D; i += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_at8(gshift, k, D, s + j, i), acc[j]);
+                acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qr), kv_at8(kfmt, gshift, k, D, s + j, 0));
+                for (int i = 8; i < D; i += 8)
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_at8(kfmt, gshift, k, D, s + j, i), acc[j]);
             }
             __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
             __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
@@ -444,7 +524,7 @@ static inline __attribute__((always_inline)) void attend_row(int gshift, const f
 #endif
     for (; s <= last; s++) {
         float dot = 0.0f;
-        for (int i = 0; i < D; i++) dot += qr[i] * kv_at(gshift, k, D, s, i);
+        for (int i = 0; i < D; i++) dot += qr[i] * kv_at(kfmt, gshift, k, D, s, i);
         p[s] = dot * scale;
         mx = fmaxf(mx, p[s]);
     }
@@ -461,6 +541,8 @@ static inline __attribute__((always_inline)) void attend_row(int gshift, const f
 #endif
     for (; s <= last; s++) sum += (p[s] = expf(p[s] - mx));
     float inv = 1.0f / sum;
+    if (w)
+        for (s = first; s <= last; s++) w[s] += p[s] * inv;
     int i0 = 0;
 #ifdef USE_AVX2
     for (; i0 + 64 <= D; i0 += 64) {  /* 64 output values stay in registers over all keys */
@@ -468,7 +550,7 @@ static inline __attribute__((always_inline)) void attend_row(int gshift, const f
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
         for (int s = first; s <= last; s++) {
             __m256 a = _mm256_set1_ps(p[s] * inv);
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(a, kv_at8(gshift, v, D, s, i0 + 8 * j), acc[j]);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(a, kv_at8(vfmt, gshift, v, D, s, i0 + 8 * j), acc[j]);
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
     }
@@ -476,26 +558,58 @@ static inline __attribute__((always_inline)) void attend_row(int gshift, const f
     for (int i = i0; i < D; i++) o[i] = 0.0f;
     for (int s = first; s <= last; s++) {
         float a = p[s] * inv;
-        for (int i = i0; i < D; i++) o[i] += a * kv_at(gshift, v, D, s, i);
+        for (int i = i0; i < D; i++) o[i] += a * kv_at(vfmt, gshift, v, D, s, i);
     }
 }
 
-/* Causal attention of T new queries against S keys, grouped-query heads.
- * q (T, Hq, D), token rows q_ld floats apart; k, v: kv head h's rows start head_stride elements (and, int8, its
- * scales scale_stride elements) after head h - 1's (a KV cache's (Hkv, max_len, ...) buffers); gshift: 0 for fp32
- * rows, else log2 of the channels per int8 scale.
- * Query t sits at key index S - T + t and sees keys (S - T + t - window, S - T + t] (all earlier ones when
- * window <= 0). out (T, Hq, D). scratch: S floats per thread (and the fp32 scales), allocated here. */
-static int attend(const float *q, long q_ld, kv_rows k, kv_rows v, long head_stride, long scale_stride, int gshift,
-                  int T, int S, int Hq, int Hkv, int D, int window, float *out) {
+/* kv head h's rows, with n_scales floats of scratch at fs for its scales (INT4: scales, then as many minimums) */
+static kv_rows head_rows(kv_rows r, int h, float *fs, size_t n_scales) {
+    if (r.f) r.f += h * r.f_stride;
+    if (r.q) r.q = (const uint8_t *)r.q + h * r.q_stride;  /* codes: int8, or two int4 a byte */
+    if (r.sc) r.sc += h * r.s_stride;
+    if (r.mn) r.mn += h * r.s_stride;
+    r.fs = fs;
+    r.fm = fs + n_scales / 2;
+    return r;
+}
+
+/* The keys a query row at key index p reads as INT4 codes (ref.QuantizedKV.row_quantized): the groups full once p
+ * was written, within [first_exact, n_quantized] */
+static int row_quantized(int p, int first_exact, int n_quantized) {
+    int nq = (p + 1) / KEY_GROUP * KEY_GROUP;
+    nq = nq > first_exact ? nq : first_exact;
+    return nq < n_quantized ? nq : n_quantized;
+}
+
+/* Causal attention of T new queries against S keys, grouped-query heads, keys and values in formats kfmt, vfmt.
+ * q (T, Hq, D), token rows q_ld floats apart. Query t sits at key index S - T + t and sees keys
+ * (S - T + t - window, S - T + t] (all earlier ones when window <= 0). INT4 keys: query t reads codes below
+ * row_quantized(S - T + t, first_exact, n_quantized). out (T, Hq, D).
+ * mass: NULL, or (Hkv, S) rows mass_stride floats apart, to which each key's softmax weight is added, summed over
+ * the queries and the query heads of its kv head (H2O's attention mass), in an order fixed by the thread count. */
+static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int gshift, const float *q, long q_ld,
+                                                        kv_rows k, kv_rows v, int T, int S, int Hq, int Hkv, int D,
+                                                        int window, int first_exact, int n_quantized, float *mass,
+                                                        long mass_stride, float *out) {
     if (T > S || Hq % Hkv) return -1;
-    int group = Hq / Hkv;
-    size_t ng = gshift ? (size_t)D >> gshift : 0;
+    int group = Hq / Hkv, failed = 0;
+    size_t ks = scale_scratch(kfmt, gshift, D, S), vs = scale_scratch(vfmt, gshift, D, S);
     float scale = 1.0f / sqrtf((float)D);
-    int failed = 0;
-#pragma omp parallel
+#ifdef _OPENMP
+    int n_threads = omp_get_max_threads();
+#else
+    int n_threads = 1;
+#endif
+    float *weights = mass ? calloc((size_t)n_threads * Hkv * S, sizeof(float)) : NULL;  /* per thread (Hkv, S) */
+    if (mass && !weights) return -2;
+#pragma omp parallel num_threads(n_threads)
     {
-        float *p = malloc((size_t)S * (1 + 2 * ng) * sizeof(float));
+#ifdef _OPENMP
+        int thread = omp_get_thread_num();
+#else
+        int thread = 0;
+#endif
+        float *p = malloc(((size_t)S + ks + vs) * sizeof(float));
         if (!p) failed = 1;
 #pragma omp for schedule(static) collapse(2)
         for (int t = 0; t < T; t++)
@@ -504,27 +618,31 @@ static int attend(const float *q, long q_ld, kv_rows k, kv_rows v, long head_str
                 const float *qr = q + (size_t)t * q_ld + (size_t)h * D;
                 float *o = out + ((size_t)t * Hq + h) * D;
                 int last = S - T + t, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
-                size_t at = (size_t)(h / group) * head_stride, sat = (size_t)(h / group) * scale_stride;
-                if (gshift) {
-                    float *fs = p + S;
-                    kv_rows kh = {NULL, k.q + at, k.sc + sat, fs}, vh = {NULL, v.q + at, v.sc + sat, fs + S * ng};
-                    if (gshift == 5) attend_row(5, qr, kh, vh, D, first, last, scale, p, o);
-                    else attend_row(4, qr, kh, vh, D, first, last, scale, p, o);
-                } else {
-                    kv_rows kh = {k.f + at, NULL, NULL, NULL}, vh = {v.f + at, NULL, NULL, NULL};
-                    attend_row(0, qr, kh, vh, D, first, last, scale, p, o);
-                }
+                kv_rows kh = head_rows(k, h / group, p + S, ks), vh = head_rows(v, h / group, p + S + ks, vs);
+                kh.nq = row_quantized(last, first_exact, n_quantized);
+                float *w = weights ? weights + ((size_t)thread * Hkv + h / group) * S : NULL;
+                attend_row(kfmt, vfmt, gshift, qr, kh, vh, D, first, last, scale, p, o, w);
             }
         free(p);
     }
+    if (weights && !failed) {
+#pragma omp parallel for schedule(static) collapse(2)
+        for (int h = 0; h < Hkv; h++)
+            for (int s = 0; s < S; s++) {
+                float total = 0.0f;
+                for (int i = 0; i < n_threads; i++) total += weights[((size_t)i * Hkv + h) * S + s];
+                mass[h * mass_stride + s] += total;
+            }
+    }
+    free(weights);
     return failed ? -2 : 0;
 }
 
-/* `attend` over fp32 keys and values k, v */
+/* `attend` over fp32 keys and values k, v; kv head h's rows start h * head_stride floats after head 0's */
 int attention(const float *q, long q_ld, const float *k, const float *v, long head_stride, int T, int S, int Hq, int Hkv, int D,
-              int window, float *out) {
-    kv_rows kr = {k, NULL, NULL, NULL}, vr = {v, NULL, NULL, NULL};
-    return attend(q, q_ld, kr, vr, head_stride, 0, 0, T, S, Hq, Hkv, D, window, out);
+              int window, float *mass, long mass_stride, float *out) {
+    kv_rows kr = {.f = k, .f_stride = head_stride}, vr = {.f = v, .f_stride = head_stride};
+    return attend(KV_F32, KV_F32, 0, q, q_ld, kr, vr, T, S, Hq, Hkv, D, window, 0, 0, mass, mass_stride, out);
 }
 
 static int group_shift(int group, int D) {  /* log2(group) for a group of 16 or 32 channels dividing D; else -1 */
@@ -536,11 +654,46 @@ static int group_shift(int group, int D) {  /* log2(group) for a group of 16 or 
  * per token and group of channels (ref.quantize_int8), dequantized in registers as they are read. */
 int attention_int8(const float *q, long q_ld, const int8_t *k, const int8_t *v, const uint16_t *k_scale,
                    const uint16_t *v_scale, long head_stride, long scale_stride, int T, int S, int Hq, int Hkv, int D,
-                   int group, int window, float *out) {
+                   int group, int window, float *mass, long mass_stride, float *out) {
     int gshift = group_shift(group, D);
-    if (gshift < 0) return -1;
-    kv_rows kr = {NULL, k, k_scale, NULL}, vr = {NULL, v, v_scale, NULL};
-    return attend(q, q_ld, kr, vr, head_stride, scale_stride, gshift, T, S, Hq, Hkv, D, window, out);
+    kv_rows kr = {.q = k, .sc = k_scale, .q_stride = head_stride, .s_stride = scale_stride};
+    kv_rows vr = {.q = v, .sc = v_scale, .q_stride = head_stride, .s_stride = scale_stride};
+    if (gshift == 5)
+        return attend(KV_INT8, KV_INT8, 5, q, q_ld, kr, vr, T, S, Hq, Hkv, D, window, 0, 0, mass, mass_stride, out);
+    if (gshift == 4)
+        return attend(KV_INT8, KV_INT8, 4, q, q_ld, kr, vr, T, S, Hq, Hkv, D, window, 0, 0, mass, mass_stride, out);
+    return -1;
+}
+
+/* One layer's INT4 cache (ref.QuantizedKV with bits 4, llmrun/kv_cache.py's store), per kv head: packed key and value
+ * codes (rows of D / 2 bytes, code_stride bytes per head); key scales and minimums (a row of D per group of KEY_GROUP
+ * positions, k_scale_stride per head); value scales and minimums (rows of D / group, v_scale_stride per head); the
+ * exact recent keys (RECENT rows of D, fp32, recent_stride per head). */
+typedef struct {
+    uint8_t *k, *v;
+    uint16_t *k_scale, *k_min, *v_scale, *v_min;
+    float *recent;
+    long code_stride, k_scale_stride, v_scale_stride, recent_stride;
+    int group;
+} int4_cache;
+
+/* `attend` over an INT4 cache of S positions: keys below n_quantized are codes, first_exact <= n_quantized the
+ * lowest from which `recent` holds them exactly (each query row reads codes up to its row_quantized). */
+int attention_int4(const float *q, long q_ld, const int4_cache *c, int T, int S, int Hq, int Hkv, int D,
+                   int n_quantized, int first_exact, int window, float *mass, long mass_stride, float *out) {
+    int gshift = group_shift(c->group, D);
+    if (first_exact > n_quantized || n_quantized % KEY_GROUP || first_exact % KEY_GROUP || S - first_exact > RECENT)
+        return -1;
+    kv_rows kr = {.f = c->recent, .q = c->k, .sc = c->k_scale, .mn = c->k_min, .f_stride = c->recent_stride,
+                  .q_stride = c->code_stride, .s_stride = c->k_scale_stride};
+    kv_rows vr = {.q = c->v, .sc = c->v_scale, .mn = c->v_min, .q_stride = c->code_stride, .s_stride = c->v_scale_stride};
+    if (gshift == 5)
+        return attend(KV_INT4_CH, KV_INT4, 5, q, q_ld, kr, vr, T, S, Hq, Hkv, D, window, first_exact, n_quantized,
+                      mass, mass_stride, out);
+    if (gshift == 4)
+        return attend(KV_INT4_CH, KV_INT4, 4, q, q_ld, kr, vr, T, S, Hq, Hkv, D, window, first_exact, n_quantized,
+                      mass, mass_stride, out);
+    return -1;
 }
 
 /* x (M, D) -> codes (M, D), fp16 scales (M, D / group) as ref.quantize_int8 computes them, bit for bit: per group,
@@ -564,6 +717,81 @@ int quantize_int8(const float *x, int M, int D, int group, int8_t *codes, uint16
     return 0;
 }
 
+/* Asymmetric 4-bit rounding of n values x[0], x[stride], ... (ref._int4_round, bit for bit): fp16 minimum lo and
+ * scale = fp16((max - lo) / 15); code = round((x - lo) * (1 / scale)), ties to even, clamped to 0..15. */
+static void int4_round(const float *x, long stride, int n, uint8_t *codes, uint16_t *scale, uint16_t *lo) {
+    float mn = x[0], mx = x[0];
+    for (int i = 1; i < n; i++) {
+        float e = x[i * stride];
+        mn = e < mn ? e : mn;
+        mx = e > mx ? e : mx;
+    }
+    *lo = float_to_half(mn);
+    float lo_f = half_to_float(*lo);
+    *scale = float_to_half((mx - lo_f) / 15.0f);
+    float s = half_to_float(*scale), inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int i = 0; i < n; i++) {
+        float c = nearbyintf((x[i * stride] - lo_f) * inv);
+        codes[i] = (uint8_t)(c > 15.0f ? 15.0f : c > 0.0f ? c : 0.0f);
+    }
+}
+
+static void pack_row(const uint8_t *codes, int D, uint8_t *packed) {  /* channel 2i low nibble of byte i */
+    for (int i = 0; i < D / 2; i++) packed[i] = (uint8_t)(codes[2 * i] | codes[2 * i + 1] << 4);
+}
+
+/* Writes T new keys and values of every kv head (token rows ld floats apart, head j's D at + j * D) into slots
+ * slot .. slot + T - 1 of an INT4 cache, as llmrun/kv_cache.py's store writes them, bit for bit: values per token;
+ * keys into the exact ring, and each key group that fills quantized per channel. state: the layer's
+ * {quantized, exact_from, end} (keys [0, quantized) are codes, [exact_from, end) exact in the ring), updated. */
+int int4_write(const int4_cache *c, int *state, int Hkv, int D, int slot, int T, const float *k, const float *v, long ld) {
+    int gshift = group_shift(c->group, D), G = KEY_GROUP;
+    if (gshift < 0 || D > 256 || slot < 0 || T < 0) return -1;
+    int g0 = slot / G * G, end = slot + T, full = end / G * G, exact_from = state[1];
+    int lossy = slot < exact_from || slot > state[2];
+    int start = lossy ? g0 : slot;
+    start = start > end - RECENT ? start : end - RECENT;
+    float *seg = malloc(sizeof(float) * (size_t)(end - g0) * D);  /* the keys [g0, end) of a head */
+    if (!seg) return -2;
+    for (int j = 0; j < Hkv; j++) {
+        uint8_t *kq = c->k + j * c->code_stride, *vq = c->v + j * c->code_stride;
+        uint16_t *ks = c->k_scale + j * c->k_scale_stride, *km = c->k_min + j * c->k_scale_stride;
+        uint16_t *vs = c->v_scale + j * c->v_scale_stride, *vm = c->v_min + j * c->v_scale_stride;
+        float *ring = c->recent + j * c->recent_stride;
+        for (int s = g0; s < slot; s++)  /* the partial group's keys so far: exact, or their codes below the ring */
+            for (int i = 0; i < D; i++) {
+                size_t g = (size_t)(s / G) * D + i;
+                seg[(size_t)(s - g0) * D + i] = s >= exact_from ? ring[(size_t)(s % RECENT) * D + i]
+                    : (float)(i & 1 ? kq[(size_t)s * (D / 2) + i / 2] >> 4 : kq[(size_t)s * (D / 2) + i / 2] & 15)
+                      * half_to_float(ks[g]) + half_to_float(km[g]);
+            }
+        for (int t = 0; t < T; t++) memcpy(seg + (size_t)(slot - g0 + t) * D, k + t * ld + j * D, sizeof(float) * D);
+        for (int g = g0; g < full; g += G) {  /* each filled group, per channel over its G positions */
+            uint8_t block[KEY_GROUP][256], codes[KEY_GROUP];
+            for (int i = 0; i < D; i++) {
+                int4_round(seg + (size_t)(g - g0) * D + i, D, G, codes, ks + (size_t)(g / G) * D + i, km + (size_t)(g / G) * D + i);
+                for (int s = 0; s < G; s++) block[s][i] = codes[s];
+            }
+            for (int s = 0; s < G; s++) pack_row(block[s], D, kq + (size_t)(g + s) * (D / 2));
+        }
+        for (int s = start; s < end; s++) memcpy(ring + (size_t)(s % RECENT) * D, seg + (size_t)(s - g0) * D, sizeof(float) * D);
+        int ng = D >> gshift, gs = 1 << gshift;
+        for (int t = 0; t < T; t++) {  /* values: per token, per group of channels */
+            uint8_t row[256];
+            for (int g = 0; g < ng; g++)
+                int4_round(v + t * ld + j * D + g * gs, 1, gs, row + g * gs, vs + (size_t)(slot + t) * ng + g,
+                           vm + (size_t)(slot + t) * ng + g);
+            pack_row(row, D, vq + (size_t)(slot + t) * (D / 2));
+        }
+    }
+    free(seg);
+    int kept = lossy ? start : exact_from;
+    state[0] = full;
+    state[1] = kept > end - RECENT ? kept : end - RECENT;
+    state[2] = end;
+    return 0;
+}
+
 /* ---- one decode step through every layer in one call: no Python between the ops ---- */
 
 typedef struct {
@@ -573,18 +801,25 @@ typedef struct {
     int bits, N, K;
 } qlinear;
 
+enum { CACHE_FP32, CACHE_INT8, CACHE_INT4 };
+
 typedef struct {
     const float *attn_norm, *mlp_norm;
     qlinear qkv, o, gate_up, down;
-    /* this layer's cache: fp32 (Hkv, max_len, D) buffers, or (kv_group > 0) int8 codes (Hkv, max_len, D)
-     * with fp16 scales (Hkv, max_len, D / kv_group) */
+    /* this layer's cache: CACHE_FP32: fp32 (Hkv, max_len, D) buffers k_cache, v_cache; CACHE_INT8: int8 codes
+     * (Hkv, max_len, D) with fp16 scales (Hkv, max_len, D / kv_group); CACHE_INT4: int4 and its int4_state
+     * {quantized, exact_from, end} (see int4_write) */
     void *k_cache, *v_cache;
     uint16_t *k_scale, *v_scale;
+    int4_cache int4;
+    int *int4_state;
+    float *scores; /* NULL, or (Hkv, max_len): H2O's accumulated attention mass, which the step's attention adds to */
 } layer_params;
 
 typedef struct {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, ffn_dim, max_len, window;
-    int kv_group; /* 0: an fp32 cache; else an int8 one, a scale per kv_group channels */
+    int kv_format; /* CACHE_FP32, CACHE_INT8 or CACHE_INT4 */
+    int kv_group;  /* channels per scale of an int8 cache */
     float eps;
     const layer_params *layers;
 } stack_params;
@@ -597,15 +832,39 @@ static int linear(const qlinear *w, const float *x, int M, float *y, int accumul
     return rc;
 }
 
+/* The attention of a step's T queries (rows qkv_ld floats apart) over layer L's cache of S positions -> att */
+static int layer_attention(const stack_params *p, const layer_params *L, const float *qkv, long qkv_ld, int T, int S,
+                           float *att) {
+    int Hq = p->n_heads, Hkv = p->n_kv_heads, D = p->head_dim, G = p->kv_group;
+    long head_stride = (long)p->max_len * D;
+    switch (p->kv_format) {
+    case CACHE_FP32:
+        return attention(qkv, qkv_ld, L->k_cache, L->v_cache, head_stride, T, S, Hq, Hkv, D, p->window, L->scores,
+                         p->max_len, att);
+    case CACHE_INT8:
+        return attention_int8(qkv, qkv_ld, L->k_cache, L->v_cache, L->k_scale, L->v_scale, head_stride,
+                              (long)p->max_len * (D / G), T, S, Hq, Hkv, D, G, p->window, L->scores, p->max_len, att);
+    default: {  /* what llmrun/kv_cache.py's INT4 store hands attention (its `read`) */
+        const int *st = L->int4_state;
+        int nq = st[0] < S / KEY_GROUP * KEY_GROUP ? st[0] : S / KEY_GROUP * KEY_GROUP;
+        int exact = st[1] > S - RECENT ? st[1] : S - RECENT;
+        exact = (exact + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
+        return attention_int4(qkv, qkv_ld, &L->int4, T, S, Hq, Hkv, D, nq, exact < nq ? exact : nq, p->window,
+                              L->scores, p->max_len, att);
+    }
+    }
+}
+
 /* x (T, dim): the hidden states of T consecutive tokens at positions pos .. pos+T-1 (one decode step, or a
  * speculative block to verify), updated in place through every layer; their K/V are written into the caches
- * (an int8 cache's quantized as ref.quantize_int8 does). The same kernels, in the same order, as the model's
- * layer-by-layer forward, so the results are bit-identical to it. cos/sin (T, D): the angles of those positions. */
+ * (quantized as kernels/ref.py and llmrun/kv_cache.py do), and with H2O scores their slots' mass restarts at 0.
+ * The same kernels, in the same order, as the model's layer-by-layer forward, so the results are bit-identical to
+ * it. cos/sin (T, D): the angles of those positions. */
 int decode_layers(const stack_params *p, float *x, int T, int pos, const float *cos_t, const float *sin_t) {
     int Hq = p->n_heads, Hkv = p->n_kv_heads, D = p->head_dim, F = p->ffn_dim, G = p->kv_group, rc = 0;
-    if (pos < 0 || pos + T > p->max_len || (G && group_shift(G, D) < 0)) return -1;
+    if (pos < 0 || pos + T > p->max_len || (p->kv_format == CACHE_INT8 && group_shift(G, D) < 0)) return -1;
     long qkv_ld = (long)(Hq + 2 * Hkv) * D, head_stride = (long)p->max_len * D;
-    long scale_stride = G ? (long)p->max_len * (D / G) : 0;
+    long scale_stride = p->kv_format == CACHE_INT8 ? (long)p->max_len * (D / G) : 0;
     float *xn = malloc(sizeof(float) * T * p->dim), *qkv = malloc(sizeof(float) * T * qkv_ld),
           *att = malloc(sizeof(float) * T * Hq * D), *gu = malloc(sizeof(float) * T * 2 * F),
           *h = malloc(sizeof(float) * T * F);
@@ -615,23 +874,26 @@ int decode_layers(const stack_params *p, float *x, int T, int pos, const float *
         rms_norm(x, L->attn_norm, p->eps, T, p->dim, xn);
         if ((rc = linear(&L->qkv, xn, T, qkv, 0))) break;
         rope(qkv, qkv_ld, cos_t, sin_t, T, Hq + Hkv, D);
-        for (int t = 0; t < T; t++)
-            for (int j = 0; j < Hkv; j++) {
-                const float *k = qkv + t * qkv_ld + (Hq + j) * D, *v = k + Hkv * D;
-                long at = j * head_stride + (long)(pos + t) * D;
-                if (G) {
-                    long sat = j * scale_stride + (long)(pos + t) * (D / G);
-                    quantize_int8(k, 1, D, G, (int8_t *)L->k_cache + at, L->k_scale + sat);
-                    quantize_int8(v, 1, D, G, (int8_t *)L->v_cache + at, L->v_scale + sat);
-                } else {
-                    memcpy((float *)L->k_cache + at, k, sizeof(float) * D);
-                    memcpy((float *)L->v_cache + at, v, sizeof(float) * D);
+        if (p->kv_format == CACHE_INT4) {
+            if ((rc = int4_write(&L->int4, L->int4_state, Hkv, D, pos, T, qkv + Hq * D, qkv + (Hq + Hkv) * D, qkv_ld)))
+                break;
+        } else
+            for (int t = 0; t < T; t++)
+                for (int j = 0; j < Hkv; j++) {
+                    const float *k = qkv + t * qkv_ld + (Hq + j) * D, *v = k + Hkv * D;
+                    long at = j * head_stride + (long)(pos + t) * D;
+                    if (p->kv_format == CACHE_INT8) {
+                        long sat = j * scale_stride + (long)(pos + t) * (D / G);
+                        quantize_int8(k, 1, D, G, (int8_t *)L->k_cache + at, L->k_scale + sat);
+                        quantize_int8(v, 1, D, G, (int8_t *)L->v_cache + at, L->v_scale + sat);
+                    } else {
+                        memcpy((float *)L->k_cache + at, k, sizeof(float) * D);
+                        memcpy((float *)L->v_cache + at, v, sizeof(float) * D);
+                    }
                 }
-            }
-        rc = G ? attention_int8(qkv, qkv_ld, L->k_cache, L->v_cache, L->k_scale, L->v_scale, head_stride, scale_stride, T,
-                                pos + T, Hq, Hkv, D, G, p->window, att)
-               : attention(qkv, qkv_ld, L->k_cache, L->v_cache, head_stride, T, pos + T, Hq, Hkv, D, p->window, att);
-        if (rc) break;
+        if (L->scores)
+            for (int j = 0; j < Hkv; j++) memset(L->scores + (long)j * p->max_len + pos, 0, sizeof(float) * T);
+        if ((rc = layer_attention(p, L, qkv, qkv_ld, T, pos + T, att))) break;
         if ((rc = linear(&L->o, att, T, x, 1))) break;  /* x += o(attention) */
         rms_norm(x, L->mlp_norm, p->eps, T, p->dim, xn);
         if ((rc = linear(&L->gate_up, xn, T, gu, 0))) break;

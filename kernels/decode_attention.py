@@ -20,8 +20,9 @@ Attention mass (H2O), when asked for: the split kernel also writes its masked sc
 scratch buffer, the combine (or, with one split, the split kernel) writes each row's log2-sum-exp, and
 `_mass_kernel` adds each key's probabilities, summed over the rows of its kv head, to the caller's buffer.
 
-On CUDA the split kernel is autotuned; elsewhere (the Triton interpreter in the tests) it runs with fixed
-settings. Nothing here queries a device at import.
+On CUDA the split kernel is autotuned, over the configs whose estimated shared memory (`split_shared_memory`) fits
+the device; elsewhere (the Triton interpreter in the tests) it runs with fixed settings. Nothing here queries a
+device at import.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _load_keys(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_b
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, KScale, KMin, KRecent, VScale, VMin, Out, MidO, MidLse, Lse, Scores,
+    Q, K, V, KScale, KMin, KRecent, VScale, VMin, Out, MidO, MidLse, Lse, Scores, SLen,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -104,9 +105,11 @@ def _split_kernel(
     stride_ob, stride_ot, stride_oh,
     T, S, Hkv, G, D, lo, split_len, window, qk_scale, nq_lo, nq_hi,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
-    SCORES: tl.constexpr, PRECISION: tl.constexpr,
+    SCORES: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    if DEVICE_LEN:  # a CUDA graph's step: S (the keys in use) is read here; the splits cover the buffer's capacity
+        S = tl.load(SLen)
     pid_bh = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -136,6 +139,8 @@ def _split_kernel(
     vm_base = VMin + b * stride_vmb + kvh * stride_vmh
     start = lo + split * split_len
     end = tl.minimum(start + split_len, S)
+    if DEVICE_LEN and HAS_WINDOW:  # lo is 0 then: skip the tiles before the earliest key any row sees
+        start = tl.maximum(start, tl.maximum(S - T + 1 - window, 0) // BLOCK_N * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
@@ -239,15 +244,61 @@ def _mass_kernel(
     tl.store(m_ptrs, tl.load(m_ptrs, mask=s_ok, other=0.0) + acc, mask=s_ok)
 
 
+SPLIT_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+                 for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+# torch < 2.6 does not report a device's opt-in shared memory: assume the least of the GPUs Triton supports (sm_86/89)
+SHARED_MEMORY_DEFAULT = 99 * 1024
+
+
+def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bool, BLOCK_M: int, BLOCK_D: int,
+                        BLOCK_N: int, num_stages: int) -> int:
+    """Bytes of shared memory `_split_kernel` takes on a GPU of compute capability `major`, given the element sizes
+    of its tensors Q, K, V, KScale, KMin, KRecent in `sizes`: an upper bound on what Triton (3.6 to 3.8) allocates,
+    mostly within 1 KB. tests/test_triton_compile.py holds it against the compiler's figure for sm_80 and sm_90.
+    - Loaded ahead (software pipelining), num_stages - 1 copies, or num_stages where Hopper's warpgroup MMA reads
+      dense K and V straight from shared memory: per key and channel, K and V (dense, INT8's codes), or INT4's key
+      scale, min and exact ring entry (INT4's codes and the per-group scales are gathered, too narrow to copy ahead).
+    - Live through the loop: q (BLOCK_M, BLOCK_D) as a dot operand, and 8 bytes per row for reductions.
+    - In turn within a step, the largest counted: the dequantized K tile (BLOCK_N, BLOCK_D) (two, codes and exact,
+      for INT4 on Hopper); the dequantized V tile with the probabilities p (BLOCK_M, BLOCK_N), which the
+      warpgroup MMA takes from registers; or the fp32 scores (BLOCK_M, BLOCK_N) on their way to the mass buffer.
+    """
+    q_bytes = sizes["Q"]
+    wgmma = major >= 9 and BLOCK_M >= 64 and q_bytes == 2  # Hopper's: 16-bit operands, tiles of 64 rows
+    per_key = sizes["KScale"] + sizes["KMin"] + sizes["KRecent"] if BITS == 4 else sizes["K"] + sizes["V"]
+    copies = num_stages if wgmma and BITS == 0 else num_stages - 1
+    tile = BLOCK_N * BLOCK_D * q_bytes if BITS else 0  # a dequantized K or V tile
+    p = 0 if wgmma else BLOCK_M * BLOCK_N * q_bytes
+    step = max(tile * (2 if BITS == 4 and wgmma else 1), tile + p, BLOCK_M * BLOCK_N * 4 * SCORES)
+    return copies * BLOCK_N * BLOCK_D * per_key + BLOCK_M * BLOCK_D * q_bytes + 8 * BLOCK_M + step
+
+
+@cache
+def _device_limits(index: int) -> tuple[int, int]:
+    """(compute capability major, bytes of shared memory one block may use: the opt-in maximum) of a CUDA device."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, getattr(props, "shared_memory_per_block_optin", SHARED_MEMORY_DEFAULT)
+
+
+def _configs_that_fit(configs, named_args, **kwargs):
+    """The autotuner's early_config_prune, called as Triton 3.x does (configs, the positional args by name, the
+    keyword args): the configs that fit the device's shared memory, or else the smallest. Triton would compile the
+    others, seconds each, only to skip them."""
+    major, limit = _device_limits(named_args["Q"].device.index)
+    sizes = {name: named_args[name].element_size() for name in ("Q", "K", "V", "KScale", "KMin", "KRecent")}
+    need = [split_shared_memory(major, sizes, kwargs["BITS"], kwargs["SCORES"], kwargs["BLOCK_M"], kwargs["BLOCK_D"],
+                                c.kwargs["BLOCK_N"], c.num_stages) for c in configs]
+    return [c for c, n in zip(configs, need) if n <= limit] or [configs[need.index(min(need))]]
+
+
 @cache
 def _split_launcher(cuda: bool):
     """(kernel, fixed launch settings): autotuned over BLOCK_N, warps and stages on CUDA, fixed otherwise."""
     if not cuda:
         return _split_kernel, {"BLOCK_N": 64, "num_warps": 4}
-    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-               for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
-    key = ["BLOCK_M", "BLOCK_D", "BITS", "GROUP", "HAS_WINDOW", "DIRECT", "SCORES", "PRECISION"]
-    return triton.autotune(configs, key=key)(_split_kernel), {}
+    key = ["BLOCK_M", "BLOCK_D", "BITS", "GROUP", "HAS_WINDOW", "DIRECT", "SCORES", "PRECISION", "DEVICE_LEN"]
+    prune = {"early_config_prune": _configs_that_fit}
+    return triton.autotune(SPLIT_CONFIGS, key=key, prune_configs_by=prune)(_split_kernel), {}
 
 
 @cache
@@ -255,17 +306,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _num_splits(keys: int, programs: int, device: torch.device) -> int:
+def _num_splits(keys: int, programs: int, q: torch.Tensor) -> int:
     """Enough splits to give every SM ~2 programs, each split at least SPLIT_ALIGN keys."""
-    if device.type == "cuda":
-        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        target = 4
+    target = 2 * _sm_count(q.device.index or 0) if q.is_cuda else 4
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(keys, SPLIT_ALIGN), MAX_SPLITS))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, *,
-                     num_splits: int | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, mass: torch.Tensor | None = None,
+                     length: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of the T newest tokens over a KV cache, as `ref.attention` defines it.
 
     q: (B, T, Hq, D) token-major, the queries of the last T of S positions (T small: 1 for decode, up to ~16
@@ -278,6 +327,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     mass: if given, fp32 (B, Hkv, S) with position stride 1 (a view of a longer buffer is fine): each key's
        softmax weight, summed over the T queries and the G query heads of its kv head, is added to it
        (`ref.attention_mass`: H2O's accumulated attention). Costs a (B, Hkv, T * G, S) fp32 scratch buffer.
+    length: if given, int32 (1,) on q's device: only the first `length` of the S keys are in use (the T queries
+       are the last of them), read by the kernel itself, so nothing here depends on it (a step a CUDA graph
+       replays at any position). k, v then span the buffer's capacity; the splits cover all of it. Not with mass.
     q, k, v share one dtype (fp32, fp16 or bf16) and device; D any size (tested 64-256).
     Returns (B, T, Hq, D) contiguous in q's dtype; scores use scale 1/sqrt(D) and an fp32 softmax.
     """
@@ -285,18 +337,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     _, Hkv, S, _ = k.shape
     assert k.shape == v.shape == (B, Hkv, S, D), (q.shape, k.shape, v.shape)
     assert k.dtype == v.dtype == q.dtype and k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous"
-    return _attend(q, (k, v, k, k, k, k, k), 0, 1, (0, 0), S, window, num_splits, mass)
+    return _attend(q, (k, v, k, k, k, k, k), 0, 1, (0, 0), S, window, num_splits, mass, length)
 
 
 def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int | None = None, *,
-                               num_splits: int | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
+                               num_splits: int | None = None, mass: torch.Tensor | None = None,
+                               length: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention` over a quantized cache, as `ref.quantized_attention` defines it: each K/V tile is
     dequantized in registers, to q's dtype; no full-precision copy of the cache is made.
 
     kv: INT8 or INT4 (layouts in `ref.QuantizedKV`) of B sequences, Hkv heads, S positions, head_dim D = kv.head_dim
        (a multiple of 16); every tensor any batch/head/position strides, last dim contiguous. INT4's k_recent
        (B, Hkv, ref.RECENT, D) may be of any float dtype.
-    q (B, T, Hq, D) fp32, fp16 or bf16; window, num_splits, mass as for `decode_attention`.
+    q (B, T, Hq, D) fp32, fp16 or bf16; window, num_splits, mass, length as for `decode_attention` (length: INT8
+    only, kv then spanning the buffer's capacity).
     Returns (B, T, Hq, D) contiguous in q's dtype.
     """
     B, T, Hq, D = q.shape
@@ -320,13 +374,15 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
             (kv.k_scale.shape, kv.k_min.shape, n_groups)
         cache = (kv.k, kv.v, kv.k_scale, kv.k_min, kv.k_recent, kv.v_scale, kv.v_min)
     assert all(x.stride(-1) == 1 for x in cache), "every tensor of the cache needs a contiguous last dim"
+    assert length is None or kv.bits == 8, "an INT4 cache's rows read keys decided on the host"
     nq = kv.row_quantized(T) if kv.bits == 4 else [0]
-    return _attend(q, cache, kv.bits, group, (nq[0], nq[-1]), S, window, num_splits, mass)
+    return _attend(q, cache, kv.bits, group, (nq[0], nq[-1]), S, window, num_splits, mass, length)
 
 
-def _attend(q, cache, bits, group, nq_range, S, window, num_splits, mass):
+def _attend(q, cache, bits, group, nq_range, S, window, num_splits, mass, length=None):
     """Launch the kernels on cache = (k, v, k_scale, k_min, k_recent, v_scale, v_min), the tensors a format does not
-    use standing in for any (they are never read); INT4 rows read keys below nq_range[0] to nq_range[1] as codes."""
+    use standing in for any (they are never read); INT4 rows read keys below nq_range[0] to nq_range[1] as codes.
+    With `length` (a device tensor), S is the capacity and the kernel reads how many keys are in use."""
     B, T, Hq, D = q.shape
     Hkv = cache[0].shape[1]
     assert Hq % Hkv == 0 and 1 <= T <= S, (q.shape, cache[0].shape)
@@ -338,10 +394,13 @@ def _attend(q, cache, bits, group, nq_range, S, window, num_splits, mass):
     BLOCK_M = min(max(16, triton.next_power_of_2(T * G)), MAX_TILE // BLOCK_D)  # tl.dot wants >= 16 rows
     m_blocks = triton.cdiv(T * G, BLOCK_M)
 
-    lo = 0 if window is None else max(0, S - T + 1 - window)  # the earliest key any query sees
+    assert length is None or (mass is None and length.dtype == torch.int32 and length.device == q.device), \
+        "a device-side length: int32 on q's device, without mass"
+    # the earliest key any query sees (with a device-side length, the kernel skips the rest itself)
+    lo = 0 if window is None or length is not None else max(0, S - T + 1 - window)
     keys = S - lo
     if num_splits is None:
-        num_splits = _num_splits(keys, B * Hkv * m_blocks, q.device)
+        num_splits = _num_splits(keys, B * Hkv * m_blocks, q)
     split_len = triton.cdiv(triton.cdiv(keys, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
     num_splits = triton.cdiv(keys, split_len)  # no empty split after rounding up
     direct = num_splits == 1
@@ -358,14 +417,15 @@ def _attend(q, cache, bits, group, nq_range, S, window, num_splits, mass):
         lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)  # each row's log2-sum-exp
         scores = torch.empty(B, Hkv, T * G, keys, dtype=torch.float32, device=q.device)  # log2 units, keys [lo, S)
 
-    kernel, settings = _split_launcher(q.device.type == "cuda")
+    kernel, settings = _split_launcher(q.is_cuda)
     kernel[(B * Hkv, num_splits, m_blocks)](
-        q, *cache, out, mid_o, mid_lse, lse, scores,
+        q, *cache, out, mid_o, mid_lse, lse, scores, out if length is None else length,
         q.stride(0), q.stride(1), q.stride(2),
         *(stride for x in cache for stride in x.stride()[:3]),
         out.stride(0), out.stride(1), out.stride(2),
         T, S, Hkv, G, D, lo, split_len, window or 0, math.log2(math.e) / math.sqrt(D), *nq_range,
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
+        DEVICE_LEN=length is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
     )
     if not direct:

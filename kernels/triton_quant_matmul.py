@@ -128,6 +128,8 @@ def _dequantize_kernel(
         tl.store(w_row + k[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & k_ok[None, :])
 
 
+# Shared memory is no limit here, unlike the attention kernel's: without a tl.dot nothing is copied ahead into it,
+# and each config takes BLOCK_M * BLOCK_N fp32 there (<= 4 KB compiled for sm_80 and sm_90) to sum across warps.
 _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in [(16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8)]
@@ -137,7 +139,8 @@ _INTERPRETER_BLOCKS = {"BLOCK_N": 256, "BLOCK_K": 512}  # the interpreter costs 
 
 @functools.cache
 def _gemv_launcher(cuda: bool):
-    # Autotuning benchmarks on a GPU; without one (the interpreter) the decorator itself fails, so decide per call.
+    # Autotuning times each config on the GPU. The interpreter has none to time on (Triton 3.6 and 3.8 fail at the
+    # first launch, 3.2 already in the decorator), so it gets fixed blocks.
     if cuda:
         return triton.autotune(_GEMV_CONFIGS, key=["M", "N", "K", "K_SPLIT", "BITS", "GROUP"])(_gemv_kernel), {}
     return _gemv_kernel, _INTERPRETER_BLOCKS

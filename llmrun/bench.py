@@ -82,7 +82,7 @@ def open_engine(files, settings: Settings):
         name = files.source.spec.removeprefix("random:")
         budget = settings.kv_budget if settings.kv_evict is not None else settings.ctx
         check_fits(name, files.config, device, dtype, budget, None if settings.kv == "auto" else settings.kv)
-        loaded = load_random(files, device, dtype)
+        loaded = load_random(files, device, dtype, settings.weights)
     else:
         loaded = load_weights(files, device=settings.device, dtype=settings.dtype, weights=settings.weights)
     eviction = None
@@ -249,11 +249,11 @@ def memory_figures(engine) -> dict:
 
 
 def weight_bytes_read_per_token(loaded) -> int:
-    """Weight bytes one decode step reads: all of them, except an untied token-embedding table, of which one
-    row is read."""
+    """Weight bytes one decode step reads: all of them, except a token-embedding table that is not also the output
+    head (an untied one, or a tied one whose head `--weights int4` made a copy of), of which one row is read."""
     total = loaded.weight_bytes
     embed = getattr(loaded.model, "embed", None)
-    if embed is not None and not loaded.config.tie_embeddings:
+    if embed is not None and getattr(loaded.model, "lm_head", None) is not None:
         total -= sum(t.nbytes for t in embed.parameters()) + sum(t.nbytes for t in embed.buffers())
     return total
 
@@ -307,6 +307,8 @@ def run_figures(engine, workload, runs: list[Run], tokens_per_step: float | None
         **figures,
         # what --weights auto became: "packed" (quantized blocks, llmrun's kernels) or "dequant"
         "weights_loaded": engine.loaded.weights,
+        # whether decode steps ran as CUDA graphs (`llmrun.cuda_graphs`)
+        "cuda_graphs": getattr(engine, "graphs", None) is not None and not engine.graphs.failed,
         "memory": memory,
         "weight_bytes": memory["weights"],
         "kv_bytes_per_token": kv_per_token,

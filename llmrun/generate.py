@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmrun import cuda_graphs
 from llmrun.errors import ContextOverflowError, LlmrunError
 from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
@@ -140,6 +141,7 @@ class Engine:
         self.tokens: list[int] = []  # the tokens fed so far, in order: the cache holds their K/V (less any evicted)
         self.speculator = None
         self.grammar = None
+        self.graphs = cuda_graphs.for_engine(self.model, self.cache)  # on CUDA: decode steps as CUDA graphs
 
     def sibling(self, loaded: LoadedModel | None = None, model=None) -> Engine:
         """An engine with this one's context and KV-cache settings, for another model (a speculative draft)."""
@@ -164,8 +166,10 @@ class Engine:
         """Run ids after the cached tokens; return the logits (V,) of the last one (or (T, V))."""
         self.cache.make_room(len(ids))  # evicts, or raises ContextOverflowError
         start = self.cache.length
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits = self.model(x, start_pos=self.cache.position, cache=self.cache, last_only=last_only)
+        logits = None if self.graphs is None else self.graphs.forward(ids, self.cache.position, start)
+        if logits is None:
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            logits = self.model(x, start_pos=self.cache.position, cache=self.cache, last_only=last_only)
         # Only now, with the forward complete, do the cache and the token list advance (Ctrl-C safe).
         self.cache.length = start + len(ids)
         self.tokens.extend(ids)

@@ -63,6 +63,10 @@ class _DenseStore:
         self._k[layer].narrow(2, slot, k.shape[2]).copy_(k)
         self._v[layer].narrow(2, slot, v.shape[2]).copy_(v)
 
+    def write_at(self, layer, slots, k, v):  # slots (T,) int64 on the device: no host value read
+        self._k[layer].index_copy_(2, slots, k.to(self.k.dtype))
+        self._v[layer].index_copy_(2, slots, v.to(self.v.dtype))
+
     def read(self, layer, length):
         return self._k[layer].narrow(2, 0, length), self._v[layer].narrow(2, 0, length)
 
@@ -100,6 +104,12 @@ class _Int8Store:
             self.codes[i, layer, :, :, slot : slot + x.shape[2]] = codes
             self.scales[i, layer, :, :, slot : slot + x.shape[2]] = scale
 
+    def write_at(self, layer, slots, k, v):
+        for i, x in enumerate((k, v)):
+            codes, scale = ref.quantize_int8(x, self.group)
+            self.codes[i, layer].index_copy_(2, slots, codes)
+            self.scales[i, layer].index_copy_(2, slots, scale)
+
     def read(self, layer, length):
         c, s = self.codes[:, layer, :, :, :length], self.scales[:, layer, :, :, :length]
         return ref.QuantizedKV(8, c[0], c[1], s[0], s[1]), None
@@ -131,7 +141,10 @@ class _Int4Store:
     keys per channel over groups of KEY_GROUP positions (packed codes, fp16 scale and minimum (L, B, Hkv, C/32,
     D)). A key group is quantized when it fills; `recent` (L, B, Hkv, RECENT, D) keeps, in the model's dtype,
     the exact keys of the partial group and of the one before it, so a rollback of up to a group re-fills it
-    exactly as it was. Per layer: keys [0, quantized[l]) are codes, [exact_from[l], end) are exact in `recent`."""
+    exactly as it was. `state` (L, 3) int32, per layer {quantized, exact_from, end}: keys [0, quantized) are
+    codes, [exact_from, end) are exact in `recent`. On the CPU in fp32 the C kernels write (`kernels.cpu.int4_write`,
+    the same bits as the torch code here, which serves elsewhere), and so does the C decode stack, which updates
+    `state` itself."""
 
     def __init__(self, L, B, H, C, D, dtype, device):
         self.group, G = ref.kv_group(D), ref.KEY_GROUP
@@ -142,16 +155,23 @@ class _Int4Store:
         self.v = torch.zeros(L, B, H, C, D // 2, dtype=torch.uint8, device=device)
         self.v_scale = torch.zeros(L, B, H, C, D // self.group, dtype=torch.float16, device=device)
         self.v_min = torch.zeros_like(self.v_scale)
-        self.quantized = [0] * L
-        self.exact_from = [0] * L
-        self.end = [0] * L
+        self.state = torch.zeros(L, 3, dtype=torch.int32)  # on the host: indices, not data
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """(k, v, k_scale, k_min, v_scale, v_min, recent): the order `kernels.cpu` takes them in."""
+        return self.k, self.v, self.k_scale, self.k_min, self.v_scale, self.v_min, self.recent
+
+    def _state(self, layer) -> tuple[int, int, int]:
+        quantized, exact_from, end = self.state[layer].tolist()
+        return quantized, exact_from, end
 
     def _recent_index(self, start, end):
         return torch.arange(start, end, device=self.recent.device) % ref.RECENT
 
     def _exact_keys(self, layer, start, end):
         """Keys [start, end) fp32, from `recent` where it holds them, else dequantized from their codes."""
-        cut = min(max(start, self.exact_from[layer]), end)
+        cut = min(max(start, self._state(layer)[1]), end)
         parts = []
         if cut > start:  # below the ring: those groups are quantized
             g0 = start // ref.KEY_GROUP
@@ -164,6 +184,7 @@ class _Int4Store:
 
     def _write_keys(self, layer, slot, k):
         G = ref.KEY_GROUP
+        _, exact_from, last_end = self._state(layer)
         end = slot + k.shape[2]
         g0 = slot // G * G
         head = self._exact_keys(layer, g0, slot) if slot > g0 else None
@@ -174,13 +195,16 @@ class _Int4Store:
             self.k[layer, :, :, g0:full] = codes
             self.k_scale[layer, :, :, g0 // G : full // G] = scale
             self.k_min[layer, :, :, g0 // G : full // G] = lo
-        lossy = slot < self.exact_from[layer] or slot > self.end[layer]
+        lossy = slot < exact_from or slot > last_end
         start = max(g0 if lossy else slot, end - ref.RECENT)
         self.recent[layer][:, :, self._recent_index(start, end)] = seg[:, :, start - g0 :].to(self.recent.dtype)
-        self.exact_from[layer] = max(start if lossy else self.exact_from[layer], end - ref.RECENT)
-        self.quantized[layer], self.end[layer] = full, end
+        self.state[layer] = torch.tensor([full, max(start if lossy else exact_from, end - ref.RECENT), end])
 
     def write(self, layer, slot, k, v):
+        if self.k.shape[1] == 1 and self.recent.dtype == torch.float32 and kernels.cpu_kernels_serve(k) \
+                and kernels.cpu.int4_layout_ok(*(b[layer] for b in self.buffers)):
+            kernels.cpu.int4_write(tuple(b[layer] for b in self.buffers), self.state[layer], slot, k, v)
+            return
         self._write_keys(layer, slot, k)
         codes, scale, lo = ref.quantize_int4_tokens(v, self.group)
         T = v.shape[2]
@@ -189,32 +213,33 @@ class _Int4Store:
 
     def read(self, layer, length):
         G = ref.KEY_GROUP
-        nq = min(self.quantized[layer], length // G * G)
+        quantized, exact_from, _ = self._state(layer)
+        nq = min(quantized, length // G * G)
         # a block's queries may read exact keys from the first group start where the ring holds them all: not before
         # exact_from (a rollback past the ring lost the older ones), nor more than RECENT positions back
-        first_exact = min(nq, -(-max(self.exact_from[layer], length - ref.RECENT) // G) * G)
+        first_exact = min(nq, -(-max(exact_from, length - ref.RECENT) // G) * G)
         return ref.QuantizedKV(4, self.k[layer, :, :, :length], self.v[layer, :, :, :length],
                                self.k_scale[layer], self.v_scale[layer, :, :, :length], self.k_min[layer],
                                self.v_min[layer, :, :, :length], self.recent[layer], nq, first_exact), None
 
     def truncate(self, length):
         g = length // ref.KEY_GROUP * ref.KEY_GROUP
-        for layer in range(len(self.end)):
-            if length >= self.end[layer]:
+        for layer in range(self.state.shape[0]):
+            quantized, exact_from, end = self._state(layer)
+            if length >= end:
                 continue
-            if self.exact_from[layer] > g:  # the partial group's first keys left the ring: take their codes
+            if exact_from > g:  # the partial group's first keys left the ring: take their codes
                 if length > g:
                     keys = self._exact_keys(layer, g, length)
                     self.recent[layer][:, :, self._recent_index(g, length)] = keys.to(self.recent.dtype)
-                self.exact_from[layer] = g
-            self.quantized[layer] = min(self.quantized[layer], g)
-            self.end[layer] = length
+                exact_from = g
+            self.state[layer] = torch.tensor([min(quantized, g), exact_from, length])
 
     def keys(self, layer, length):
         return self._exact_keys(layer, 0, length)
 
     def set_keys(self, layer, k):
-        self.quantized[layer] = self.exact_from[layer] = self.end[layer] = 0
+        self.state[layer] = 0
         self._write_keys(layer, 0, k)
 
     def keep(self, layer, length, index):
@@ -263,6 +288,18 @@ class Eviction:
         return max(1, self.budget // 8)
 
 
+@dataclass(frozen=True)
+class DeviceStep:
+    """A forward whose positions live on the device, so that one CUDA graph of it replays at any position
+    (`llmrun.cuda_graphs`): while `KVCache.device_step` holds one, `update` writes the T new tokens' K/V at `slots`
+    and hands attention the whole buffers with `length`, the slots in use, which attention reads on the device.
+    Float and INT8 caches only, without H2O's scores (`KVCache.device_steps`)."""
+
+    slots: torch.Tensor  # (T,) int64: where the tokens' K/V go
+    positions: torch.Tensor  # (T,) int64: their RoPE positions
+    length: torch.Tensor  # (1,) int32: slots in use once they are written
+
+
 class KVCache:
     """K/V of `batch` sequences for every layer, `max_len` slots (the eviction budget when there is one).
 
@@ -279,6 +316,7 @@ class KVCache:
         if eviction is not None:
             max_len = eviction.budget
         self.format, self.eviction = kv_format, eviction
+        self.device = torch.device(device)
         self.shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         store = {"int8": _Int8Store, "int4": _Int4Store}.get(kv_format, _DenseStore)
         self.store = store(*self.shape, _DTYPES.get(kv_format, dtype), device)
@@ -294,6 +332,7 @@ class KVCache:
             if eviction.policy == "h2o":
                 self.scores = torch.zeros(n_layers, batch, n_kv_heads, max_len, dtype=torch.float32, device=device)
         self._rope = None  # positions (...) -> cos, sin (..., D): set by `for_model`, used to re-rotate keys
+        self.device_step: DeviceStep | None = None  # set around a forward captured in a CUDA graph
 
     @classmethod
     def for_model(cls, model, max_len: int, dtype, device, batch: int = 1, kv_format: str | None = None,
@@ -322,6 +361,8 @@ class KVCache:
         Returns what attention reads, the slots [0, end): (k, v) views (B, Hkv, end, D) for a plain cache, or
         (`kernels.ref.QuantizedKV`, None); and the (B, Hkv, end) accumulator H2O's attention mass goes to (or None).
         """
+        if self.device_step is not None:
+            return self._update_at(layer, k, v)
         slot = self.slot(position)
         end = slot + k.shape[1]
         if end > self.max_len:
@@ -336,6 +377,27 @@ class KVCache:
         if v_read is not None and k_read.dtype != k.dtype:  # a float cache in another dtype (--kv fp16 on fp32)
             k_read, v_read = k_read.to(k.dtype), v_read.to(k.dtype)
         return k_read, v_read, mass
+
+    @property
+    def device_steps(self) -> str | None:
+        """Why this cache cannot take a `DeviceStep`, or None when it can."""
+        if self.format == "int4":
+            return "an int4 cache decides on the host when a key group is quantized"
+        if self.scores is not None:
+            return "H2O's attention mass is not collected on a device step"
+        return None
+
+    def _update_at(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """`update` at `device_step`'s slots: returns the whole buffers (attention reads its `length` slots)."""
+        step = self.device_step
+        self.store.write_at(layer, step.slots, k.transpose(1, 2), v.transpose(1, 2))
+        if self.positions is not None:
+            B, H = self.shape[1:3]
+            self.positions[layer].index_copy_(2, step.slots, step.positions.expand(B, H, -1))
+        k_read, v_read = self.store.read(layer, self.max_len)
+        if v_read is not None and k_read.dtype != k.dtype:
+            raise ValueError("a device step needs the cache in the compute dtype")
+        return k_read, v_read, None
 
     def contents(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values (B, Hkv, length, D) fp32 that attention reads in `layer` (for tests and checks)."""

@@ -11,7 +11,7 @@ import importlib.util
 import inspect
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -363,7 +363,36 @@ def resolve_dtype(dtype: str, device):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
 
-WEIGHT_MODES = ("auto", "dequant")
+WEIGHT_MODES = ("auto", "dequant", "int4")
+
+
+def packed_kernels(dev, dt) -> str | None:
+    """Why quantized weights cannot run packed on `dev` in compute dtype `dt`, or None when they can: the C kernels
+    on a CPU (fp32 activations), the Triton kernels on CUDA (any dtype)."""
+    import torch
+
+    from llmrun import kernels
+
+    if dev.type == "cuda":
+        return None if importlib.util.find_spec("triton") else "Triton is not installed"
+    if dev.type != "cpu":
+        return f"no kernels for quantized weights on {dev.type}"
+    if dt != torch.float32:
+        return "the CPU kernels take fp32 activations (--dtype fp32)"
+    if not kernels.cpu.available():
+        return f"the CPU kernels are off ({kernels.cpu.unavailable_reason()})"
+    return None
+
+
+def round_to_int4(loaded: LoadedModel) -> LoadedModel:
+    """`--weights int4`: every matrix of the blocks and the output head not already in 4-bit blocks becomes 4-bit
+    round-to-nearest blocks of 32 with offsets (GGUF Q4_1's scheme, `models.quant.rtn_blocks`), run packed by the
+    kernels (W4A16 on CUDA); norms and the embedding lookup stay as they are."""
+    why = packed_kernels(loaded.device, loaded.dtype)
+    if why is not None:
+        raise LlmrunError(f"--weights int4 needs llmrun's kernels for quantized weights, but {why}")
+    model = loaded.model.with_int4_weights()
+    return replace(loaded, model=model, weights="packed")
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", weights: str = "auto") -> LoadedModel:
@@ -378,6 +407,8 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     tensor (0) and after each one is read (and dequantized or packed), up to `total`."""
     if weights not in WEIGHT_MODES:
         raise LlmrunError(f"unknown weight mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
+    if weights == "int4":
+        return round_to_int4(load_weights(files, device, dtype, "auto", on_progress))
     import torch
 
     from llmrun.models import build_model
@@ -456,15 +487,14 @@ def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str,
     """Our names of the GGUF tensors to keep quantized, each with the format of its planes (bits, offsets), and
     notes on what runs slower than it could.
 
-    Kept on the CPU with fp32 activations (`kernels.cpu`): every matrix whose GGML type has planes
+    Kept where llmrun has kernels for them (`packed_kernels`: the C kernels on a CPU in fp32, Triton on CUDA): every
+    matrix whose GGML type has planes
     (`gguf_quants.PLANE_FORMATS`: Q4_0, Q4_1, Q8_0 as stored; Q5_0, Q4_K converted exactly but for fp16
     rounding; Q6_K requantized to 8 bits). Everything else is dequantized to `dt`. Projections the model fuses
     (q/k/v, gate/up) hold one format: parts that differ are all converted to the widest of theirs (4-bit with
     offsets, else 8-bit), and a group with a part that has no planes is dequantized whole.
     """
     import torch
-
-    from llmrun import kernels
 
     if weights == "dequant" or (files.gguf is None and files.quant is None):
         return {}, []
@@ -491,23 +521,20 @@ def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str,
         widest = max(keep[name] for name in members)  # (4, False) < (4, True) < (8, False)
         for name in members:
             keep[name] = widest
-    if not keep or dev.type != "cpu" or dt != torch.float32:
-        return {}, []  # the GPU kernels for quantized weights come with the Triton path
-    if not kernels.cpu.available():
-        return {}, [f"the CPU kernels are off ({kernels.cpu.unavailable_reason()}); running the slower dequantized path"]
-    notes = [f"no packed format for {', '.join(sorted(expanded))} weights; they run dequantized to fp32 (slower)"]
+    why = packed_kernels(dev, dt)
+    if not keep or why is not None:
+        off = keep and dev.type == "cpu" and dt == torch.float32  # the default CPU setting, where packing was expected
+        return {}, [f"{why}; running the slower dequantized path"] if off else []
+    notes = [f"no packed format for {', '.join(sorted(expanded))} weights; they run dequantized to "
+             f"{str(dt).removeprefix('torch.')} (slower)"]
     return keep, notes if expanded else []
 
 
 def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[int, bool]]:
-    """`_packed_weights` of an AWQ/GPTQ checkpoint: on the CPU kernels' path, every linear layer of the blocks
-    keeps its codes (AWQ: 4-bit with offsets; symmetric 8-bit GPTQ: 8-bit), and the float embedding and output
-    head become 8-bit blocks of 32 (GGUF's Q8_0), so no float matrix is read per token. Group sizes that are not
-    whole blocks of 32, act-order GPTQ and asymmetric 8-bit run dequantized."""
-    import torch
-
-    from llmrun import kernels
-
+    """`_packed_weights` of an AWQ/GPTQ checkpoint: where the kernels run (`packed_kernels`), every linear layer of
+    the blocks keeps its codes (AWQ: 4-bit with offsets; symmetric 8-bit GPTQ: 8-bit), and the float embedding and
+    output head become 8-bit blocks of 32 (GGUF's Q8_0), so no float matrix is read per token. Group sizes that are
+    not whole blocks of 32, act-order GPTQ and asymmetric 8-bit run dequantized."""
     quant, cfg = files.quant, files.config
     widths = [width for width, _ in cfg.linear_widths().values()]  # the layers' input widths
     if quant.group == -1:
@@ -515,7 +542,7 @@ def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[in
     else:
         fits = quant.group % 32 == 0 and all(w % quant.group == 0 for w in widths)
     fits = fits and not quant.act_order and (quant.bits == 4 or quant.symmetric)
-    if not fits or dev.type != "cpu" or dt != torch.float32 or not kernels.cpu.available():
+    if not fits or packed_kernels(dev, dt) is not None:
         return {}
     fmt = (4, True) if quant.bits == 4 else (8, False)
     keep = {f"layers.{i}.{part}.weight": fmt for i in range(cfg.n_layers)

@@ -111,13 +111,14 @@ def check_fits(name: str, config, device, dtype, ctx: int, kv_format: str | None
         )
 
 
-def load_random(files, device, dtype):
+def load_random(files, device, dtype, weights: str = "auto"):
     """Build the shape's model straight on `device` in `dtype` (never a CPU fp32 copy first), with seeded random
     weights: normal(0, INIT_STD), norms 1. The same seed gives the same weights in every dtype (each tensor is
-    drawn in fp32, one at a time, then rounded)."""
+    drawn in fp32, one at a time, then rounded). weights: "auto" or "dequant" (float matrices; "dequant" runs the
+    plain-PyTorch ops), or "int4" (`loading.round_to_int4`: 4-bit blocks, the float matrices dropped)."""
     import torch
 
-    from llmrun.loading import LoadedModel
+    from llmrun.loading import LoadedModel, round_to_int4
     from llmrun.models import build_model
 
     with torch.device("meta"):
@@ -133,4 +134,6 @@ def load_random(files, device, dtype):
                 p.copy_(draw.normal_(0.0, INIT_STD, generator=generator))
                 del draw
     model.eval().requires_grad_(False)
-    return LoadedModel(files, model, device, dtype)
+    model.reference_ops = weights == "dequant"
+    loaded = LoadedModel(files, model, device, dtype)
+    return round_to_int4(loaded) if weights == "int4" else loaded

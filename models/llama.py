@@ -55,10 +55,12 @@ class Attention(nn.Module):
         else:
             # k, v (B, Hkv, S, D) over the cache's S slots, or a quantized cache (v None); mass: H2O's scores
             k, v, mass = cache.update(self.layer_idx, start_pos, k, v)
+            step = getattr(cache, "device_step", None)  # a CUDA graph's step: the keys in use are counted on the device
+            length = None if step is None else step.length
             if v is None:
-                y = kernels.quantized_attention(q, k, window, mass=mass)
+                y = kernels.quantized_attention(q, k, window, mass=mass, length=length)
             else:
-                y = kernels.attention(q, k, v, window, mass=mass)  # (B, T, Hq, D)
+                y = kernels.attention(q, k, v, window, mass=mass, length=length)  # (B, T, Hq, D)
         return self.o(y.reshape(B, T, Hq * self.head_dim))
 
 
@@ -162,18 +164,19 @@ class Transformer(nn.Module):
 
     def _decode_stack(self, x, cache):
         """The CPU's whole-stack decode step (`kernels.cpu.DecodeStack`) for this cache, when every layer's
-        matmuls are quantized for the CPU kernels, activations are fp32, the cache is fp32 or int8 and no
-        attention mass is collected (H2O); else None."""
-        if getattr(cache, "scores", None) is not None:
-            return None
-        dense, fmt = getattr(cache, "dense", None), getattr(cache, "format", None)
+        matmuls are quantized for the CPU kernels, activations are fp32 and the cache is fp32, int8 or int4 (with
+        or without H2O's attention mass); else None."""
+        dense, fmt, store = getattr(cache, "dense", None), getattr(cache, "format", None), getattr(cache, "store", None)
         if dense is not None and dense[0].dtype == torch.float32:
             kv = dict(fp32_kv=dense)
         elif fmt == "int8":
-            kv = dict(int8_kv=(cache.store.codes, cache.store.scales))
+            kv = dict(int8_kv=(store.codes, store.scales))
+        elif fmt == "int4" and store.recent.dtype == torch.float32 and store.k.shape[1] == 1:
+            kv = dict(int4_kv=(*store.buffers, store.state))
         else:
             return None
-        key = tuple(t.data_ptr() for t in next(iter(kv.values())))
+        scores = getattr(cache, "scores", None)
+        key = (*(t.data_ptr() for t in next(iter(kv.values()))), None if scores is None else scores.data_ptr())
         if self._stack is not None and self._stack[0] == key:
             return self._stack[1]
         stack = None
@@ -184,16 +187,18 @@ class Transformer(nn.Module):
             layers = [dict(attn_norm=l.attn_norm.weight, mlp_norm=l.mlp_norm.weight, qkv=l.attn.qkv, o=l.attn.o,
                            gate_up=l.mlp.gate_up, down=l.mlp.down) for l in self.layers]
             stack = kernels.cpu.DecodeStack(
-                layers, **kv, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                layers, **kv, scores=scores, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                 dim=cfg.dim, ffn_dim=cfg.ffn_dim, eps=cfg.norm_eps, window=cfg.sliding_window)
         self._stack = (key, stack)
         return stack
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache=None, last_only: bool = False):
+    def forward(self, tokens: torch.Tensor, start_pos: int | torch.Tensor = 0, cache=None, last_only: bool = False):
         """tokens (B, T) at positions start_pos..start_pos+T-1 -> logits (B, T, V) fp32 ((B, 1, V) if last_only).
 
         `cache` is a KV cache holding positions [0, start_pos); the new keys/values are written into it.
         Without a cache the tokens attend only to each other (start_pos then only shifts RoPE).
+        start_pos may instead be the T positions as a device tensor, with the cache's `device_step` set: a step that
+        reads no position on the host, for CUDA graphs (`llmrun.cuda_graphs`).
         """
         with kernels.reference_ops(self.reference_ops):
             return self._forward(tokens, start_pos, cache, last_only)
@@ -201,11 +206,16 @@ class Transformer(nn.Module):
     def _forward(self, tokens, start_pos, cache, last_only):
         B, T = tokens.shape
         x = self.embed(tokens)  # (B, T, dim)
-        cos, sin = self._rope_tables(start_pos + T, x.device)
-        cos = cos[start_pos : start_pos + T].to(x.dtype).contiguous()  # (T, D)
-        sin = sin[start_pos : start_pos + T].to(x.dtype).contiguous()
+        on_device = isinstance(start_pos, torch.Tensor)
+        if on_device:  # positions (T,) on the device: the tables must already cover them (DecodeGraphs sees to it)
+            cos, sin = self._rope_tables(0, x.device)
+            cos, sin = cos.index_select(0, start_pos).to(x.dtype), sin.index_select(0, start_pos).to(x.dtype)
+        else:
+            cos, sin = self._rope_tables(start_pos + T, x.device)
+            cos = cos[start_pos : start_pos + T].to(x.dtype).contiguous()  # (T, D)
+            sin = sin[start_pos : start_pos + T].to(x.dtype).contiguous()
         # decode steps and speculative blocks; longer prompts amortize the Python of the layer loop anyway
-        short = T <= STACK_MAX_TOKENS and B == 1 and cache is not None and not self.reference_ops
+        short = T <= STACK_MAX_TOKENS and B == 1 and cache is not None and not self.reference_ops and not on_device
         stack = self._decode_stack(x, cache) if short else None
         if stack is not None:  # one C call for all layers: the same kernels as the loop below, bit for bit
             x = stack(x, cache.slot(start_pos), cos, sin)

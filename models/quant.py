@@ -84,7 +84,9 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def int4_linear(layer: nn.Module) -> QuantLinear:
     """A 4-bit RTN copy of the matrix of an `nn.Linear`, `nn.Embedding` or quantized layer, as a linear layer
-    (the bias shared)."""
+    (the bias shared); a linear layer already in 4-bit blocks is returned as it is."""
+    if isinstance(layer, QuantLinear) and layer.bits == 4:
+        return layer
     if isinstance(layer, _Blocks):
         from llmrun.kernels import ref
 

@@ -27,7 +27,7 @@ FAST = ["--prompt-tokens", "8", "--new-tokens", "3", "--repeat", "2", "--no-warm
 NUMBER = (int, float)
 SCHEMA = {
     "model": str, "config": dict, "workload": dict, "ttft_s": NUMBER, "prefill_tok_s": NUMBER,
-    "decode_tok_s": dict, "e2e_tok_s": NUMBER, "weights_loaded": str, "memory": dict, "weight_bytes": int, "kv_bytes_per_token": int,
+    "decode_tok_s": dict, "e2e_tok_s": NUMBER, "weights_loaded": str, "cuda_graphs": bool, "memory": dict, "weight_bytes": int, "kv_bytes_per_token": int,
     "kv_bytes_in_use": int, "bytes_per_token": int, "bandwidth_gb_s": NUMBER, "bandwidth_peak_gb_s": NUMBER,
     "bandwidth_share": NUMBER, "acceptance_rate": type(None), "tokens_per_step": type(None),
     "speculative": type(None), "compare": (list, type(None)), "sweep": (list, type(None)), "recommended": (dict, type(None)),

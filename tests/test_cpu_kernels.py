@@ -5,10 +5,14 @@ whether it is computed alone or among others, so a cached decode reproduces the 
 speculative decoding (which verifies several tokens in one call) emits exactly what plain greedy emits.
 """
 
+import platform
+
 import pytest
 import torch
 
 from llmrun.kernels import cpu, ref
+
+from .kv_views import mass_buffer, quantized_cache
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
 
@@ -157,6 +161,96 @@ def test_int8_attention_matches_reference(Hq, Hkv, D, T, S, window):
     assert torch.equal(cpu.attention_int8(q[:, t:].contiguous(), kc, vc, ks, vs, window)[0, 0], got[0, t])
 
 
+# INT4 (S, n_quantized, first_exact): all exact; one group of codes; rows on both sides of a group's end (62..65,
+# 84..99, 284..299); a ring that lost a block's first rows' exact keys (first_exact 0 of a 40-key cache is exact
+# from 0: rows read codes only from 32 on); a long cache.
+INT4_STATES = [(1, 0, 0), (33, 32, 32), (66, 64, 32), (100, 96, 64), (40, 32, 0), (300, 288, 256), (1000, 992, 960)]
+
+
+@pytest.mark.parametrize("Hq, Hkv, D", [(4, 4, 64), (9, 3, 80), (8, 2, 128), (6, 2, 48)])
+@pytest.mark.parametrize("T", [1, 4, 16])
+@pytest.mark.parametrize("S, n_quantized, first_exact", INT4_STATES)
+@pytest.mark.parametrize("window", [None, 7])
+def test_int4_attention_matches_reference(Hq, Hkv, D, T, S, n_quantized, first_exact, window):
+    if T > S:
+        pytest.skip("more queries than keys")
+    kv = quantized_cache(4, 1, Hkv, S, D, n_quantized, torch.float32, first_exact)
+    q = torch.randn(1, T, Hq, D)
+    mass = mass_buffer(1, Hkv, S)
+    before = mass.clone()
+    got = cpu.attention_int4(q, kv, window, mass)
+    torch.testing.assert_close(got, ref.quantized_attention(q, kv, window), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mass - before, ref.quantized_attention_mass(q, kv, window), rtol=1e-4, atol=1e-5)
+    # the codes dequantized in registers, each row's own keys: the bits of the fp32 kernel over the dequantized
+    # cache, one run of rows at a time (what the layer loop would run), so the decode stack matches the loop
+    runs = [cpu.attention(q[:, r0:r1], k, v, window) for r0, r1, k, v in ref.quantized_row_blocks(kv, T)]
+    assert torch.equal(got, torch.cat(runs, dim=1))
+    t = T - 1  # the last query alone, at the same position, gives the same bits
+    assert torch.equal(cpu.attention_int4(q[:, t:].contiguous(), kv, window)[0, 0], got[0, t])
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("T, S, window", [(1, 1, None), (4, 33, None), (16, 300, 7)])
+def test_attention_mass_matches_reference(bits, T, S, window):
+    """H2O's attention mass from the C kernels: each key's softmax weight, summed over queries and query heads."""
+    Hq, Hkv, D = 9, 3, 64
+    q = torch.randn(1, T, Hq, D)
+    mass = mass_buffer(1, Hkv, S)
+    before = mass.clone()
+    if bits == 8:
+        kc, vc, ks, vs = random_int8_cache(Hkv, S, D)
+        cpu.attention_int8(q, kc, vc, ks, vs, window, mass)
+        k = ref.dequantize_int8(kc, ks)
+    else:
+        k, v = (x[:, :, :S] for x in torch.randn(2, 1, Hkv, S + 5, D))
+        cpu.attention(q, k, v, window, mass)
+    torch.testing.assert_close(mass - before, ref.attention_mass(q, k, window), rtol=1e-4, atol=1e-5)
+
+
+def int4_store_runs(D, ops, seed=0):
+    """The INT4 store (llmrun/kv_cache.py) through `ops` twice: its writes by the C kernels and by torch
+    (`reference_ops`) -> (C store, torch store) after each op. ops: ("write", slot, T) or ("truncate", length)."""
+    from llmrun import kernels
+    from llmrun.kv_cache import _Int4Store
+
+    g = torch.Generator().manual_seed(seed)
+    Hkv, C = 3, 256
+    stores = [_Int4Store(2, 1, Hkv, C, D, torch.float32, "cpu") for _ in range(2)]
+    for op in ops:
+        if op[0] == "truncate":
+            for store in stores:
+                store.truncate(op[1])
+        else:
+            _, slot, T = op
+            k = torch.randn(1, Hkv, T, D, generator=g) * torch.rand(1, 1, 1, D, generator=g) * 8
+            v = torch.randn(1, Hkv, T, D, generator=g)
+            k[0, 0, :, : D // 2] = 0.25  # a channel constant over its group: scale 0, codes 0
+            k[0, 1] *= 1e-6  # scales below fp16's smallest normal
+            v[0, 2, 0] = 1e-7
+            for layer in range(2):
+                stores[0].write(layer, slot, k, v)
+                with kernels.reference_ops():
+                    stores[1].write(layer, slot, k, v)
+        yield stores
+
+
+@pytest.mark.parametrize("D", [64, 80])
+def test_int4_store_writes_are_the_torch_writes_bit_for_bit(D, monkeypatch):
+    """The C kernels write an INT4 cache (values per token; keys into the exact ring, each group that fills
+    quantized per channel) exactly as the store's torch code does: decode steps, blocks, a prompt, rollbacks
+    shallow and past the ring, and a write after the ring lost keys."""
+    calls = []
+    monkeypatch.setattr(cpu, "int4_write", lambda *args, f=cpu.int4_write: calls.append(1) or f(*args))
+    ops = [("write", 0, 5), *[("write", s, 1) for s in range(5, 40)], ("write", 40, 16), ("write", 56, 9),
+           ("truncate", 50), ("write", 50, 20), ("write", 70, 70), ("truncate", 80), ("write", 80, 3),
+           ("truncate", 140), ("write", 140, 1), ("truncate", 100), ("write", 100, 33), ("write", 133, 1)]
+    for c_store, torch_store in int4_store_runs(D, ops):
+        assert torch.equal(c_store.state, torch_store.state)
+        for a, b in zip(c_store.buffers, torch_store.buffers):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert len(calls) == 2 * sum(op[0] == "write" for op in ops)  # every write took the C path
+
+
 @pytest.fixture(scope="module", params=[("smollm2", "Q4_1"), ("smollm2", "Q4_0"), ("smollm2", "Q8_0"),
                                         ("qwen2", "Q4_1"), ("mistral", "Q8_0")])
 def tiny_quantized(request, tmp_path_factory):
@@ -172,7 +266,7 @@ def tiny_quantized(request, tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("q") / f"tiny-{arch}-{qtype}.gguf", model, qtype=qtype)
 
 
-@pytest.mark.parametrize("kv_format", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4"])
 def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized, kv_format):
     from llmrun.models.llama import STACK_MAX_TOKENS
     from llmrun.kv_cache import KVCache
@@ -206,43 +300,56 @@ def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized,
         blocks, _ = run([3, 1, 7, STACK_MAX_TOKENS - 7, 4])  # speculative blocks through the same C call
     assert torch.equal(steps, prefill)  # one token at a time: the same bits
     assert torch.equal(blocks, prefill)
-    if kv_format == "int8":  # the stack wrote the codes and scales the layer loop wrote (with ref.quantize_int8)
-        assert torch.equal(step_cache.store.codes, cache.store.codes)
-        assert torch.equal(step_cache.store.scales, cache.store.scales)
+    for a, b in zip(vars(step_cache.store).values(), vars(cache.store).values()):  # the stack wrote what the loop wrote
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_an_int8_cache_decodes_through_the_stack_as_through_the_layer_loop(smollm2, monkeypatch):
-    """The embedded model with an INT8 cache: the whole-stack C call writes the codes ref.quantize_int8 writes and
-    gives the logits of the layer-by-layer forward, bit for bit."""
-    from llmrun.kv_cache import KVCache
+@pytest.mark.parametrize("kv_format, evict", [("int8", None), ("int4", None), ("fp32", "h2o"), ("int4", "h2o")])
+def test_the_decode_stack_writes_and_reads_the_cache_as_the_layer_loop(smollm2, monkeypatch, kv_format, evict):
+    """The embedded model: the whole-stack C call writes the cache the layer-by-layer forward writes (INT8 codes as
+    ref.quantize_int8, INT4 as the store, H2O's attention mass), evicting when full, and gives its logits, bit
+    for bit."""
+    from llmrun.kv_cache import Eviction, KVCache
     from llmrun.models.llama import Transformer
 
     model = smollm2.model
-    tokens = torch.randint(0, smollm2.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
-    pieces = [12, 1, 1, 5, 1, 16, 1, 3]  # a short prefill, decode steps, speculative blocks: all T <= 16
+    tokens = torch.randint(0, smollm2.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(5))
+    # a short prefill, decode steps, speculative blocks (all T <= 16), past a few INT4 key groups and (H2O,
+    # budget 64) several evictions
+    pieces = [12, 1, 1, 5, 1, 16, 1, 3, *[1] * 20, 16, 7, 16, 1]
+    eviction = Eviction(evict, 64) if evict else None
 
-    def run(kv_format):
-        cache = KVCache.for_model(model, 64, torch.float32, "cpu", kv_format=kv_format)
+    def run():
+        cache = KVCache.for_model(model, 128, torch.float32, "cpu", kv_format=kv_format, eviction=eviction)
         out, start = [], 0
         with torch.no_grad():
             for size in pieces:
-                out.append(model(tokens[:, start : start + size], start, cache)[0])
+                cache.make_room(size)
+                out.append(model(tokens[:, start : start + size], cache.position, cache)[0])
+                cache.length += size
                 start += size
         return torch.cat(out), cache
 
-    stacked, cache = run("int8")
-    assert model._stack[1] is not None and model._stack[0] == (cache.store.codes.data_ptr(), cache.store.scales.data_ptr())
-    _, dense = run("fp32")  # layer 0's K/V do not depend on the cache's format: the codes are theirs, quantized
-    for i, x in enumerate((dense.store.k[0], dense.store.v[0])):
-        codes, scales = ref.quantize_int8(x[:, :, :sum(pieces)], ref.kv_group(x.shape[-1]))
-        assert torch.equal(cache.store.codes[i, 0, :, :, :sum(pieces)], codes)
-        assert torch.equal(cache.store.scales[i, 0, :, :, :sum(pieces)], scales)
-
+    stacked, cache = run()
+    assert model._stack[1] is not None  # the steps ran as one C call each
+    assert evict is None or cache.evicted > 0
     monkeypatch.setattr(Transformer, "_decode_stack", lambda self, x, cache: None)
-    looped, loop_cache = run("int8")
+    looped, loop_cache = run()
     assert torch.equal(stacked, looped)
-    assert torch.equal(cache.store.codes, loop_cache.store.codes)
-    assert torch.equal(cache.store.scales, loop_cache.store.scales)
+    for a, b in zip(vars(cache.store).values(), vars(loop_cache.store).values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for a, b in ((cache.scores, loop_cache.scores), (cache.positions, loop_cache.positions)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    if kv_format == "int8" and evict is None:  # layer 0's codes are its K/V quantized (they do not depend on the cache)
+        dense = KVCache.for_model(model, 128, torch.float32, "cpu")
+        with torch.no_grad():
+            model(tokens[:, : sum(pieces)], 0, dense)
+        for i, x in enumerate((dense.store.k[0], dense.store.v[0])):
+            codes, scales = ref.quantize_int8(x[:, :, : sum(pieces)], ref.kv_group(x.shape[-1]))
+            assert torch.equal(cache.store.codes[i, 0, :, :, : sum(pieces)], codes)
+            assert torch.equal(cache.store.scales[i, 0, :, :, : sum(pieces)], scales)
 
 
 def test_without_cpu_kernels_the_dequantized_path_runs_with_a_note(tiny_quantized, monkeypatch):
@@ -291,3 +398,36 @@ def test_dequant_weights_run_plain_pytorch_only(tiny_quantized, monkeypatch):
     with torch.no_grad():
         plain.model(torch.tensor([[1, 2, 3]]), 0, cache)
         plain.model(torch.tensor([[4]]), 3, cache)
+
+
+@pytest.fixture
+def portable_kernels(monkeypatch):
+    """The C kernels built for plain x86-64, without AVX2: the scalar loops that CPUs without AVX2 (and every
+    non-x86 CPU) run, loaded for this test only."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the native build is already the portable one here")
+    monkeypatch.setattr(cpu, "FLAGS", ["-march=x86-64" if f == "-march=native" else f for f in cpu.FLAGS])
+    cpu._lib.cache_clear()
+    assert cpu.available(), cpu.unavailable_reason()
+    yield
+    cpu._lib.cache_clear()
+
+
+@pytest.mark.slow
+def test_the_portable_build_keeps_every_guarantee(portable_kernels, monkeypatch):
+    """Without AVX2 the kernels match the reference, are batch invariant, and read quantized caches with the bits
+    of the fp32 kernel over their dequantized copies."""
+    for bits, offsets in FORMATS:
+        test_quant_matmul_matches_reference(bits, offsets, 33, 288, 3)
+        test_quant_matmul_is_batch_invariant_and_accumulates(bits, offsets)
+        test_quant_rows_dequantize_exactly(bits, offsets)
+    test_rms_norm(3, 100)
+    test_rope_in_place_on_strided_heads(5, 3, 16)
+    test_silu_mul_on_halves_of_one_tensor()
+    test_attention_matches_reference_on_cache_views(9, 3, 64, 5, 23, 3)
+    test_int8_quantization_is_the_reference_bit_for_bit(80)
+    test_int8_attention_matches_reference(9, 3, 64, 4, 300, None)
+    for D in (48, 128):
+        test_int4_attention_matches_reference(8, 2, D, 16, 300, 288, 256, 7)
+        test_attention_mass_matches_reference(8 if D == 48 else 32, 4, 33, None)
+    test_int4_store_writes_are_the_torch_writes_bit_for_bit(80, monkeypatch)

@@ -144,3 +144,59 @@ def test_load_weights_reports_every_tensor_up_to_the_total(tmp_path, fmt, weight
                  on_progress=lambda *call: calls.append(call))
     # embedding, final norm, output head; per layer 2 norms and q, k, v, o, gate, up, down as the files store them
     assert_counts_up_to(calls, 3 + 9 * model.config.n_layers)
+
+
+def test_weights_int4_rounds_the_float_matrices_and_keeps_4_bit_blocks(tmp_path):
+    """`--weights int4`: a float model's matrices (head included) become 4-bit blocks of 32 run by the kernels, with
+    the round-to-nearest error; matrices already in 4-bit blocks are kept bit for bit; the CPU needs fp32."""
+    import dataclasses
+
+    from llmrun.errors import LlmrunError
+    from llmrun.models.quant import QuantLinear
+
+    model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32))
+    f32 = write_gguf(tmp_path / "f32.gguf", model)
+    loaded = load_model(str(f32), device="cpu", dtype="fp32", weights="int4")
+    assert loaded.weights == "packed"
+    linears = [m for name, m in loaded.model.named_modules() if name.startswith(("layers.", "lm_head"))
+               and isinstance(m, (QuantLinear, torch.nn.Linear))]
+    assert linears and all(isinstance(m, QuantLinear) and m.bits == 4 for m in linears)
+    q41 = write_gguf(tmp_path / "q41.gguf", model, qtype="Q4_1")  # llama.cpp's rounding of the same scheme
+    auto, int4 = (load_model(str(q41), device="cpu", dtype="fp32", weights=w).model for w in ("auto", "int4"))
+    assert torch.equal(auto.layers[1].mlp.down.qs, int4.layers[1].mlp.down.qs)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(tokens)
+        error, gguf_error = ((m(tokens) - want).norm() / want.norm() for m in (loaded.model, auto))
+    assert 0 < error < 1.1 * gguf_error  # as close to the float model as llama.cpp's Q4_1 (this tiny model is touchy)
+
+    with pytest.raises(LlmrunError, match="fp32"):
+        load_model(str(f32), device="cpu", dtype="bf16", weights="int4")
+
+
+def test_packed_kernels_exist_for_cpu_fp32_and_cuda():
+    from llmrun.kernels import cpu
+    from llmrun.loading import packed_kernels
+
+    assert packed_kernels(torch.device("cpu"), torch.float32) == (None if cpu.available() else
+                                                                 f"the CPU kernels are off ({cpu.unavailable_reason()})")
+    assert "fp32" in packed_kernels(torch.device("cpu"), torch.bfloat16)
+    assert packed_kernels(torch.device("cuda"), torch.bfloat16) is None  # Triton is installed with llmrun
+    assert packed_kernels(torch.device("mps"), torch.float16) is not None
+
+
+def test_random_weights_in_each_weight_mode():
+    """`--random-weights`: float matrices run llmrun's ops (auto) or plain PyTorch (dequant), or 4-bit blocks."""
+    from llmrun.models.quant import QuantLinear
+    from llmrun.shapes import load_random, random_model_files
+
+    import dataclasses
+
+    files = random_model_files("qwen2.5-0.5b")
+    files = dataclasses.replace(files, config=dataclasses.replace(files.config, n_layers=2))
+    for weights, reference, packed in [("auto", False, False), ("dequant", True, False), ("int4", False, True)]:
+        loaded = load_random(files, torch.device("cpu"), torch.float32, weights)
+        assert loaded.model.reference_ops is reference
+        assert isinstance(loaded.model.layers[0].mlp.down, QuantLinear) is packed
+        assert loaded.weights == ("packed" if packed else "dequant")
+

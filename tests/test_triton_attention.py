@@ -5,6 +5,8 @@ TRITON_INTERPRET=1), so long caches come with few heads; bf16 runs only on a GPU
 2 x torch's own error in the same dtype (against fp32) + atol.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -13,9 +15,15 @@ from llmrun.kernels import decode_attention as module
 from llmrun.kernels import ref
 from llmrun.kernels.decode_attention import decode_attention, quantized_decode_attention
 
+from . import kv_views
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 ATOL = {torch.float32: 1e-5, torch.float16: 3e-4, torch.bfloat16: 1e-2}
+in_buffer, int4_state = kv_views.in_buffer, kv_views.int4_state
+random_keys_values = functools.partial(kv_views.random_keys_values, device=DEVICE)
+quantized_cache = functools.partial(kv_views.quantized_cache, device=DEVICE)
+mass_buffer = functools.partial(kv_views.mass_buffer, device=DEVICE)
 
 
 def cache_views(B, Hkv, S, D, dtype, spare=29):
@@ -78,46 +86,23 @@ def test_split_that_some_rows_cannot_see(monkeypatch):
         check(1, 16, 4, 2, 100, 64, 40, dtype, num_splits=8)
 
 
+def test_autotuner_drops_configs_that_cannot_fit(monkeypatch):
+    """fp32 at head_dim 256, one row block, on an H100 (227 KB of shared memory a block): Triton's autotuner, through
+    the split kernel's pruning, keeps the 6 configs whose tiles fit (BLOCK_N 32, or 64 with 2 stages); on a GPU too
+    small for any, the smallest. tests/test_triton_compile.py holds the estimate against the compiler."""
+    tuner, _ = module._split_launcher(True)
+    q, kv = torch.empty(1, 1, 8, 256), torch.empty(1, 1, 64, 256)
+    monkeypatch.setattr(tuner, "nargs", {"Q": q, "K": kv, "V": kv, "KScale": kv, "KMin": kv, "KRecent": kv},
+                        raising=False)  # the positional args by name, as Autotuner.run sets them
+    meta = {"BITS": 0, "SCORES": False, "BLOCK_M": 16, "BLOCK_D": 256}
+    monkeypatch.setattr(module, "_device_limits", lambda index: (9, 227 * 1024))
+    kept = tuner.prune_configs(meta)
+    assert len(kept) == 6 and {(c.kwargs["BLOCK_N"], c.num_stages) for c in kept} == {(32, 2), (32, 3), (64, 2)}
+    monkeypatch.setattr(module, "_device_limits", lambda index: (8, 48 * 1024))
+    assert tuner.prune_configs(meta) == [module.SPLIT_CONFIGS[0]]
+
+
 # --- a quantized cache (ref.QuantizedKV), and the attention mass ------------------------------------------------------
-
-
-def in_buffer(x, spare=3):
-    """x (B, Hkv, N, ...) as a cache holds it: the first N positions of one layer of a (layers, B, Hkv, N + spare, ...)
-    buffer; every other entry is garbage (NaN, or random codes) that the kernel must not use."""
-    shape = (3, x.shape[0], x.shape[1], x.shape[2] + spare, *x.shape[3:])
-    if x.dtype.is_floating_point:
-        buf = torch.full(shape, float("nan"), dtype=x.dtype, device=DEVICE)
-    else:
-        buf = torch.randint(0, 256, shape, dtype=torch.uint8, device=DEVICE).view(x.dtype)
-    buf[2, :, :, :x.shape[2]] = x
-    return buf[2, :, :, :x.shape[2]]
-
-
-def random_keys_values(B, Hkv, S, D):
-    """k, v (B, Hkv, S, D) fp32: random, the keys with a few outlier channels (x20) as real keys have."""
-    k = torch.randn(B, Hkv, S, D, device=DEVICE)
-    k[..., [1, D // 2, D - 3]] *= 20
-    return k, torch.randn(B, Hkv, S, D, device=DEVICE)
-
-
-def quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact=None, kv=None):
-    """A QuantizedKV of random keys and values (or of kv = (k, v)), every tensor a view of a larger buffer.
-    INT4 keys [0, n_quantized) are codes; [first_exact, S) (default [n_quantized, S)) sit exact in the ring
-    k_recent, whose other slots are NaN."""
-    k, v = random_keys_values(B, Hkv, S, D) if kv is None else kv
-    group = ref.kv_group(D)
-    if bits == 8:
-        (k_codes, k_scale), (v_codes, v_scale) = ref.quantize_int8(k, group), ref.quantize_int8(v, group)
-        return ref.QuantizedKV(8, in_buffer(k_codes), in_buffer(v_codes), in_buffer(k_scale), in_buffer(v_scale))
-    first_exact = n_quantized if first_exact is None else first_exact
-    v_codes, v_scale, v_min = ref.quantize_int4_tokens(v, group)
-    k_codes = torch.randint(0, 256, (B, Hkv, S, D // 2), dtype=torch.uint8, device=DEVICE)  # garbage past n_quantized
-    k_codes[:, :, :n_quantized], k_scale, k_min = ref.quantize_int4_channels(k[:, :, :n_quantized])
-    k_recent = torch.full((B, Hkv, ref.RECENT, D), float("nan"), dtype=dtype, device=DEVICE)
-    recent = torch.arange(first_exact, S, device=DEVICE)
-    k_recent[:, :, recent % ref.RECENT] = k[:, :, recent].to(dtype)
-    return ref.QuantizedKV(4, in_buffer(k_codes), in_buffer(v_codes), in_buffer(k_scale), in_buffer(v_scale),
-                           in_buffer(k_min), in_buffer(v_min), in_buffer(k_recent, spare=0), n_quantized, first_exact)
 
 
 def check_quantized(bits, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, first_exact=None, mass=False, **kwargs):
@@ -167,24 +152,12 @@ def test_quantized_cache_split_count(bits, num_splits):
     check_quantized(bits, 1, 4, 3, 1, 600, 64, None, 576, torch.float32, num_splits=num_splits)
 
 
-def mass_buffer(B, Hkv, S):
-    """(B, Hkv, S) fp32 of random running totals: a view of a longer accumulator, as a cache keeps it."""
-    return torch.rand(B, Hkv + 1, S + 13, device=DEVICE)[:, 1:, :S]
-
-
 def check_mass(got, before, q, k, window):
     want = before + ref.attention_mass(q, k, window)
     assert (got - want).abs().max().item() <= 1e-5 * q.shape[1] * q.shape[2]
 
 
 # --- INT4: each query row of a block reads the keys one-token decoding read there --------------------------------
-
-
-def int4_state(S):
-    """(n_quantized, first_exact) of a cache of S keys written as decoding writes it: the full groups are codes, and
-    the ring holds the exact keys of the last RECENT positions from a group's start on."""
-    n_quantized = S // ref.KEY_GROUP * ref.KEY_GROUP
-    return n_quantized, min(n_quantized, max(0, -(-(S - ref.RECENT) // ref.KEY_GROUP) * ref.KEY_GROUP))
 
 
 def rows_one_by_one(q, k, v, window, n_quantized, first_exact):
@@ -224,7 +197,9 @@ def test_int4_reference_reads_each_rows_own_keys(T, S, window):
     kv = quantized_cache(4, B, Hkv, S, D, n_quantized, torch.float32, first_exact, kv=(k, v))
     q = torch.randn(B, T, Hq, D, device=DEVICE)
     want, want_mass = rows_one_by_one(q, k, v, window, n_quantized, first_exact)
-    assert (ref.quantized_attention(q, kv, window) - want).abs().max().item() <= ATOL[torch.float32]
+    # 1e-4: two fp32 softmaxes over up to 1000 keys with x20 outliers, summed in other orders (1e-5 failed ~1 in 50);
+    # reading a wrong key version moves the output by ~1e-1
+    assert (ref.quantized_attention(q, kv, window) - want).abs().max().item() <= 1e-4
     assert (ref.quantized_attention_mass(q, kv, window) - want_mass).abs().max().item() <= 1e-5 * T
     all_codes = ref.attention(q, *ref.dequantize_kv(kv), window)  # every row reading n_quantized keys as codes
     rows_differ = len(set(kv.row_quantized(T))) > 1

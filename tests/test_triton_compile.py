@@ -16,8 +16,11 @@ recorded instead of run (once per autotune config) and bound by Triton's own lau
 
 That gives ~12,000 distinct specializations, and a compile takes seconds (the attention kernel over an INT4 cache
 ~6 s), so a greedy cover picks per kernel the few that show every value of every parameter at least once (each
-dtype, constexpr, autotune setting, alignment, constant 1), plus its largest tile. Those compile in a subprocess
-without TRITON_INTERPRET (under it `triton.jit` gives nothing to compile), in parallel, into a temporary cache.
+dtype, constexpr, autotune setting, alignment, constant 1), plus its largest tile. The attention split kernel's
+autotuner drops the configs whose estimated shared memory does not fit before compiling them: the launches
+estimated closest to each target's limit, on either side, compile too, and the estimate is held against the
+compiler's figures. These compile in a subprocess without TRITON_INTERPRET (under it `triton.jit` gives nothing to
+compile), in parallel, into a temporary cache.
 LLMRUN_COMPILE_ALL=1 compiles every recorded specialization instead (hours).
 """
 
@@ -32,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import pytest
 import torch
@@ -133,17 +135,12 @@ def _record(sm_count):
             specs.setdefault(dataclasses.replace(first, params=params, options=tuple(sorted(options.items())),
                                                  tuned=tuple(meta)))
 
-    split_launcher, num_splits = decode_attention._split_launcher, decode_attention._num_splits
     with pytest.MonkeyPatch.context() as mp:
         for cls in (InterpretedFunction, JITFunction):
             mp.setattr(cls, "run", run)
         mp.setattr(Autotuner, "run", tuned_run)
-        # the CUDA branches: kernels.__init__ and triton_quant_matmul ask tensor.is_cuda; decode_attention asks
-        # q.device (its two device queries are answered directly); both count SMs
+        # the CUDA branches: the wrappers ask tensor.is_cuda, then count SMs
         mp.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        mp.setattr(decode_attention, "_split_launcher", lambda cuda: split_launcher(True))
-        mp.setattr(decode_attention, "_num_splits",
-                   lambda keys, programs, device: num_splits(keys, programs, torch.device("cuda", 0)))
         for module in (decode_attention, triton_quant_matmul):
             mp.setattr(module, "_sm_count", lambda index: sm_count)
         mp.setattr(kernels, "_triton", lambda name, run, fallback: run())  # no silent fallback to PyTorch
@@ -194,7 +191,7 @@ def _attention(shape, dtype):
     """Attention as `models/llama.py` calls it: over the second layer of a KVCache of each format (with H2O's mass
     where eviction is allowed), and without a cache over the forward's own keys."""
     from llmrun import kernels
-    from llmrun.kv_cache import Eviction, KVCache
+    from llmrun.kv_cache import DeviceStep, Eviction, KVCache
 
     _, Hq, Hkv, D, _, window = shape[:6]
 
@@ -215,6 +212,18 @@ def _attention(shape, dtype):
                     kernels.quantized_attention(q, k, window, mass=mass)
                 else:
                     kernels.attention(q, k, v, window, mass=mass)
+    for kv_format in (None, "int8"):  # a CUDA graph's step: slots and the key count on the device
+        cache = KVCache(2, 1, Hkv, 4203, D, dtype, "cpu", kv_format)
+        for T in (1, 9, 16):
+            q, k, v = qkv(T)
+            slots = torch.arange(1000, 1000 + T)
+            cache.device_step = DeviceStep(slots, slots, (slots[-1:] + 1).to(torch.int32))
+            k, v, _ = cache.update(1, 0, k, v)
+            if v is None:
+                kernels.quantized_attention(q, k, window, length=cache.device_step.length)
+            else:
+                kernels.attention(q, k, v, window, length=cache.device_step.length)
+            cache.device_step = None
     for T in (1, 9, 16):
         q, k, v = qkv(T)
         kernels.attention(q, k.transpose(1, 2), v.transpose(1, 2), window)
@@ -308,7 +317,8 @@ def _choose(specs):
     Per kernel, a cover of what its launches show: each parameter's type and alignment, or its constant value, and
     each launch option; and its largest tile. An autotuned kernel's variety is split in two: a cover of its
     configs' settings (BLOCK_N, num_warps, num_stages) on its smallest launch, and a cover of the rest with its
-    smallest config, the one whose shared memory must fit (the autotuner skips the configs that do not)."""
+    smallest config, the one whose shared memory must fit (the split kernel's autotuner drops the configs that do
+    not before compiling them: `_at_the_limit` adds those the decision is closest for)."""
     by_kernel = {}
     for spec in specs:
         by_kernel.setdefault(spec.kernel, []).append(spec)
@@ -328,6 +338,58 @@ def _choose(specs):
             cover += [*_cover(with_smallest_config, size, Spec.untuned), max(with_smallest_config, key=tile.get)]
         chosen.update(dict.fromkeys(cover))
     return list(chosen)
+
+
+def _split_estimate(spec, arch):
+    """decode_attention.split_shared_memory for a recorded launch of the split kernel, on sm_{arch}."""
+    from llmrun.kernels.decode_attention import split_shared_memory
+
+    kinds = {name: kind for name, kind, _ in spec.params}
+    consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
+    sizes = {name: _element_bytes(kinds[name]) for name in ("Q", "K", "V", "KScale", "KMin", "KRecent")}
+    return split_shared_memory(arch // 10, sizes, consts["BITS"], consts["SCORES"], consts["BLOCK_M"],
+                               consts["BLOCK_D"], consts["BLOCK_N"], dict(spec.options)["num_stages"])
+
+
+def _pruned(spec, arch, limit):
+    """Whether the split kernel's autotuner, on sm_{arch} with `limit` bytes of shared memory a block, drops this
+    launch's config before compiling it: decode_attention's own pruning, given stand-ins of the tensors' dtypes."""
+    from llmrun.kernels import decode_attention
+
+    if spec.name != "_split_kernel":
+        return False
+    dtypes = {1: torch.uint8, 2: torch.float16, 4: torch.float32}
+    named = {name: torch.empty(0, dtype=dtypes[_element_bytes(kind)]) for name, kind, _ in spec.params
+             if name in ("Q", "K", "V", "KScale", "KMin", "KRecent")}
+    consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_attention, "_device_limits", lambda index: (arch // 10, limit))
+        kept = decode_attention._configs_that_fit(decode_attention.SPLIT_CONFIGS, named, **consts)
+    options = dict(spec.options)
+    return all((c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) != (consts["BLOCK_N"], options["num_warps"],
+                                                                     options["num_stages"]) for c in kept)
+
+
+def _at_the_limit(specs, arch, limit):
+    """The split kernel's launches whose estimate falls near `limit`, per size of q's elements and cache format: one
+    estimated to fit, one not, each within 10% of the limit (else the closest), the smallest tile of those (compile
+    time grows with it), then the one with the most arguments aligned (so the most copied ahead). There the
+    autotuner's decisions are closest. fp32 only over a dense cache: over a quantized one it compiles for up to a
+    minute, and its terms are those of 16-bit q at BLOCK_M < 64."""
+    chosen = {}
+    for spec in specs:
+        if spec.name != "_split_kernel":
+            continue
+        q_bytes = _element_bytes(next(kind for name, kind, _ in spec.params if name == "Q"))
+        bits = next(value for name, _, value in spec.params if name == "BITS")
+        if q_bytes == 4 and bits:
+            continue
+        estimate = _split_estimate(spec, arch)
+        group = (q_bytes, bits, estimate <= limit)
+        rank = (max(abs(estimate - limit) / limit, 0.1), _size(spec), -sum(value == "D" for _, _, value in spec.params))
+        if group not in chosen or rank < chosen[group][0]:
+            chosen[group] = rank, spec
+    return [spec for _, spec in chosen.values()]
 
 
 # --- compiling, in a subprocess without TRITON_INTERPRET --------------------------------------------------------
@@ -367,9 +429,9 @@ def _compile_main(jobs_path, results_path):
         pickle.dump(results, f)
 
 
-def _compile(specs, archs, cache_dir):
-    """{(spec, arch): (shared memory, error, seconds)}, compiled in parallel by a fresh Python."""
-    jobs = [(s, arch) for s in sorted(specs, key=lambda s: -_size(s)) for arch in archs]  # the long ones first
+def _compile(jobs, cache_dir):
+    """[(spec, arch)] -> {(spec, arch): (shared memory, error, seconds)}, compiled in parallel by a fresh Python."""
+    jobs = sorted(dict.fromkeys(jobs), key=lambda job: -_size(job[0]))  # the long ones first
     raw = [(s.module, s.name, s.compile_args(), s.options, arch) for s, arch in jobs]
     workers = max(1, min(len(os.sched_getaffinity(0)), 8))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -409,9 +471,12 @@ def launched():
 
 @pytest.fixture(scope="module")
 def compiled(launched, tmp_path_factory):
-    """{(spec, arch): (shared memory bytes, error, seconds)} of the chosen specs on both targets."""
+    """{(spec, arch): (shared memory bytes, error, seconds)} of the chosen specs on both targets, and on each target
+    the split kernel's configs at the edge of its shared memory."""
     chosen = launched if os.environ.get("LLMRUN_COMPILE_ALL") == "1" else _choose(launched)
-    return _compile(chosen, [arch for arch, _ in TARGETS.values()], tmp_path_factory.mktemp("triton-cache"))
+    jobs = [(s, arch) for s in chosen for arch, _ in TARGETS.values()]
+    jobs += [(s, arch) for arch, limit in TARGETS.values() for s in _at_the_limit(launched, arch, limit)]
+    return _compile(jobs, tmp_path_factory.mktemp("triton-cache"))
 
 
 def test_every_triton_kernel_is_launched(launched):
@@ -423,21 +488,35 @@ def test_every_triton_kernel_is_launched(launched):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_kernels_compile_and_fit_shared_memory(target, compiled):
-    """No compile error; every fixed launch fits the target's shared memory, and of an autotuned launch's configs,
-    one at least (the autotuner skips the others, after compiling them: they are reported as a warning)."""
+    """No compile error, and every launch fits the target's shared memory but the split kernel's autotune configs
+    that its pruning drops before compiling them."""
     arch, limit = TARGETS[target]
     results = {spec: result for (spec, a), result in compiled.items() if a == arch}
-    fits = {spec.untuned() for spec, (shared, _, _) in results.items() if shared is not None and shared <= limit}
-    failures, too_big = [], []
+    failures = []
     for spec, (shared, error, _) in sorted(results.items(), key=lambda r: r[0].describe()):
         if error is not None:
             failures.append(f"{spec.describe()}\n    " + error.strip()[-1500:].replace("\n", "\n    "))
-        elif shared > limit:
-            line = f"{spec.describe()}: {shared} bytes of shared memory, {target} has {limit}"
-            (too_big if spec.tuned and spec.untuned() in fits else failures).append(line)
-    if too_big:
-        warnings.warn(f"{len(too_big)} autotune configs do not fit {target}:\n" + "\n".join(too_big), stacklevel=1)
+        elif shared > limit and not _pruned(spec, arch, limit):
+            failures.append(f"{spec.describe()}: {shared} bytes of shared memory, {target} has {limit}")
     assert not failures, f"{len(failures)} of {len(results)} fail on {target}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_split_kernel_shared_memory_estimate(target, compiled):
+    """decode_attention.split_shared_memory, by which the autotuner drops the split kernel's configs before
+    compiling them, against the compiler's figure: never below it (a config kept fits), and no config dropped fits
+    with room to spare (10% of the target's shared memory). Checked on every compiled launch of the kernel, among
+    them those whose estimate is closest to the target's limit on either side."""
+    arch, limit = TARGETS[target]
+    results = {spec: shared for (spec, a), (shared, error, _) in compiled.items()
+               if a == arch and spec.name == "_split_kernel" and error is None}
+    wrong = []
+    for spec, shared in sorted(results.items(), key=lambda r: r[0].describe()):
+        estimate = _split_estimate(spec, arch)
+        if estimate < shared or (estimate > limit and shared <= 0.9 * limit):
+            wrong.append(f"{spec.describe()}: estimated {estimate} bytes, compiled {shared}; {target} has {limit}")
+    assert sum(_split_estimate(spec, arch) > limit for spec in results) >= 3, "too few dropped configs checked"
+    assert not wrong, f"{len(wrong)} of {len(results)} estimates are wrong for {target}:\n" + "\n".join(wrong)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class KVEvict(str, Enum):
 class Weights(str, Enum):
     auto = "auto"
     dequant = "dequant"
+    int4 = "int4"
 
 
 ModelArg = Annotated[
@@ -105,7 +106,7 @@ _STRUCTURED = [
 _RUNTIME = [
     ("device", Device, Device.auto, typer.Option(help="Where to run: cuda when available, else cpu.", rich_help_panel=RUNTIME)),
     ("dtype", DType, DType.auto, typer.Option(help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=RUNTIME)),
-    ("weights", Weights, Weights.auto, typer.Option(help="auto: keep a quantized file packed and run it with llmrun's kernels where they exist; dequant: expand the weights to --dtype and run plain PyTorch.", rich_help_panel=RUNTIME)),
+    ("weights", Weights, Weights.auto, typer.Option(help="auto: keep a quantized file packed and run it with llmrun's kernels where they exist; dequant: expand the weights to --dtype and run plain PyTorch; int4: also round the float matrices to 4-bit blocks of 32 at load (Q4_1's scheme; W4A16 on CUDA).", rich_help_panel=RUNTIME)),
     ("threads", Optional[int], None, typer.Option(min=1, help="CPU threads (default: PyTorch's choice, one per core).", rich_help_panel=RUNTIME)),
     ("ctx", Optional[int], None, typer.Option(min=16, help="Context length in tokens (default: the model's, at most 8192; for eval, the window: 512).", rich_help_panel=RUNTIME)),
     ("kv", KVFormat, KVFormat.auto, typer.Option(help="KV cache format: auto (the compute dtype), fp32/bf16/fp16, int8 (per token, 8.5 bits), int4 (KIVI: keys per channel, values per token, ~4.6 bits). Attention reads the quantized cache directly.", rich_help_panel=KV)),

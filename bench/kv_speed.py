@@ -1,0 +1,88 @@
+"""Decode speed of each KV-cache configuration against the full-precision cache, in one run:
+
+    python bench/kv_speed.py [--model smollm2] [--prompt-tokens 100 2000] [--new-tokens 64] [--repeat 3]
+                             [--configs fp32,int8,int4,window:1024,h2o:1024,int4+h2o:1024] [--out FILE.json]
+
+For each prompt length, every configuration decodes the same greedy workload (`llmrun bench`'s: the prompt
+prefilled into an empty cache, then --new-tokens decoded), rounds alternating over the configurations so that
+drift on the machine spreads evenly; the figure is the median decode tok/s and the ratio to the first
+configuration's (the baseline: the model's own dtype, no eviction). Budgets are tokens (`h2o:1024`).
+
+Writes the JSON (every run's figures, the environment, the load average) to --out (default
+bench/runs/DATE-cpuTHREADS-kv-speed.json) and the Markdown table beside it; prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from llmrun import bench
+from llmrun.loading import open_model
+from llmrun.workloads import make_workload
+
+HERE = Path(__file__).resolve().parent
+
+
+def settings_for(config: str, ctx: int, threads: int) -> bench.Settings:
+    kv, evict, budget = "auto", None, None
+    for part in config.split("+"):
+        if ":" in part:
+            evict, budget = part.split(":")[0], int(part.split(":")[1])
+        elif part != "fp32":
+            kv = part
+    return bench.resolve(bench.Settings("cpu", "fp32", "auto", threads, ctx, kv, evict, budget), ctx)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[100, 2000])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--configs", default="fp32,int8,int4,window:1024,h2o:1024,int4+h2o:1024")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1):
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: the timings will be noisy", file=sys.stderr)
+    files = open_model(args.model)
+    configs = args.configs.split(",")
+    rows, table = [], ["| prompt tokens | config | decode tok/s (median) | vs " + configs[0] + " |", "|---|---|---|---|"]
+    for n in args.prompt_tokens:
+        ctx = n + args.new_tokens + 64
+        workload = make_workload(files.tokenizer, prompt_tokens=n, new_tokens=args.new_tokens, repeat=1, warmup=False)
+        runs = {c: [] for c in configs}
+        for round_ in range(args.repeat + 1):  # round 0 warms up
+            for c in configs:
+                figures = bench.measure_settings(files, settings_for(c, ctx, args.threads), workload)
+                print(f"{n} tokens, {c}: {figures['decode_tok_s']['median']:.1f} tok/s", file=sys.stderr)
+                if round_:
+                    runs[c].append(figures)
+        base = statistics.median(f["decode_tok_s"]["median"] for f in runs[configs[0]])
+        for c in configs:
+            tok_s = statistics.median(f["decode_tok_s"]["median"] for f in runs[c])
+            rows.append({"prompt_tokens": n, "config": c, "decode_tok_s": tok_s, "ratio": tok_s / base, "runs": runs[c]})
+            table.append(f"| {n} | {c} | {tok_s:.1f} | {tok_s / base:.2f}x |")
+    doc = {"command": " ".join(sys.argv), "environment": bench.environment("cpu"), "load_average_start": load,
+           "threads": args.threads, "new_tokens": args.new_tokens, "rows": rows}
+    date = datetime.date.today().isoformat()
+    out = args.out or HERE / "runs" / f"{date}-cpu{args.threads}-kv-speed.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    out.with_suffix(".md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,146 @@
+"""CUDA graphs of the decode step: the whole forward of a decode step (or a verification block) captured once per
+number of tokens and replayed for every later step, so the GPU runs the step's hundreds of kernels back to back
+with no Python and no launch overhead between them.
+
+A graph replays fixed kernels on fixed memory, so the step must not depend on host values that change: the tokens,
+their positions and their cache slots go into static device buffers before each replay, the cache is written at
+those slots (`KVCache.device_step`), and attention reads the number of keys in use from the device. The cache's
+buffers never move (rollback and eviction change what is in them, not where they are), the model's weights neither.
+Nothing in a replay waits for the host; the caller samples from the logits it leaves on the device, and only the
+chosen token id comes back.
+
+Float and INT8 caches only: an INT4 cache decides on the host when a group of keys is quantized, and H2O's
+attention mass is not collected on the device step; those, prefill chunks and blocks longer than MAX_TOKENS run
+eagerly, as they do without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from llmrun.kv_cache import DeviceStep, KVCache
+
+MAX_TOKENS = 16  # forwards of up to this many tokens (decode steps, verification blocks) are graphed
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], object]  # runs the captured step again
+    host: torch.Tensor  # (3, T) int64 (pinned on CUDA): tokens, positions, slots, staged for one copy
+    inputs: torch.Tensor  # (3, T) int64 on the device: what the graph reads
+    logits: torch.Tensor  # (1, T, V) fp32 on the device: what the graph writes
+    copied: torch.cuda.Event | None  # the last copy out of `host` is done: it may be written again
+
+
+def capture(step: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], object], torch.Tensor]:
+    """Record `step` as a CUDA graph, after warming it up on a side stream (Triton compiles and autotunes, the
+    allocator settles): -> (replay, the output tensor each replay fills)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph.replay, out
+
+
+def unavailable(model, cache: KVCache) -> str | None:
+    """Why `model` over `cache` cannot run as CUDA graphs, or None when it can."""
+    if os.environ.get("LLMRUN_NO_CUDA_GRAPHS"):
+        return "disabled by LLMRUN_NO_CUDA_GRAPHS"
+    if cache.device.type != "cuda":
+        return "not on a CUDA device"
+    if getattr(model, "reference_ops", False):
+        return "the plain-PyTorch path (--weights dequant) stays eager, as the baseline"
+    if cache.shape[1] != 1:
+        return "one sequence at a time"
+    dense = cache.dense
+    if dense is not None and dense[0].dtype != next(model.parameters()).dtype:
+        return "the KV cache's dtype differs from the model's"
+    return cache.device_steps
+
+
+class DecodeGraphs:
+    """The CUDA graphs of `model`'s short forwards over one `cache`: one per number of tokens T <= MAX_TOKENS,
+    captured at its first use. `forward` runs T tokens at a position and slot, as `model(tokens, position, cache)`
+    would, and returns their logits (1, T, V)."""
+
+    def __init__(self, model, cache: KVCache):
+        self.model, self.cache = model, cache
+        self.graphs: dict[int, _Graph] = {}
+        # one memory pool for every T: their steps never overlap
+        self.pool = torch.cuda.graph_pool_handle() if cache.device.type == "cuda" else None
+        self.device = cache.device
+        self.failed: str | None = None  # why capturing failed: every forward runs eagerly from then on
+        # the RoPE tables, built now for every position the model takes: a replay cannot grow them
+        model._rope_tables(model.config.max_seq_len, self.device)
+
+    def _step(self, inputs: torch.Tensor, T: int) -> torch.Tensor:
+        """The forward a graph holds: inputs (3, T) on the device -> logits (1, T, V)."""
+        tokens, positions, slots = inputs[0].view(1, T), inputs[1], inputs[2]
+        length = (slots[-1:] + 1).to(torch.int32)
+        self.cache.device_step = DeviceStep(slots, positions, length)
+        try:
+            return self.model(tokens, positions, self.cache)
+        finally:
+            self.cache.device_step = None
+
+    def _capture(self, staged: torch.Tensor) -> _Graph:
+        T = staged.shape[1]
+        cuda = self.device.type == "cuda"
+        host = torch.empty(3, T, dtype=torch.int64, pin_memory=cuda)
+        inputs = staged.to(self.device)  # the step being run: the warm-up runs it (writing what it will write)
+        replay, logits = capture(functools.partial(self._step, inputs, T), self.pool)
+        copied = torch.cuda.Event() if cuda else None
+        if copied is not None:
+            copied.record()
+        return _Graph(replay, host, inputs, logits, copied)
+
+    def forward(self, ids: list[int], position: int, slot: int) -> torch.Tensor | None:
+        """Logits (1, T, V) fp32 (a new tensor) of the T = len(ids) tokens at positions position.. written into
+        cache slots slot.. (the caller has made room for them); None if the graph could not be captured (said
+        once; the caller runs the step eagerly, now and from then on)."""
+        T = len(ids)
+        if self.failed or T > MAX_TOKENS:
+            return None
+        staged = torch.tensor([ids, range(position, position + T), range(slot, slot + T)], dtype=torch.int64)
+        g = self.graphs.get(T)
+        if g is None:
+            try:
+                g = self.graphs[T] = self._capture(staged)
+            except Exception as e:  # noqa: BLE001 - whatever broke the capture, the eager step still works
+                self.failed = f"{type(e).__name__}: {e}"
+                self.graphs.clear()
+                warnings.warn(f"llmrun: capturing the decode step as a CUDA graph failed ({self.failed}); "
+                              "running it eagerly", RuntimeWarning, stacklevel=2)
+                return None
+        if g.copied is not None:
+            g.copied.synchronize()  # (long done: the caller read the last logits)
+        g.host.copy_(staged)
+        g.inputs.copy_(g.host, non_blocking=True)
+        if g.copied is not None:
+            g.copied.record()
+        g.replay()
+        return g.logits.clone()  # the next replay of this T overwrites g.logits
+
+
+def for_engine(model, cache: KVCache) -> DecodeGraphs | None:
+    """The CUDA graphs for an engine's model and cache, or None where they do not apply (said once, as a warning,
+    when the reason is worth knowing: on CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    why = unavailable(model, cache)
+    if why is None:
+        return DecodeGraphs(model, cache)
+    if "CUDA device" not in why and "dequant" not in why:
+        warnings.warn(f"llmrun: decode steps run without CUDA graphs: {why}", RuntimeWarning, stacklevel=2)
+    return None

@@ -1,0 +1,186 @@
+"""CUDA graphs of the decode step (llmrun/cuda_graphs.py) and the device step they replay (`KVCache.device_step`:
+positions, cache slots and the number of keys in use as device tensors).
+
+The device step runs everywhere: on a CPU under the Triton interpreter, routed as on CUDA, it must give the
+logits and the cache of the ordinary step. Capturing and replaying graphs needs a GPU (tests marked `gpu`).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from llmrun.kernels import ref
+from llmrun.kv_cache import DeviceStep, KVCache
+from llmrun.loading import load_model
+
+from .test_triton_model import DEVICE, triton_everywhere  # noqa: F401 - a fixture
+from .tiny import CONFIGS, random_model, write_gguf
+
+PIECES = [20, 1, 1, 5, 1, 13, 1]  # a prefill (eager: too long for a graph), steps, verification blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32))
+    return write_gguf(tmp_path_factory.mktemp("g") / "tiny-smollm2-Q4_1.gguf", model, qtype="Q4_1")
+
+
+def device_forward(model, tokens, position, slot, cache):
+    """One forward with its positions, slots and key count on the device, as a CUDA graph's step runs it."""
+    T = tokens.shape[1]
+    positions = torch.arange(position, position + T, device=tokens.device)
+    slots = torch.arange(slot, slot + T, device=tokens.device)
+    cache.device_step = DeviceStep(slots, positions, (slots[-1:] + 1).to(torch.int32))
+    try:
+        return model(tokens, positions, cache)
+    finally:
+        cache.device_step = None
+
+
+@pytest.mark.parametrize("kv_format", ["fp32", "int8"])
+def test_a_device_step_is_the_ordinary_step(tiny_gguf, triton_everywhere, kv_format):  # noqa: F811
+    """Steps and blocks whose positions live on the device (written with index_copy, attention reading the key
+    count from the device) give the ordinary steps' logits and leave the same cache. The buffers' unused slots
+    hold NaN: nothing may read past the keys in use."""
+    model = load_model(str(tiny_gguf), DEVICE, "fp32", "auto").model
+    tokens = torch.randint(0, model.config.vocab_size, (1, sum(PIECES)), generator=torch.Generator().manual_seed(2))
+    tokens = tokens.to(DEVICE)
+    caches = [KVCache.for_model(model, 64, torch.float32, DEVICE, kv_format=kv_format) for _ in range(2)]
+    store = caches[1].store
+    for t in (store.k, store.v) if kv_format == "fp32" else (store.scales,):
+        t.fill_(float("nan"))
+    outs = [[], []]
+    start = 0
+    with torch.no_grad():
+        for i, size in enumerate(PIECES):
+            piece = tokens[:, start : start + size]
+            outs[0].append(model(piece, start, caches[0])[0])
+            run = model if i == 0 else None  # the prefill runs eagerly in both
+            outs[1].append((run(piece, start, caches[1]) if run else device_forward(model, piece, start, start,
+                                                                                      caches[1]))[0])
+            for cache in caches:
+                cache.length += size
+            start += size
+    torch.testing.assert_close(torch.cat(outs[1]), torch.cat(outs[0]), rtol=1e-5, atol=1e-5)
+    for layer in range(model.config.n_layers):
+        a, b = caches[0].contents(layer), caches[1].contents(layer)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_which_caches_take_device_steps():
+    cfg = CONFIGS["smollm2"]
+    from llmrun.kv_cache import Eviction
+
+    def cache(**kwargs):
+        return KVCache(cfg.n_layers, 1, cfg.n_kv_heads, 128, cfg.head_dim, torch.float32, "cpu", **kwargs)
+
+    assert cache().device_steps is None
+    assert cache(kv_format="int8").device_steps is None
+    assert cache(eviction=Eviction("window", 64)).device_steps is None
+    assert "int4" in cache(kv_format="int4").device_steps
+    assert "H2O" in cache(eviction=Eviction("h2o", 64)).device_steps
+
+
+def test_attention_reads_only_the_keys_in_use():
+    """kernels.attention with a device-side key count: on the reference path, the keys [0, length) of the buffer."""
+    from llmrun import kernels
+
+    q = torch.randn(1, 3, 4, 16)
+    k, v = torch.randn(2, 1, 2, 40, 16)
+    k[:, :, 25:] = float("nan")
+    length = torch.tensor([25], dtype=torch.int32)
+    with kernels.reference_ops():
+        got = kernels.attention(q, k, v, None, length=length)
+    torch.testing.assert_close(got, ref.attention(q, k[:, :, :25], v[:, :, :25]))
+
+
+def run_side_by_side(graphed, eager, ops):
+    """Two engines through the same ops: ("run", n) feeds both the next n of one random token sequence and compares
+    their logits (fp32: they may differ only in summation order); ("back", n) rolls both back n tokens (a rejected
+    speculation)."""
+    vocab = graphed.loaded.config.vocab_size
+    ids = torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        for op, n in ops:
+            if op == "back":
+                for engine in (graphed, eager):
+                    engine.rollback(len(engine.tokens) - n)
+                continue
+            piece = ids[len(eager.tokens) : len(eager.tokens) + n]
+            got, want = graphed.forward(piece, last_only=False), eager.forward(piece, last_only=False)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp32", "int8"])
+def test_graphs_replay_the_eager_steps(tiny_gguf, kv_format):
+    """On a GPU: an engine decoding through CUDA graphs (one per block length, captured at first use) emits the
+    eager engine's greedy tokens and logits, steps and verification blocks alike, across a rollback."""
+    from llmrun.generate import Engine
+
+    loaded = load_model(str(tiny_gguf), "cuda", "fp32", "auto")  # fp32: the two may differ only in summation order
+    graphed, eager = Engine(loaded, 64, kv_format=kv_format), Engine(loaded, 64, kv_format=kv_format)
+    eager.graphs = None
+    assert graphed.graphs is not None
+    run_side_by_side(graphed, eager, [("run", 20), ("run", 1), ("run", 1), ("run", 5), ("run", 1), ("run", 13),
+                                      ("back", 4), ("run", 3), ("run", 1)])
+    assert set(graphed.graphs.graphs) == {1, 5, 13, 3}  # the prefill (20 tokens) ran eagerly
+
+
+@pytest.mark.parametrize("bits", [0, 8])
+@pytest.mark.parametrize("T, S, window, num_splits", [(1, 1, None, None), (4, 33, None, 3), (16, 300, 7, 4),
+                                                      (5, 200, 50, 2), (3, 130, None, 1)])
+def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, window, num_splits):
+    """decode_attention / quantized_decode_attention with `length`: over a buffer of 400 slots whose slots from
+    `length` on are NaN, the attention of the first `length` keys; the splits cover the capacity (some empty)."""
+    from llmrun.kernels.decode_attention import decode_attention, quantized_decode_attention
+
+    from .kv_views import random_keys_values
+
+    Hq, Hkv, D, capacity = 6, 2, 64, 400
+    k, v = random_keys_values(1, Hkv, capacity, D, DEVICE)
+    q = torch.randn(1, T, Hq, D, device=DEVICE)
+    length = torch.tensor([S], dtype=torch.int32, device=DEVICE)
+    if bits == 0:
+        k[:, :, S:], v[:, :, S:] = float("nan"), float("nan")
+        got = decode_attention(q, k, v, window, num_splits=num_splits, length=length)
+        want = ref.attention(q, k[:, :, :S], v[:, :, :S], window)
+    else:
+        (kc, ks), (vc, vs) = ref.quantize_int8(k, 32), ref.quantize_int8(v, 32)
+        ks[:, :, S:], vs[:, :, S:] = float("nan"), float("nan")
+        got = quantized_decode_attention(q, ref.QuantizedKV(8, kc, vc, ks, vs), window, num_splits=num_splits,
+                                         length=length)
+        want = ref.quantized_attention(q, ref.QuantizedKV(8, *(x[:, :, :S] for x in (kc, vc, ks, vs))), window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def replaying_capture(step, pool):
+    """`cuda_graphs.capture` without a GPU: a "replay" runs the step again into the same output tensor."""
+    out = step()
+    return (lambda: out.copy_(step())), out
+
+
+@pytest.mark.parametrize("kv_format, evict", [("fp32", None), ("int8", None), ("fp32", "window")])
+def test_the_graph_runner_replays_steps_at_any_position(tiny_gguf, monkeypatch, kv_format, evict):
+    """An engine whose short forwards go through `DecodeGraphs` (captured once per length, then replayed with
+    the step's tokens, positions and slots staged into the graph's inputs) gives the eager engine's logits,
+    through steps, verification blocks, a rollback and (window) evictions. Without a GPU the graph is stood in
+    for by re-running the recorded step: this tests the runner, not CUDA."""
+    from llmrun import cuda_graphs
+    from llmrun.generate import Engine
+    from llmrun.kv_cache import Eviction
+
+    monkeypatch.setattr(cuda_graphs, "capture", replaying_capture)
+    loaded = load_model(str(tiny_gguf), "cpu", "fp32", "auto")
+    eviction = Eviction(evict, 64) if evict else None
+    graphed, eager = (Engine(loaded, 256, kv_format=kv_format, eviction=eviction) for _ in range(2))
+    graphed.graphs = cuda_graphs.DecodeGraphs(graphed.model, graphed.cache)
+    runs = []
+    monkeypatch.setattr(graphed.graphs, "_step", lambda inputs, T, f=graphed.graphs._step: runs.append(T) or f(inputs, T))
+    run_side_by_side(graphed, eager, [("run", 12), ("run", 1), ("run", 1), ("run", 5), ("run", 1), ("run", 13),
+                                      ("back", 4), ("run", 3), *[("run", 1)] * 40, ("run", 16), ("run", 16)])
+    assert set(graphed.graphs.graphs) == {1, 3, 5, 12, 13, 16}
+    assert graphed.cache.evicted == eager.cache.evicted and (evict is None) == (eager.cache.evicted == 0)
+    assert runs.count(1) == 1 + 43  # captured once, then each of the 43 one-token forwards a replay

@@ -1,0 +1,73 @@
+"""The whole model on the Triton path: every op routed to its Triton kernel (on CUDA natively; on a CPU under the
+interpreter, routed as on CUDA), quantized weights through the W4A16/W8A16 kernels, against the plain-PyTorch path
+of the same file, in fp32."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from llmrun import kernels
+from llmrun.kv_cache import KVCache
+from llmrun.loading import load_model
+from llmrun.models.llama import Transformer
+from llmrun.models.quant import QuantLinear
+
+from .tiny import CONFIGS, random_model, write_gguf
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def triton_everywhere(monkeypatch):
+    """Every op on its Triton kernel whatever the device, and no C decode stack: the CUDA path, on CPU tensors.
+    Yields the names of the Triton entry points that ran."""
+    from llmrun.kernels import activation, decode_attention, norm, rotary, triton_quant_matmul
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(kernels, "_use_triton", lambda x: not kernels._reference.get())
+    monkeypatch.setattr(kernels, "_failed", set())  # a kernel that fails would fall back to PyTorch: none may
+    monkeypatch.setattr(Transformer, "_decode_stack", lambda self, x, cache: None)
+    ran = set()
+    for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rope_"), (activation, "silu_mul"),
+                         (decode_attention, "decode_attention"), (decode_attention, "quantized_decode_attention"),
+                         (triton_quant_matmul, "quant_linear")]:
+        def spy(*args, _f=getattr(module, name), _name=name, **kwargs):
+            ran.add(_name)
+            return _f(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    yield ran
+    assert not kernels._failed
+
+
+def run(model, tokens, pieces, kv_format):
+    """Logits (T, V) of `tokens` fed in consecutive pieces through one cache of `kv_format`."""
+    cache = KVCache.for_model(model, 64, torch.float32, DEVICE, kv_format=kv_format)
+    out, start = [], 0
+    with torch.no_grad():
+        for size in pieces:
+            out.append(model(tokens[:, start : start + size], start, cache)[0])
+            start += size
+    return torch.cat(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, qtype", [("smollm2", "Q4_1"), ("qwen2", "Q8_0"), ("llama", "Q4_0")])
+@pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4"])
+def test_the_triton_path_matches_the_plain_pytorch_path(tmp_path, triton_everywhere, arch, qtype, kv_format):
+    """A prefill (the dequantize-then-GEMM path, SDPA), decode steps (the GEMV and split-K attention kernels) and
+    verification blocks, over every cache format: the logits of plain PyTorch on the dequantized weights."""
+    model = random_model(dataclasses.replace(CONFIGS[arch], head_dim=32))
+    path = write_gguf(tmp_path / f"tiny-{arch}-{qtype}.gguf", model, qtype=qtype)
+    packed = load_model(str(path), DEVICE, "fp32", "auto").model
+    plain = load_model(str(path), DEVICE, "fp32", "dequant").model
+    assert isinstance(packed.layers[0].attn.qkv, QuantLinear)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 41), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    pieces = [20, 1, 1, 5, 1, 13]  # prefill > 16 tokens and > 8 rows; steps; blocks
+    got = run(packed, tokens, pieces, kv_format)
+    want = run(plain, tokens, [41], kv_format)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    attention = "decode_attention" if kv_format == "fp32" else "quantized_decode_attention"
+    assert triton_everywhere == {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "quant_linear", attention}
