@@ -21,7 +21,7 @@ stamp=$(date +%Y-%m-%d)
 
 # a failing test is reported, and the measurements still run: the device time is too scarce to lose them
 python -m pytest -q -rs tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py \
-    tests/test_triton_model.py || echo "gpu.sh: GPU TESTS FAILED (above); measuring anyway" >&2
+    tests/test_triton_model.py tests/test_cuda_graphs.py || echo "gpu.sh: GPU TESTS FAILED (above); measuring anyway" >&2
 
 written=("$results/$stamp-$gpu-${shapes[0]}-sweep.json")
 llmrun bench --random-weights "${shapes[0]}" --prompt-tokens 128 --new-tokens 64 --sweep --goal quality \
@@ -51,4 +51,19 @@ for ctx in 8192 32768; do
         written+=("$out")
     done
 done
+# 5. Memory (issue 7): the longest context each KV format could hold beside llama3.1-8b's weights (bf16, and 4-bit
+#    blocks), from the device's free memory now and the formats' bytes per token (`llmrun info`'s), capped at none
+out="$results/$stamp-$gpu-max-context.json"
+python - > "$out" <<'PY'
+import json, torch
+from llmrun.kv_cache import bytes_per_token
+from llmrun.shapes import shape_config
+cfg = shape_config("llama3.1-8b")
+free, total = torch.cuda.mem_get_info()
+weights = {"bf16": cfg.n_params * 2, "int4": cfg.n_params // 32 * 20}  # 4-bit blocks: 16 bytes of codes + 4 of fp16 d, m
+rows = [{"weights": w, "kv": kv, "max_context": int((free - wb) // bytes_per_token(cfg, kv))}
+        for w, wb in weights.items() for kv in ("bf16", "int8", "int4")]
+print(json.dumps({"device_free_bytes": free, "device_total_bytes": total, "model": "llama3.1-8b", "rows": rows}))
+PY
+python -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['rows']]" "$out"
 python bench/results_tables.py "${written[@]}"

@@ -27,6 +27,13 @@ import torch
 from llmrun.kv_cache import DeviceStep, KVCache
 
 MAX_TOKENS = 16  # forwards of up to this many tokens (decode steps, verification blocks) are graphed
+MIN_SPAN = 1024  # a graph's attention spans a power of two of slots, at least this many, covering the keys in use
+_captures = 0  # graphs captured in this process: a step that captured one took far longer than a replay will
+
+
+def captures() -> int:
+    """How many graphs this process has captured (timers leave out the steps during which this grew)."""
+    return _captures
 
 
 @dataclass
@@ -70,36 +77,41 @@ def unavailable(model, cache: KVCache) -> str | None:
 
 
 class DecodeGraphs:
-    """The CUDA graphs of `model`'s short forwards over one `cache`: one per number of tokens T <= MAX_TOKENS,
-    captured at its first use. `forward` runs T tokens at a position and slot, as `model(tokens, position, cache)`
-    would, and returns their logits (1, T, V)."""
+    """The CUDA graphs of `model`'s short forwards over one `cache`: one per number of tokens T <= MAX_TOKENS and
+    span (the cache slots its attention is handed: a power of two >= MIN_SPAN holding the keys in use, or the
+    whole cache), captured at its first use, so attention's split-K is sized to the context as an eager step's is
+    rather than to the whole cache. `forward` runs T tokens at a position and slot, as
+    `model(tokens, position, cache)` would, and returns their logits (1, T, V)."""
 
     def __init__(self, model, cache: KVCache):
         self.model, self.cache = model, cache
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, int], _Graph] = {}  # (T, span) -> its graph
         # one memory pool for every T: their steps never overlap
         self.pool = torch.cuda.graph_pool_handle() if cache.device.type == "cuda" else None
         self.device = cache.device
         self.failed: str | None = None  # why capturing failed: every forward runs eagerly from then on
-        # the RoPE tables, built now for every position the model takes: a replay cannot grow them
-        model._rope_tables(model.config.max_seq_len, self.device)
+        # the RoPE tables, built now for every position the model takes: a replay cannot grow them, and the graphs
+        # hold these tensors (should the model ever replace them, the graphs are captured again: `forward`)
+        self.tables = model._rope_tables(model.config.max_seq_len, self.device)
 
-    def _step(self, inputs: torch.Tensor, T: int) -> torch.Tensor:
+    def _step(self, inputs: torch.Tensor, T: int, span: int) -> torch.Tensor:
         """The forward a graph holds: inputs (3, T) on the device -> logits (1, T, V)."""
         tokens, positions, slots = inputs[0].view(1, T), inputs[1], inputs[2]
         length = (slots[-1:] + 1).to(torch.int32)
-        self.cache.device_step = DeviceStep(slots, positions, length)
+        self.cache.device_step = DeviceStep(slots, positions, length, span)
         try:
             return self.model(tokens, positions, self.cache)
         finally:
             self.cache.device_step = None
 
-    def _capture(self, staged: torch.Tensor) -> _Graph:
+    def _capture(self, staged: torch.Tensor, span: int) -> _Graph:
+        global _captures
+        _captures += 1
         T = staged.shape[1]
         cuda = self.device.type == "cuda"
         host = torch.empty(3, T, dtype=torch.int64, pin_memory=cuda)
         inputs = staged.to(self.device)  # the step being run: the warm-up runs it (writing what it will write)
-        replay, logits = capture(functools.partial(self._step, inputs, T), self.pool)
+        replay, logits = capture(functools.partial(self._step, inputs, T, span), self.pool)
         copied = torch.cuda.Event() if cuda else None
         if copied is not None:
             copied.record()
@@ -112,11 +124,15 @@ class DecodeGraphs:
         T = len(ids)
         if self.failed or T > MAX_TOKENS:
             return None
+        if self.model._cos is not self.tables[0]:  # the tables the graphs read were replaced: capture anew
+            self.graphs.clear()
+            self.tables = self.model._rope_tables(self.model.config.max_seq_len, self.device)
         staged = torch.tensor([ids, range(position, position + T), range(slot, slot + T)], dtype=torch.int64)
-        g = self.graphs.get(T)
+        span = min(max(MIN_SPAN, 1 << (slot + T - 1).bit_length()), self.cache.max_len)
+        g = self.graphs.get((T, span))
         if g is None:
             try:
-                g = self.graphs[T] = self._capture(staged)
+                g = self.graphs[T, span] = self._capture(staged, span)
             except Exception as e:  # noqa: BLE001 - whatever broke the capture, the eager step still works
                 self.failed = f"{type(e).__name__}: {e}"
                 self.graphs.clear()

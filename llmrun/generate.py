@@ -309,6 +309,7 @@ class Generation:
         forced = [] if constraint is None else constraint.forced_tokens(engine.tokenizer, room)
         drafting = spec is not None and not forced
         proposal, k, t0 = Proposal(forced), 0, time.perf_counter()
+        captured = cuda_graphs.captures()
         if drafting:
             k = spec.length.choose(room)
             stats.draft_k = k
@@ -332,7 +333,8 @@ class Generation:
             accepted, nxt = 0, sample(logits, params, generator, history)
         engine.rollback(start + 1 + accepted)  # rejected drafts (and any cut off above) leave the cache
         if drafting:
-            spec.length.observe(len(drafts), accepted, time.perf_counter() - t1, t1 - t0 - proposal.setup_s)
+            if cuda_graphs.captures() == captured:  # a step that captured a CUDA graph is no step's typical time
+                spec.length.observe(len(drafts), accepted, time.perf_counter() - t1, t1 - t0 - proposal.setup_s)
             stats.drafted += len(drafts)
             stats.accepted += accepted
         else:

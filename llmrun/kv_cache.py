@@ -292,12 +292,14 @@ class Eviction:
 class DeviceStep:
     """A forward whose positions live on the device, so that one CUDA graph of it replays at any position
     (`llmrun.cuda_graphs`): while `KVCache.device_step` holds one, `update` writes the T new tokens' K/V at `slots`
-    and hands attention the whole buffers with `length`, the slots in use, which attention reads on the device.
+    and hands attention the buffers' first `capacity` slots with `length`, the slots in use, which attention reads on
+    the device.
     Float and INT8 caches only, without H2O's scores (`KVCache.device_steps`)."""
 
     slots: torch.Tensor  # (T,) int64: where the tokens' K/V go
     positions: torch.Tensor  # (T,) int64: their RoPE positions
     length: torch.Tensor  # (1,) int32: slots in use once they are written
+    capacity: int  # the slots attention is handed, a bound fixed for the graph: length <= capacity <= max_len
 
 
 class KVCache:
@@ -316,7 +318,7 @@ class KVCache:
         if eviction is not None:
             max_len = eviction.budget
         self.format, self.eviction = kv_format, eviction
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # with its index: "cuda" is "cuda:0", as tensors say
         self.shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         store = {"int8": _Int8Store, "int4": _Int4Store}.get(kv_format, _DenseStore)
         self.store = store(*self.shape, _DTYPES.get(kv_format, dtype), device)
@@ -388,13 +390,13 @@ class KVCache:
         return None
 
     def _update_at(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """`update` at `device_step`'s slots: returns the whole buffers (attention reads its `length` slots)."""
+        """`update` at `device_step`'s slots: returns the buffers' first `capacity` slots (attention reads `length`)."""
         step = self.device_step
         self.store.write_at(layer, step.slots, k.transpose(1, 2), v.transpose(1, 2))
         if self.positions is not None:
             B, H = self.shape[1:3]
             self.positions[layer].index_copy_(2, step.slots, step.positions.expand(B, H, -1))
-        k_read, v_read = self.store.read(layer, self.max_len)
+        k_read, v_read = self.store.read(layer, step.capacity)
         if v_read is not None and k_read.dtype != k.dtype:
             raise ValueError("a device step needs the cache in the compute dtype")
         return k_read, v_read, None

@@ -31,7 +31,7 @@ def device_forward(model, tokens, position, slot, cache):
     T = tokens.shape[1]
     positions = torch.arange(position, position + T, device=tokens.device)
     slots = torch.arange(slot, slot + T, device=tokens.device)
-    cache.device_step = DeviceStep(slots, positions, (slots[-1:] + 1).to(torch.int32))
+    cache.device_step = DeviceStep(slots, positions, (slots[-1:] + 1).to(torch.int32), cache.max_len)
     try:
         return model(tokens, positions, cache)
     finally:
@@ -100,7 +100,7 @@ def run_side_by_side(graphed, eager, ops):
     their logits (fp32: they may differ only in summation order); ("back", n) rolls both back n tokens (a rejected
     speculation)."""
     vocab = graphed.loaded.config.vocab_size
-    ids = torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(0, vocab, (2048,), generator=torch.Generator().manual_seed(4)).tolist()
     with torch.no_grad():
         for op, n in ops:
             if op == "back":
@@ -126,7 +126,7 @@ def test_graphs_replay_the_eager_steps(tiny_gguf, kv_format):
     assert graphed.graphs is not None
     run_side_by_side(graphed, eager, [("run", 20), ("run", 1), ("run", 1), ("run", 5), ("run", 1), ("run", 13),
                                       ("back", 4), ("run", 3), ("run", 1)])
-    assert set(graphed.graphs.graphs) == {1, 5, 13, 3}  # the prefill (20 tokens) ran eagerly
+    assert {T for T, _ in graphed.graphs.graphs} == {1, 5, 13, 3}  # the prefill (20 tokens) ran eagerly
 
 
 @pytest.mark.parametrize("bits", [0, 8])
@@ -178,9 +178,25 @@ def test_the_graph_runner_replays_steps_at_any_position(tiny_gguf, monkeypatch, 
     graphed, eager = (Engine(loaded, 256, kv_format=kv_format, eviction=eviction) for _ in range(2))
     graphed.graphs = cuda_graphs.DecodeGraphs(graphed.model, graphed.cache)
     runs = []
-    monkeypatch.setattr(graphed.graphs, "_step", lambda inputs, T, f=graphed.graphs._step: runs.append(T) or f(inputs, T))
+    monkeypatch.setattr(graphed.graphs, "_step",
+                        lambda inputs, T, span, f=graphed.graphs._step: runs.append(T) or f(inputs, T, span))
     run_side_by_side(graphed, eager, [("run", 12), ("run", 1), ("run", 1), ("run", 5), ("run", 1), ("run", 13),
                                       ("back", 4), ("run", 3), *[("run", 1)] * 40, ("run", 16), ("run", 16)])
-    assert set(graphed.graphs.graphs) == {1, 3, 5, 12, 13, 16}
+    assert set(graphed.graphs.graphs) == {(T, graphed.cache.max_len) for T in (1, 3, 5, 12, 13, 16)}  # small: all of it
     assert graphed.cache.evicted == eager.cache.evicted and (evict is None) == (eager.cache.evicted == 0)
     assert runs.count(1) == 1 + 43  # captured once, then each of the 43 one-token forwards a replay
+
+
+def test_a_graph_spans_the_power_of_two_of_slots_in_use(tmp_path, monkeypatch):
+    """Crossing 1024 keys in use, steps move from the graph spanning 1024 slots to the one spanning 2048 (attention's
+    splits sized to the context, not to the 4096-slot cache), with the eager engine's logits throughout."""
+    from llmrun import cuda_graphs
+    from llmrun.generate import Engine
+
+    monkeypatch.setattr(cuda_graphs, "capture", replaying_capture)
+    model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32, max_seq_len=4096))
+    loaded = load_model(str(write_gguf(tmp_path / "long.gguf", model, qtype="Q4_1")), "cpu", "fp32", "auto")
+    graphed, eager = (Engine(loaded, 4096) for _ in range(2))
+    graphed.graphs = cuda_graphs.DecodeGraphs(graphed.model, graphed.cache)
+    run_side_by_side(graphed, eager, [("run", 1020), *[("run", 1)] * 6, ("run", 4)])
+    assert set(graphed.graphs.graphs) == {(1, 1024), (1, 2048), (4, 2048)}

@@ -252,7 +252,7 @@ def bad_inputs(tmp_path_factory, tiny):
     (["--ppl", "{text}", "--kl-vs", "dtype=bf16,"], 2, ["'' is not key=value"]),
     (["--ppl", "{text}", "--kl-vs", "ctx=16"], 2, ["unknown key 'ctx'; valid keys: model, device, dtype, weights"]),
     (["--ppl", "{text}", "--kl-vs", "dtype=fp8"], 2, ["dtype=fp8: choose dtype from auto, bf16, fp16, fp32"]),
-    (["--ppl", "{text}", "--kl-vs", "weights=int4"], 2, ["weights=int4: choose weights from auto, dequant"]),
+    (["--ppl", "{text}", "--kl-vs", "weights=int3"], 2, ["weights=int3: choose weights from auto, dequant, int4"]),
     (["--ppl", "{text}", "--kl-vs", "dtype=bf16,dtype=fp32"], 2, ["dtype is given twice"]),
     (["--ppl", "{text}", "--kl-vs", "model={root}/nothing.gguf"], 1, ["nothing.gguf: no such file or directory"]),
     (["--ppl", "{text}", "--kl-vs", "model={root}/small-vocab"], 1, ["has 64 tokens in its vocabulary, this one 128"]),

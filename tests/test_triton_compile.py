@@ -217,7 +217,7 @@ def _attention(shape, dtype):
         for T in (1, 9, 16):
             q, k, v = qkv(T)
             slots = torch.arange(1000, 1000 + T)
-            cache.device_step = DeviceStep(slots, slots, (slots[-1:] + 1).to(torch.int32))
+            cache.device_step = DeviceStep(slots, slots, (slots[-1:] + 1).to(torch.int32), 2048)
             k, v, _ = cache.update(1, 0, k, v)
             if v is None:
                 kernels.quantized_attention(q, k, window, length=cache.device_step.length)
