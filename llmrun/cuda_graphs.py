@@ -1,6 +1,6 @@
 """CUDA graphs of the decode step: the whole forward of a decode step (or a verification block) captured once per
-number of tokens and replayed for every later step, so the GPU runs the step's hundreds of kernels back to back
-with no Python and no launch overhead between them.
+number of tokens (and span of cache slots, `DecodeGraphs`) and replayed for every later step, so the GPU runs the
+step's hundreds of kernels back to back with no Python and no launch overhead between them.
 
 A graph replays fixed kernels on fixed memory, so the step must not depend on host values that change: the tokens,
 their positions and their cache slots go into static device buffers before each replay, the cache is written at
@@ -58,22 +58,6 @@ def capture(step: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], object
     with torch.cuda.graph(graph, pool=pool):
         out = step()
     return graph.replay, out
-
-
-def unavailable(model, cache: KVCache) -> str | None:
-    """Why `model` over `cache` cannot run as CUDA graphs, or None when it can."""
-    if os.environ.get("LLMRUN_NO_CUDA_GRAPHS"):
-        return "disabled by LLMRUN_NO_CUDA_GRAPHS"
-    if cache.device.type != "cuda":
-        return "not on a CUDA device"
-    if getattr(model, "reference_ops", False):
-        return "the plain-PyTorch path (--weights dequant) stays eager, as the baseline"
-    if cache.shape[1] != 1:
-        return "one sequence at a time"
-    dense = cache.dense
-    if dense is not None and dense[0].dtype != next(model.parameters()).dtype:
-        return "the KV cache's dtype differs from the model's"
-    return cache.device_steps
 
 
 class DecodeGraphs:
@@ -150,13 +134,17 @@ class DecodeGraphs:
 
 
 def for_engine(model, cache: KVCache) -> DecodeGraphs | None:
-    """The CUDA graphs for an engine's model and cache, or None where they do not apply (said once, as a warning,
-    when the reason is worth knowing: on CUDA)."""
-    if not torch.cuda.is_available():
+    """The CUDA graphs for an engine's model and cache, or None: off the GPU, with LLMRUN_NO_CUDA_GRAPHS set, for
+    the plain-PyTorch baseline (`--weights dequant`, which stays eager) and for batches; and, with a one-line
+    warning, for the caches a device step cannot serve (`KVCache.device_steps`)."""
+    if (cache.device.type != "cuda" or os.environ.get("LLMRUN_NO_CUDA_GRAPHS") or getattr(model, "reference_ops", False)
+            or cache.shape[1] != 1):
         return None
-    why = unavailable(model, cache)
-    if why is None:
-        return DecodeGraphs(model, cache)
-    if "CUDA device" not in why and "dequant" not in why:
+    dense = cache.dense
+    why = cache.device_steps
+    if dense is not None and dense[0].dtype != next(model.parameters()).dtype:
+        why = "the KV cache's dtype differs from the model's"
+    if why is not None:
         warnings.warn(f"llmrun: decode steps run without CUDA graphs: {why}", RuntimeWarning, stacklevel=2)
-    return None
+        return None
+    return DecodeGraphs(model, cache)
