@@ -156,6 +156,11 @@ class _Int4Store:
         self.v_scale = torch.zeros(L, B, H, C, D // self.group, dtype=torch.float16, device=device)
         self.v_min = torch.zeros_like(self.v_scale)
         self.state = torch.zeros(L, 3, dtype=torch.int32)  # on the host: indices, not data
+        # each layer's buffers as the C kernels take them, made once (they never move); None where the C kernels
+        # cannot write them (a batch, a recent ring in another dtype)
+        views = [tuple(b[layer] for b in self.buffers) for layer in range(L)]
+        c_writes = B == 1 and dtype == torch.float32 and all(kernels.cpu.int4_layout_ok(*v) for v in views)
+        self._c_layers = views if c_writes else None
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -201,9 +206,8 @@ class _Int4Store:
         self.state[layer] = torch.tensor([full, max(start if lossy else exact_from, end - ref.RECENT), end])
 
     def write(self, layer, slot, k, v):
-        if self.k.shape[1] == 1 and self.recent.dtype == torch.float32 and kernels.cpu_kernels_serve(k) \
-                and kernels.cpu.int4_layout_ok(*(b[layer] for b in self.buffers)):
-            kernels.cpu.int4_write(tuple(b[layer] for b in self.buffers), self.state[layer], slot, k, v)
+        if self._c_layers is not None and kernels.cpu_kernels_serve(k):
+            kernels.cpu.int4_write(self._c_layers[layer], self.state[layer], slot, k, v)
             return
         self._write_keys(layer, slot, k)
         codes, scale, lo = ref.quantize_int4_tokens(v, self.group)
