@@ -57,11 +57,15 @@ class QuantizeResult:
         return asdict(self)
 
 
-def choose_group_size(cfg, asked: int | None) -> int:
+def choose_group_size(cfg, asked: int | None, blocks_of_32: bool = False) -> int:
     """`asked` if it is a multiple of 32 dividing every layer's input width; by default the largest of
-    GROUP_SIZES that does. Otherwise a message naming the sizes that fit."""
+    GROUP_SIZES that does, or 32 for a source stored in quantized blocks of 32 columns (`blocks_of_32`: GGUF's
+    Q4_0, Q4_1, Q8_0, K-quants), whose weights already sit on one grid per 32 columns: a coarser group puts two or
+    more of those grids under one scale, an error no scaling removes. Otherwise a message naming the sizes that fit."""
     inputs = sorted({width for width, _ in cfg.linear_widths().values()})
     fits = [g for g in GROUP_SIZES if all(w % g == 0 for w in inputs)]
+    if asked is None and blocks_of_32 and 32 in fits:
+        return 32
     if asked is None:
         if not fits:
             raise LlmrunError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides this model's input "
@@ -86,6 +90,12 @@ def _check_source(files) -> None:
     for name, (_, outs) in files.config.linear_widths().items():
         if any(w % 8 for w in outs):
             raise LlmrunError(f"output widths {outs} of {name} are not multiples of 8, which AWQ/GPTQ packing needs")
+
+
+def _stored_in_blocks(files) -> bool:
+    """Whether the source is a GGUF with block-quantized tensors (every GGUF block format scales 32 columns or
+    fewer at a time)."""
+    return files.gguf is not None and any(t not in ("F32", "F16", "BF16") for t in files.stored_bytes)
 
 
 def calibration_windows(tokenizer, text: str, samples: int, seq_len: int, seed: int):
@@ -136,7 +146,7 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
             raise LlmrunError("--int8 quantizes per output channel; --group-size applies to --awq and --rtn")
         group = -1
     else:
-        group = choose_group_size(cfg, options.group_size)
+        group = choose_group_size(cfg, options.group_size, blocks_of_32=_stored_in_blocks(files))
     result = QuantizeResult(str(out_dir), options.method, bits, group, 0.0, 0)
     windows = None
     if options.method == "awq":
@@ -148,7 +158,7 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
                                             options.seq_len, options.seed)
         result.calibration_tokens = windows.numel()
         result.notes += [note] if note else []
-    if files.gguf is not None and any(t not in ("F32", "F16", "BF16") for t in files.stored_bytes):
+    if _stored_in_blocks(files):
         result.notes.append(f"{files.source.spec} is stored quantized ({', '.join(sorted(files.stored_bytes))}); its "
                             "weights are dequantized first, so the result carries both roundings")
     dev = resolve_device(device)
@@ -194,10 +204,10 @@ def _run_awq(model, windows, bits, group, options, dev, tensors, on_progress) ->
         inputs, hidden = capture_inputs(block, hidden, cos, sin, cfg.sliding_window, options.search_rows, gen)
         if on_progress:
             on_progress(i, cfg.n_layers, f"block {i}: searching scales")
-        report = awq_block(block, inputs, cfg, bits, group)
+        quantized, report = awq_block(block, inputs, cfg, bits, group)
         for name in report.awq:
             ratios.setdefault(name, []).append(report.awq[name] / max(report.rtn[name], 1e-30))
-        _quantize_block(block, i, cfg, bits, group, tensors)
+        _quantize_block(block, i, cfg, bits, group, tensors, quantized)
         block.to("cpu")
         del inputs
     if on_progress:
@@ -215,12 +225,14 @@ def capture_inputs(block, hidden, cos, sin, window, search_rows: int, gen, chunk
     S, T, _ = hidden.shape
     picked = torch.randperm(S * T, generator=gen)[:search_rows].sort().values.to(hidden.device)
     taps = {"qkv": block.attn.qkv, "o": block.attn.o, "gate_up": block.mlp.gate_up, "down": block.mlp.down}
-    sums, rows, first = {}, {name: [] for name in taps}, [0]  # first: flat index of the chunk's first token
+    sums, squares, rows = {}, {}, {name: [] for name in taps}
+    first = [0]  # flat index of the chunk's first token
 
     def tap(name):
         def hook(module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).float()  # (tokens, in)
             sums[name] = sums.get(name, 0) + x.abs().sum(0)
+            squares[name] = squares.get(name, 0) + x.pow(2).sum(0)
             here = picked[(picked >= first[0]) & (picked < first[0] + x.shape[0])] - first[0]
             rows[name].append(x[here])
         return hook
@@ -234,11 +246,13 @@ def capture_inputs(block, hidden, cos, sin, window, search_rows: int, gen, chunk
     finally:
         for handle in handles:
             handle.remove()
-    return {name: LinearInputs(sums[name] / (S * T), torch.cat(rows[name])) for name in taps}, out
+    n = S * T
+    return {name: LinearInputs(sums[name] / n, squares[name] / n, torch.cat(rows[name])) for name in taps}, out
 
 
-def _quantize_block(block, i: int, cfg, bits: int, group: int, tensors: dict) -> None:
-    """Quantize the block's four (fused) linear layers into `tensors` under HF names, split into their parts."""
+def _quantize_block(block, i: int, cfg, bits: int, group: int, tensors: dict, quantized: dict | None = None) -> None:
+    """Quantize the block's four (fused) linear layers into `tensors` under HF names, split into their parts;
+    `quantized` holds layers already quantized (AWQ's), by module name."""
     from llmrun.awq import quantize_groups, quantize_int8_rows
     from llmrun.loading import fused_parts, hf_tensor_name
     from llmrun.quant_formats import pack_awq, pack_gptq
@@ -247,7 +261,11 @@ def _quantize_block(block, i: int, cfg, bits: int, group: int, tensors: dict) ->
     for ours, (_, widths) in cfg.linear_widths().items():
         linear = block.get_submodule(ours)
         w = linear.weight.float().cpu()
-        q = quantize_int8_rows(w) if bits == 8 else quantize_groups(w, bits, group)
+        if quantized is not None:
+            q = quantized[ours]
+            q = replace(q, codes=q.codes.cpu(), scales=q.scales.cpu(), zeros=q.zeros.cpu())
+        else:
+            q = quantize_int8_rows(w) if bits == 8 else quantize_groups(w, bits, group)
         start = 0
         for part, width in zip(fused_parts(ours), widths):
             module = hf_tensor_name(f"layers.{i}.{part}.weight").removesuffix(".weight")
