@@ -9,11 +9,12 @@ W (N, K) is cut along K in groups of G (32, 64 or 128) sharing one fp16 scale d 
 `ref.dequantize_blocks` is the plain-torch definition for any G; G = 32 is also the CPU kernels' layout.
 
 Two paths, chosen by the number of activation rows M:
-- decode (M <= 8): `_gemv_kernel`, one program per BLOCK_N output columns and per slice of K. It dequantizes
-  each weight tile in registers to fp32 once and reuses it for every row of x, so W is read once per call and
-  never materialized. When N alone gives too few programs, K is split: each slice writes an fp32 partial sum
-  (split_k, M, N) and torch adds them up (no atomics, so the result does not depend on scheduling).
-- prefill (M > 8): `_dequantize_kernel` writes W (N, K) in x's dtype and torch.matmul (cuBLAS) does the GEMM.
+- decode and verification (M <= 16): `_gemv_kernel`, one program per BLOCK_N output columns and per slice of K,
+  for up to 8 rows a launch (a speculative block of 9-16 takes two). It dequantizes each weight tile in registers
+  to fp32 once and reuses it for every row of x, so W is read once per launch and never materialized. When N
+  alone gives too few programs, K is split: each slice writes an fp32 partial sum (split_k, M, N) and torch adds
+  them up (no atomics, so the result does not depend on scheduling).
+- prefill (M > 16): `_dequantize_kernel` writes W (N, K) in x's dtype and torch.matmul (cuBLAS) does the GEMM.
   Compute-bound at these M, the extra N*K*2 bytes of traffic are small next to the matmul; a fused tiled
   `tl.dot` kernel is the next step if profiles say otherwise.
 
@@ -29,7 +30,10 @@ import triton.language as tl
 
 from . import ref
 
-DECODE_ROWS = 8  # up to this many rows of x take the GEMV path
+DECODE_ROWS = 8  # rows of x one GEMV launch serves
+VERIFY_ROWS = 16  # up to this many rows (a speculative verification block) run as GEMVs of DECODE_ROWS rows each:
+# reading the packed W twice costs far less than writing and reading it dequantized (and inside a CUDA graph that
+# copy of W would stay allocated in the graph's pool)
 
 
 # The plain-torch definition of the layout, for any group size: kernels.ref.dequantize_blocks.
@@ -221,8 +225,8 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     x: (..., K) fp16, bf16 or fp32. qs: uint8 (N, K/2) for 4 bits (GGML nibble order within blocks of 32),
     int8 (N, K) for 8 bits. d: fp16 (N, K/group) scales. m: fp16 (N, K/group) offsets, 4-bit only, or None
     (symmetric, m = -8 d). group: 32, 64 or 128 (any multiple of 32 dividing K).
-    Returns (..., N) in x's dtype, accumulated in fp32. Up to DECODE_ROWS rows of x: the GEMV kernel (W never
-    materialized); more: W dequantized to x's dtype, then torch.matmul.
+    Returns (..., N) in x's dtype, accumulated in fp32. Up to VERIFY_ROWS rows of x: the GEMV kernel, DECODE_ROWS
+    rows a launch (W never materialized); more: W dequantized to x's dtype, then torch.matmul.
     """
     N, K = _check(x, qs, d, m, bits, group)
     x2 = x.reshape(-1, K)
@@ -232,8 +236,8 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     m = None if m is None else m.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], N)
-    if x2.shape[0] <= DECODE_ROWS:
-        y = _gemv(x2, qs, d, m, bits, group)
+    if x2.shape[0] <= VERIFY_ROWS:
+        y = torch.cat([_gemv(rows, qs, d, m, bits, group) for rows in x2.split(DECODE_ROWS)])
     else:
         y = x2 @ dequantize(qs, d, m, bits, group, x.dtype).T
     return y.reshape(*x.shape[:-1], N)

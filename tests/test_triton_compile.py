@@ -230,19 +230,19 @@ def _attention(shape, dtype):
 
 
 def _quant_matmul(shape, dtype):
-    """Each linear layer of the model in blocks of 32 (GGUF's Q4_1, Q4_0, Q8_0) for 1 to 8 rows of activations (the
-    GEMV kernel, split-K by SM count) and for 9 (W dequantized for torch.matmul); AWQ's groups of 64 and 128 through
-    the kernel's own API (the model's layers hold blocks of 32)."""
+    """Each linear layer of the model in blocks of 32 (GGUF's Q4_1, Q4_0, Q8_0) for 1 to 16 rows of activations (the
+    GEMV kernel, split-K by SM count, 8 rows a launch) and for 17 (W dequantized for torch.matmul); AWQ's groups of
+    64 and 128 through the kernel's own API (the model's layers hold blocks of 32)."""
     from llmrun import kernels
     from llmrun.kernels.triton_quant_matmul import quant_linear
 
     dim, Hq, Hkv, D, F, _, vocab = shape
     linears = [((Hq + 2 * Hkv) * D, dim), (dim, Hq * D), (2 * F, dim), (dim, F), (vocab, dim)]  # W (N, K)
-    prefill = (9,) if dim <= 1024 else ()  # torch.matmul really runs here: on the small shapes only
+    prefill = (17,) if dim <= 1024 else ()  # torch.matmul really runs here: on the small shapes only
     for bits, offsets in ((4, True), (4, False), (8, False)):
         for N, K in linears:
             qs, d, m = _planes(N, K, bits, offsets, 32)
-            for M in (1, 2, 3, 8) + (prefill if N == dim else ()):  # BLOCK_M 1, 2, 4, 8
+            for M in (1, 2, 3, 8, 13) + (prefill if N == dim else ()):  # BLOCK_M 1, 2, 4, 8; 13: 8 then 5
                 kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits)
         for group in (64, 128):
             N, K = min((N, K) for N, K in linears if K % group == 0)

@@ -78,7 +78,7 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytes
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 3, 8, 33])  # 33: the prefill path
+@pytest.mark.parametrize("M", [1, 3, 8, 13, 33])  # 13: two GEMV launches (a verification block); 33: prefill
 @pytest.mark.parametrize("N, K, group", SHAPES)
 @pytest.mark.parametrize("bits, offsets", FORMATS)
 def test_quant_linear(bits, offsets, N, K, group, M, dtype):
