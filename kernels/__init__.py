@@ -3,7 +3,6 @@ dispatch point the models call: Triton kernels for CUDA tensors (imported on fir
 Triton still runs), the C kernels of `kernels.cpu` for fp32 tensors on the CPU when they could be built, and
 the reference ops elsewhere."""
 
-import contextvars
 import dataclasses
 import warnings
 from contextlib import contextmanager
@@ -12,18 +11,21 @@ import torch
 
 from . import cpu, ref
 
-# Inside `reference_ops()`, every op below is the plain-torch reference: the "plain PyTorch" baseline.
-_reference = contextvars.ContextVar("llmrun_reference_ops", default=False)
+# Inside `reference_ops()`, every op below is the plain-torch reference: the "plain PyTorch" baseline. A plain
+# global, not a ContextVar: torch.compile traces a global's value (and guards on it), where a ContextVar's get()
+# breaks the graph (the compiled baseline, `llmrun.compiled`). Models run on one thread.
+_reference = False
 
 
 @contextmanager
 def reference_ops(on: bool = True):
     """Within this block (when `on`), run the reference op of `kernels.ref` for every op, on every device."""
-    token = _reference.set(on)
+    global _reference
+    before, _reference = _reference, on
     try:
         yield
     finally:
-        _reference.reset(token)
+        _reference = before
 
 __all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "quant_matmul",
            "quant_rows", "quantized_attention", "rms_norm", "silu_mul"]
@@ -31,12 +33,12 @@ __all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kern
 
 def _use_cpu_kernels(x: torch.Tensor, dtype=None) -> bool:
     """Whether the C kernels serve x (or, with `dtype`, a result of that dtype computed on x's device)."""
-    return (x.device.type == "cpu" and (dtype or x.dtype) == torch.float32 and not _reference.get()
+    return (x.device.type == "cpu" and (dtype or x.dtype) == torch.float32 and not _reference
             and cpu.available())
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and not _reference.get()
+    return x.is_cuda and not _reference
 
 
 _failed: set[str] = set()  # Triton kernels that failed to build here: their reference op serves instead
@@ -109,8 +111,11 @@ def attention(q, k, v, window: int | None = None, mass=None, length=None):
     On CUDA, decoding and verification (T <= 16) run the split-K Triton kernel; prefill stays on SDPA.
     mass: if given, fp32 (B, Hkv, S) to which each key's attention weight is added (`ref.attention_mass`).
     length: if given, an int32 (1,) device tensor: only keys [0, length) are in use (the queries are the last T of
-    them) and S is the buffer's capacity; the Triton kernel reads it on the device (a step in a CUDA graph)."""
+    them) and S is the buffer's capacity; the Triton kernel reads it on the device (a step in a CUDA graph), the
+    plain-PyTorch path masks the unused slots (static shapes, no host sync: what torch.compile graphs)."""
     triton = _use_triton(q) and q.shape[1] <= 16 and k.stride(-1) == 1 and v.stride(-1) == 1
+    if length is not None and _reference and mass is None:
+        return ref.attention(q, k, v, window, length=length)
     if length is not None and not triton:  # read the count here (a host sync: no CUDA graph runs this path)
         n = int(length)
         k, v, mass, length = k[:, :, :n], v[:, :, :n], None if mass is None else mass[:, :, :n], None

@@ -43,14 +43,23 @@ def attention_mask(T: int, S: int, window: int | None, device) -> torch.Tensor |
     return mask
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+              length: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention with grouped-query heads.
 
     q (B, T, Hq, D): the last T of S positions; k, v (B, Hkv, S, D) with Hq % Hkv == 0 (query head h reads kv
     head h // (Hq/Hkv)). Query t sits at position S - T + t and sees keys up to it, the last `window` only
     when a sliding window is given. Returns (B, T, Hq, D).
+    length: an int32 (1,) tensor: only keys [0, length) are in use and the queries are their last T; the slots
+    past them are masked, so shapes do not depend on it (a compiled static decode step).
     """
-    mask = attention_mask(q.shape[1], k.shape[2], window, q.device)
+    if length is not None:
+        T, S = q.shape[1], k.shape[2]
+        i = length - T + torch.arange(T, device=q.device)[:, None]  # (T, 1) the queries' slots
+        j = torch.arange(S, device=q.device)[None, :]  # (1, S)
+        mask = (j <= i) if window is None else (j <= i) & (i - j < window)
+    else:
+        mask = attention_mask(q.shape[1], k.shape[2], window, q.device)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[1])
     return y.transpose(1, 2)
 

@@ -326,11 +326,16 @@ def run_figures(engine, workload, runs: list[Run], tokens_per_step: float | None
     }
 
 
-def measure_settings(files, settings: Settings, workload) -> dict:
-    """Load `files` as a resolved `settings` says, measure the workload, free the model: the figures."""
+def measure_settings(files, settings: Settings, workload, compiled: bool = False) -> dict:
+    """Load `files` as a resolved `settings` says, measure the workload, free the model: the figures. `compiled`:
+    decode steps through torch.compile (`llmrun.compiled`, the plain path's gpt-fast baseline)."""
     with torch_threads(settings.threads):
         engine = open_engine(files, settings)
         try:
+            if compiled:
+                from llmrun.compiled import CompiledDecode
+
+                engine.graphs = CompiledDecode(engine.model, engine.cache)
             return measure(engine, workload)
         finally:
             del engine
@@ -357,8 +362,15 @@ def describe(settings: Settings) -> str:
             f" ctx {settings.ctx}")
 
 
+def compiled_row(settings: Settings) -> bool:
+    """Whether --compare measures the plain path compiled: on CUDA (mode "reduce-overhead" is CUDA graphs), with a
+    cache that holds every token."""
+    return settings.device.startswith("cuda") and settings.kv_evict is None
+
+
 def compare_rows(files, settings: Settings, figures: dict, workload, progress) -> list[dict]:
-    """llmrun as configured, its plain-PyTorch eager path (`--weights dequant`), then the peers; with ratios."""
+    """llmrun as configured, its plain-PyTorch eager path (`--weights dequant`), on CUDA that path compiled
+    (torch.compile, mode "reduce-overhead": gpt-fast's recipe), then the peers; with ratios."""
     from llmrun import __version__, peers
 
     import torch
@@ -375,6 +387,15 @@ def compare_rows(files, settings: Settings, figures: dict, workload, progress) -
             rows.append(peers.row("llmrun eager", config, measure_settings(files, eager, workload), version=__version__))
         except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
             rows.append(peers.row("llmrun eager", config, version=__version__, skipped=f"failed: {one_line(e)}"))
+    if compiled_row(settings):
+        config = f"{eager.dtype} --weights dequant, torch.compile(mode='reduce-overhead')"
+        progress("compare: llmrun eager compiled (torch.compile)")
+        try:
+            figures = measure_settings(files, eager, workload, compiled=True)
+            rows.append(peers.row("llmrun compiled", config, figures, version=torch.__version__))
+        except Exception as e:  # noqa: BLE001 - the compiler failing is this row's result, not the benchmark's
+            rows.append(peers.row("llmrun compiled", config, version=torch.__version__,
+                                  skipped=f"failed: {one_line(e, with_type=True)}"))
     rows += peers.peer_rows(files, settings, workload, progress)
     return peers.add_ratios(rows)
 
@@ -438,7 +459,7 @@ def benchmark(files, settings: Settings, workload, *, model: str, compare: bool 
     peer) starts, and once more when all `total` are done."""
     from llmrun import peers, sweep
 
-    total = (1 + (1 + len(peers.PEERS) if compare else 0)
+    total = (1 + (1 + compiled_row(settings) + len(peers.PEERS) if compare else 0)
              + (sweep.points(settings, sweep_axes) if sweep_axes is not None else 0))
     started = 0
 

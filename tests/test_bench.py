@@ -413,6 +413,34 @@ def test_compare_with_peers_missing(cli, tiny_gguf, monkeypatch):
     assert rows["transformers"]["decode_tok_s"] is None and rows["transformers"]["decode_ratio"] is None
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_compare_measures_the_compiled_baseline(cli, tiny_gguf, monkeypatch, fails):
+    """On CUDA, --compare adds the plain path through torch.compile (gpt-fast's recipe) after the eager one; here
+    the row is forced on and traced with backend "eager" (Inductor's CPU code compiles for a minute). A compiler
+    failure is that row's result, not the benchmark's."""
+    from llmrun import compiled
+
+    class Traced(compiled.CompiledDecode):
+        def __init__(self, model, cache):
+            if fails:
+                raise RuntimeError("inductor: no kernel for this op\nmore detail")
+            super().__init__(model, cache, backend="eager")
+
+    monkeypatch.setattr(bench, "compiled_row", lambda settings: True)
+    monkeypatch.setattr(compiled, "CompiledDecode", Traced)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    doc = ok(cli(tiny_gguf, *FAST, "--compare", "--json")).json()
+    rows = {r["name"]: r for r in doc["compare"]}
+    assert list(rows) == ["llmrun", "llmrun eager", "llmrun compiled", "llama.cpp", "transformers"]
+    row = rows["llmrun compiled"]
+    assert set(row) == COMPARE_KEYS and "torch.compile(mode='reduce-overhead')" in row["config"]
+    if fails:
+        assert row["skipped"] == "failed: RuntimeError: inductor: no kernel for this op" and row["decode_ratio"] is None
+    else:
+        assert row["skipped"] is None and row["decode_tok_s"]["median"] > 0 and row["decode_ratio"] > 0
+
+
 def test_compare_table_and_eager_skip(cli, tiny_hf, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     result = ok(cli(tiny_hf, *FAST, "--compare", "--weights", "dequant"))

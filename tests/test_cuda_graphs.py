@@ -82,17 +82,21 @@ def test_which_caches_take_device_steps():
     assert "H2O" in cache(eviction=Eviction("h2o", 64)).device_steps
 
 
-def test_attention_reads_only_the_keys_in_use():
-    """kernels.attention with a device-side key count: on the reference path, the keys [0, length) of the buffer."""
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_reads_only_the_keys_in_use(window):
+    """kernels.attention with a device-side key count, on the reference path: attention over the keys [0, length)
+    of the buffer. That path masks the slots past them rather than slicing (static shapes, for the compiled
+    baseline), so they must hold finite values, as a cache's do (zeros, or stale keys): here large ones."""
     from llmrun import kernels
 
-    q = torch.randn(1, 3, 4, 16)
-    k, v = torch.randn(2, 1, 2, 40, 16)
-    k[:, :, 25:] = float("nan")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 3, 4, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, 40, 16, generator=g)
+    k[:, :, 25:], v[:, :, 25:] = 1e4, -1e4
     length = torch.tensor([25], dtype=torch.int32)
     with kernels.reference_ops():
-        got = kernels.attention(q, k, v, None, length=length)
-    torch.testing.assert_close(got, ref.attention(q, k[:, :, :25], v[:, :, :25]))
+        got = kernels.attention(q, k, v, window, length=length)
+    torch.testing.assert_close(got, ref.attention(q, k[:, :, :25], v[:, :, :25], window))
 
 
 def run_side_by_side(graphed, eager, ops, tol=1e-4):

@@ -25,7 +25,7 @@ def triton_everywhere(monkeypatch):
     from llmrun.kernels import activation, decode_attention, norm, rotary, triton_quant_matmul
 
     if DEVICE == "cpu":
-        monkeypatch.setattr(kernels, "_use_triton", lambda x: not kernels._reference.get())
+        monkeypatch.setattr(kernels, "_use_triton", lambda x: not kernels._reference)
     monkeypatch.setattr(kernels, "_failed", set())  # a kernel that fails would fall back to PyTorch: none may
     monkeypatch.setattr(Transformer, "_decode_stack", lambda self, x, cache: None)
     ran = set()
