@@ -143,6 +143,34 @@ def test_the_scale_search_protects_outlier_channels():
     assert s[:4].min() > s[4:].max()  # the loud channels are scaled up
 
 
+def test_each_layer_keeps_the_scaling_and_grid_that_err_least():
+    """`choose_scaling` returns the best of its four ways (search's scales or none, fitted or min/max grid), judged
+    by the output error through a nonlinear `forward` (an MLP-like gate, as gate/up's is judged), and never worse
+    than RTN's."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1024, 128, generator=g)
+    x[:, :3] *= 20
+    x[:8] *= 8  # a few tokens with massive activations
+    w = torch.randn(64, 128, generator=g) * 0.05
+    down = torch.randn(16, 32, generator=g)
+    forward = lambda rows, weight: (torch.nn.functional.silu(rows @ weight[:32].T) * (rows @ weight[32:].T)) @ down.T
+    inputs = LinearInputs(x.abs().mean(0), x.pow(2).mean(0), x)
+    s, grid, err, rtn_err = awq.choose_scaling(w, inputs, 4, 32, forward=forward)
+    y = forward(x, w)
+
+    def error(c, quantized):
+        return (forward(x / c, quantized.dequantize()) - y).pow(2).mean().item()
+
+    searched = search_scale(w, inputs, 4, 32, forward=forward)[0]
+    ones = torch.ones_like(searched)
+    ways = {(tag, "fit"): error(c, awq.fit_groups(w * c, x.pow(2).mean(0) / c**2, 4, 32))
+            for tag, c in (("s", searched), ("1", ones))}
+    ways |= {(tag, "minmax"): error(c, quantize_groups(w * c, 4, 32)) for tag, c in (("s", searched), ("1", ones))}
+    assert rtn_err == pytest.approx(ways["1", "minmax"], rel=1e-5)
+    assert err == pytest.approx(min(ways.values()), rel=1e-5) and err <= rtn_err
+    assert torch.equal(s, searched if min(ways, key=ways.get)[0] == "s" else ones) and grid == min(ways, key=ways.get)[1]
+
+
 def weighted_group_error(q: GroupQuant, w, energy):
     """(out, in / group): each group's rounding error weighted by its input channels' energy."""
     out, inp = w.shape
@@ -355,25 +383,32 @@ AWQ_HELD_OUT = (
 
 @pytest.fixture(scope="module")
 def smollm2_quantized(tmp_path_factory):
-    """The embedded model quantized by AWQ and by RTN, group 64. AWQ's calibration is small and fixed:
-    fixtures/calibration.txt, 14 replies of the embedded model itself to `llmrun chat -p` prompts on everyday
-    topics (seed 7, temperature 0.7), about 4,900 tokens."""
+    """The embedded model quantized by AWQ and by RTN at the default group size (32: its GGUF's blocks) -> the
+    directory holding both, and AWQ's QuantizeResult. AWQ's calibration is small and fixed: fixtures/calibration.txt,
+    14 replies of the embedded model itself to `llmrun chat -p` prompts on everyday topics (seed 7, temperature
+    0.7), about 4,900 tokens."""
     root = tmp_path_factory.mktemp("smollm2-q")
     calib = str(Path(__file__).parent / "fixtures" / "calibration.txt")
+    results = {}
     for method in ("awq", "rtn"):
         opts = QuantizeOptions(method, calib=calib if method == "awq" else None, samples=8, seq_len=256, search_rows=512)
-        quantize("smollm2", root / method, opts, device="cpu")
-    return root
+        results[method] = quantize("smollm2", root / method, opts, device="cpu")
+    assert results["awq"].group_size == 32
+    return root, results["awq"]
 
 
 @pytest.mark.slow
 def test_awq_is_never_worse_than_rtn_on_the_embedded_model(smollm2_quantized, smollm2_dequant):
-    """Block by block, on held-out text, fed the float model's own hidden states: AWQ's block output is closer
-    to the float block's than round-to-nearest's."""
+    """Layer by layer on the calibration rows (as `llmrun quantize` reports it), then block by block on held-out
+    text fed the float model's own hidden states: AWQ's output is closer to the float model's than
+    round-to-nearest's."""
     from llmrun.loading import load_model
 
+    root, awq_result = smollm2_quantized
+    ratios = awq_result.awq_error_vs_rtn
+    assert set(ratios) == {"qkv", "o", "gate_up", "down"} and all(r < 1 for r in ratios.values()), ratios
     orig = smollm2_dequant.model
-    quantized = {m: load_model(str(smollm2_quantized / m), device="cpu", dtype="fp32", weights="dequant").model
+    quantized = {m: load_model(str(root / m), device="cpu", dtype="fp32", weights="dequant").model
                  for m in ("awq", "rtn")}
     ids = torch.tensor([smollm2_dequant.tokenizer.encode(AWQ_HELD_OUT)])
     T = ids.shape[1]
@@ -502,3 +537,29 @@ def test_an_unsupported_quantization_method_fails_to_load(tiny_source, tmp_path,
     (path / "config.json").write_text(json.dumps(config))
     code, _, err = run_main(["generate", path, "hi", "-n", "2"], monkeypatch, capsys)
     assert code == 1 and "'bitsandbytes'" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+def test_awq_on_a_gpu_and_its_checkpoint_packed_there(tiny_source, tmp_path):
+    """`--device cuda`: the search runs on the GPU (each block moved there in turn) and its checkpoint is as close
+    to the float model as the CPU's; AWQ codes load packed onto the GPU's W4A16 kernels and compute what the
+    checkpoint holds."""
+    from llmrun.loading import load_model
+
+    source, model, calib = tiny_source
+    options = QuantizeOptions("awq", calib=str(calib), samples=8, seq_len=64)
+    errors = {}
+    ids = torch.tensor([[3, 17, 99, 5, 64, 2, 88, 41]])
+    with torch.no_grad():
+        want = model(ids)
+        for device in ("cuda", "cpu"):
+            result = quantize(str(source), tmp_path / device, options, device=device)
+            assert result.awq_error_vs_rtn and all(r < 1 for r in result.awq_error_vs_rtn.values())
+            plain = load_model(str(tmp_path / device), device="cpu", dtype="fp32", weights="dequant")
+            errors[device] = ((plain.model(ids) - want).norm() / want.norm()).item()
+        assert errors["cuda"] < 1.25 * errors["cpu"] + 1e-3, errors
+        packed = load_model(str(tmp_path / "cuda"), device="cuda", dtype="fp32")
+        assert packed.weights == "packed"
+        got = packed.model(ids.cuda()).float().cpu()
+    exact = load_model(str(tmp_path / "cuda"), device="cpu", dtype="fp32", weights="dequant").model(ids)
+    torch.testing.assert_close(got, exact, rtol=0, atol=1e-3 * exact.abs().max().item())
