@@ -7,16 +7,19 @@
 # GPU_STEPS picks the steps (default: all, in this order), so that each fits a device call of limited time
 # (the lent machines allow 10 minutes a command: run `tests`, then `sweep speed`, then `kv memory`). Each run's
 # JSON goes to RESULTS (default bench/results/; file names keep to letters, digits, '.', '_' and '-'); a summary
-# table of the runs of this call comes last. On the lent machine, where at most 8 files come back from $OUT:
+# table of the runs of this call comes last. On the lent machine, where at most 8 files come back from $OUT, with
+# .whl/ made here first by bench/gpu_wheels.sh and named in the call's `carry` (the script installs from it):
 #     RESULTS=/tmp/r GPU_STEPS="sweep speed" bash bench/gpu.sh; tar czf $OUT/results.tgz -C /tmp/r .
 #   tests   The Triton kernels natively on CUDA (the bf16 cases, marked `gpu`, run here and only here), the whole
-#           model on the Triton path, CUDA graphs captured and replayed. A failure is reported and the
-#           measurements still run: the device time is too scarce to lose them.
+#           model on the Triton path, CUDA graphs captured and replayed, the torch.compile baseline, AWQ's search
+#           on the GPU and its checkpoint packed there. A failure is reported and the measurements still run: the
+#           device time is too scarce to lose them.
 #   sweep   Correctness at a real shape: `llmrun bench --sweep` on the first SHAPE scores the Triton path (bf16)
 #           and the plain-PyTorch path against fp32 plain PyTorch on the same random weights (KL, top-1).
 #   speed   Every random-weight SHAPE (default: llama3.2-1b llama3-8b) at a short and a long context, its float
 #           matrices in bf16 and rounded to 4-bit blocks (--weights int4: W4A16): `llmrun bench --compare`
-#           (llmrun against the plain-PyTorch bf16 path, same prompt ids); and the first SHAPE's short bf16 run
+#           (llmrun against the plain-PyTorch bf16 path, eager and through torch.compile(mode="reduce-overhead"),
+#           same prompt ids); and the first SHAPE's short bf16 run
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
 #   kv      The KV cache formats at long context (issue 7): decode speed at 8k and 32k positions for bf16, int8 and
 #           int4 KV on the 8B shape (quantized KV reads fewer bytes per step).
@@ -24,25 +27,32 @@
 #           computed from the device's free memory and the formats' bytes per token (`llmrun info`'s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! python3 -c "import gguf, llmrun.kernels" 2>/dev/null; then
+    # A bare lent machine, which reaches no package index: gguf from the wheel bench/gpu_wheels.sh fetched into
+    # .whl/ (carried with the call), llmrun itself from this tree (editable: llmrun.kernels maps onto kernels/).
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+fi
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
 steps=" ${GPU_STEPS:-tests sweep speed kv memory} "
 results=${RESULTS:-bench/results}
 mkdir -p "$results"
-gpu=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
 stamp=$(date +%Y-%m-%d)
 written=()
 
 bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results/$stamp-$gpu-OUT_NAME.json
     local out="$results/$stamp-$gpu-$1.json"
     shift
-    llmrun bench "$@" --json > "$out"
+    python3 -m llmrun bench "$@" --json > "$out"
     written+=("$out")
 }
 
 if [[ $steps == *" tests "* ]]; then
-    python -m pytest -q -rs tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py \
-        tests/test_triton_model.py tests/test_cuda_graphs.py || echo "gpu.sh: GPU TESTS FAILED (above); measuring anyway" >&2
+    python3 -m pytest -q -rs tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py \
+        tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py \
+        tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there || echo "gpu.sh: GPU TESTS FAILED (above); measuring anyway" >&2
 fi
 if [[ $steps == *" sweep "* ]]; then
     bench "${shapes[0]}-sweep" --random-weights "${shapes[0]}" --prompt-tokens 128 --new-tokens 64 --sweep \
@@ -69,7 +79,7 @@ if [[ $steps == *" kv "* ]]; then
     done
 fi
 if [[ $steps == *" memory "* ]]; then
-    python - > "$results/$stamp-$gpu-max-context.json" <<'PY'
+    python3 - > "$results/$stamp-$gpu-max-context.json" <<'PY'
 import json, torch
 from llmrun.kv_cache import bytes_per_token
 from llmrun.shapes import shape_config
@@ -80,6 +90,6 @@ rows = [{"weights": w, "kv": kv, "max_context": int((free - wb) // bytes_per_tok
         for w, wb in weights.items() for kv in ("bf16", "int8", "int4")]
 print(json.dumps({"device_free_bytes": free, "device_total_bytes": total, "model": "llama3.1-8b", "rows": rows}))
 PY
-    python -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['rows']]" "$results/$stamp-$gpu-max-context.json"
+    python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['rows']]" "$results/$stamp-$gpu-max-context.json"
 fi
-[ ${#written[@]} -eq 0 ] || python bench/results_tables.py "${written[@]}"
+[ ${#written[@]} -eq 0 ] || python3 bench/results_tables.py "${written[@]}"
