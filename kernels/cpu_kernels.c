@@ -491,8 +491,8 @@ static size_t scale_scratch(int fmt, int gshift, int D, int S) {
 }
 
 /* One query row qr (D) against the key/value rows first..last of one kv head -> o (D); with w, each key's
- * softmax weight is added to w[s]. p: scratch, S floats. kfmt, vfmt and gshift are constants at each call, so
- * every format compiles to its own loops. */
+ * softmax weight is added to w[s]. p: scratch, S floats. kfmt, vfmt and gshift are constants at each call (the
+ * row_* functions below), so every format compiles to its own loops. */
 static inline __attribute__((always_inline)) void attend_row(int kfmt, int vfmt, int gshift, const float *qr, kv_rows k,
                                                              kv_rows v, int D, int first, int last, float scale,
                                                              float *p, float *o, float *w) {
@@ -562,6 +562,142 @@ static inline __attribute__((always_inline)) void attend_row(int kfmt, int vfmt,
     }
 }
 
+#ifdef USE_AVX2
+enum { PV_TILE = 32 };  /* keys whose value rows stay in L1 while every row of a kv head reads them */
+
+/* `attend_row` for the n query rows r0 .. r0+n-1 of one kv head (row r: token r / group, query head of the group
+ * r % group; qrow(r), orow(r) its q and output, last(r) its last key), with every key and value row read once for
+ * all of them rather than once each (grouped-query heads and the tokens of a verification block share them).
+ * Each row's arithmetic is attend_row's, operation for operation (the same 8-key dot products, maximum, exp
+ * and sum, and value sums in key order, kept in o between tiles of keys), so a row's result does not depend on
+ * which rows share the pass. Rows see keys from 0 (no window); keys must not depend on the row (not KV_INT4_CH);
+ * D % 8 == 0. p: scratch, n * S floats; mx: 8 * n floats. */
+static inline __attribute__((always_inline)) void attend_rows(int kfmt, int vfmt, int gshift, const float *q, long q_ld,
+                                                              kv_rows k, kv_rows v, int T, int S, int Hq, int group,
+                                                              int D, int h, int r0, int n, float scale, float *p,
+                                                              float *mx, float *out, float *w) {
+    load_scales(kfmt, gshift, k, D, 0, S - 1);
+    load_scales(vfmt, gshift, v, D, 0, S - 1);
+#define QROW(r) (q + (size_t)((r) / group) * q_ld + (size_t)(h * group + (r) % group) * D)
+#define OROW(r) (out + ((size_t)((r) / group) * Hq + h * group + (r) % group) * D)
+#define LAST(r) (S - T + (r) / group)
+    for (int j = 0; j < n; j++) _mm256_storeu_ps(mx + 8 * j, _mm256_set1_ps(-INFINITY));
+    for (int s = 0; s + 8 <= S; s += 8) {  /* eight keys at a time, as attend_row takes them, for every row */
+        for (int j = 0; j < n; j++) {
+            int r = r0 + j;
+            if (s + 8 > LAST(r) + 1) continue;
+            const float *qr = QROW(r);
+            __m256 acc[8];
+            for (int jj = 0; jj < 8; jj++) {
+                acc[jj] = _mm256_mul_ps(_mm256_loadu_ps(qr), kv_at8(kfmt, gshift, k, D, s + jj, 0));
+                for (int i = 8; i < D; i += 8)
+                    acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_at8(kfmt, gshift, k, D, s + jj, i), acc[jj]);
+            }
+            __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+            __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+            __m256 dots = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)),
+                                        _mm256_set1_ps(scale));
+            _mm256_storeu_ps(p + (size_t)j * S + s, dots);
+            _mm256_storeu_ps(mx + 8 * j, _mm256_max_ps(_mm256_loadu_ps(mx + 8 * j), dots));
+        }
+    }
+    float *inv = mx;  /* row j's 1 / sum replaces its maxima once they are used */
+    for (int j = 0; j < n; j++) {
+        int r = r0 + j, last = LAST(r);
+        const float *qr = QROW(r);
+        float *pr = p + (size_t)j * S, m = -INFINITY;
+        for (int jj = 0; jj < 8; jj++) m = mx[8 * j + jj] > m ? mx[8 * j + jj] : m;
+        int s = (last + 1) / 8 * 8;
+        for (; s <= last; s++) {
+            float dot = 0.0f;
+            for (int i = 0; i < D; i++) dot += qr[i] * kv_at(kfmt, gshift, k, D, s, i);
+            pr[s] = dot * scale;
+            m = fmaxf(m, pr[s]);
+        }
+        __m256 acc = _mm256_setzero_ps();
+        for (s = 0; s + 8 <= last + 1; s += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pr + s), _mm256_set1_ps(m)));
+            _mm256_storeu_ps(pr + s, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        float sum = hsum(acc);
+        for (; s <= last; s++) sum += (pr[s] = expf(pr[s] - m));
+        inv[j] = 1.0f / sum;
+        if (w)
+            for (s = 0; s <= last; s++) w[s] += pr[s] * inv[j];
+    }
+    int d64 = D / 64 * 64;
+    for (int s0 = 0; s0 < S; s0 += PV_TILE) {  /* 64 output values of a row in registers over a tile of keys */
+        for (int j = 0; j < n; j++) {
+            int r = r0 + j, end = LAST(r) + 1 < s0 + PV_TILE ? LAST(r) + 1 : s0 + PV_TILE;
+            if (end <= s0) continue;
+            const float *pr = p + (size_t)j * S;
+            float *o = OROW(r);
+            for (int i0 = 0; i0 < d64; i0 += 64) {
+                __m256 acc[8];
+                for (int jj = 0; jj < 8; jj++) acc[jj] = s0 ? _mm256_loadu_ps(o + i0 + 8 * jj) : _mm256_setzero_ps();
+                for (int s = s0; s < end; s++) {
+                    __m256 a = _mm256_set1_ps(pr[s] * inv[j]);
+                    for (int jj = 0; jj < 8; jj++) acc[jj] = _mm256_fmadd_ps(a, kv_at8(vfmt, gshift, v, D, s, i0 + 8 * jj), acc[jj]);
+                }
+                for (int jj = 0; jj < 8; jj++) _mm256_storeu_ps(o + i0 + 8 * jj, acc[jj]);
+            }
+        }
+    }
+    for (int j = 0; j < n; j++) {  /* the channels past the last 64, as attend_row does them */
+        int r = r0 + j, last = LAST(r);
+        const float *pr = p + (size_t)j * S;
+        float *o = OROW(r);
+        for (int i = d64; i < D; i++) o[i] = 0.0f;
+        for (int s = 0; s <= last; s++) {
+            float a = pr[s] * inv[j];
+            for (int i = d64; i < D; i++) o[i] += a * kv_at(vfmt, gshift, v, D, s, i);
+        }
+    }
+#undef QROW
+#undef OROW
+#undef LAST
+}
+#endif
+
+/* attend_row and attend_rows for each (key format, value format, group shift) the entry points use, each compiled
+ * with them as constants: called from an OpenMP region, whose body the compiler outlines before inlining, the
+ * formats would otherwise be run-time values tested for every element read. */
+#define FORMATS(X) X(KV_F32, KV_F32, 0) X(KV_INT8, KV_INT8, 5) X(KV_INT8, KV_INT8, 4) X(KV_INT4_CH, KV_INT4, 5) \
+    X(KV_INT4_CH, KV_INT4, 4)
+#define ROW_FN(K, V, G) \
+    static __attribute__((noinline)) void row_##K##_##V##_##G(const float *qr, kv_rows k, kv_rows v, int D, int first, \
+                                                               int last, float scale, float *p, float *o, float *w) { \
+        attend_row(K, V, G, qr, k, v, D, first, last, scale, p, o, w); \
+    }
+FORMATS(ROW_FN)
+
+static void attend_row_any(int kfmt, int vfmt, int gshift, const float *qr, kv_rows k, kv_rows v, int D, int first,
+                           int last, float scale, float *p, float *o, float *w) {
+#define ROW_CASE(K, V, G) if (kfmt == K && vfmt == V && gshift == G) return row_##K##_##V##_##G(qr, k, v, D, first, last, scale, p, o, w);
+    FORMATS(ROW_CASE)
+    attend_row(kfmt, vfmt, gshift, qr, k, v, D, first, last, scale, p, o, w);
+}
+
+#ifdef USE_AVX2
+#define ROWS_FN(K, V, G) \
+    static __attribute__((noinline)) void rows_##K##_##V##_##G(const float *q, long q_ld, kv_rows k, kv_rows v, int T, \
+                                                                int S, int Hq, int group, int D, int h, int r0, int n, \
+                                                                float scale, float *p, float *mx, float *out, float *w) { \
+        attend_rows(K, V, G, q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, out, w); \
+    }
+FORMATS(ROWS_FN)
+
+static void attend_rows_any(int kfmt, int vfmt, int gshift, const float *q, long q_ld, kv_rows k, kv_rows v, int T,
+                            int S, int Hq, int group, int D, int h, int r0, int n, float scale, float *p, float *mx,
+                            float *out, float *w) {
+#define ROWS_CASE(K, V, G) if (kfmt == K && vfmt == V && gshift == G) \
+        return rows_##K##_##V##_##G(q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, out, w);
+    FORMATS(ROWS_CASE)
+    attend_rows(kfmt, vfmt, gshift, q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, out, w);
+}
+#endif
+
 /* kv head h's rows, with n_scales floats of scratch at fs for its scales (INT4: scales, then as many minimums) */
 static kv_rows head_rows(kv_rows r, int h, float *fs, size_t n_scales) {
     if (r.f) r.f += h * r.f_stride;
@@ -602,6 +738,14 @@ static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int 
 #endif
     float *weights = mass ? calloc((size_t)n_threads * Hkv * S, sizeof(float)) : NULL;  /* per thread (Hkv, S) */
     if (mass && !weights) return -2;
+    /* Without a window, and with keys every row reads alike, the rows of a kv head (its query heads times the T
+     * tokens) share one pass over its keys and values, in runs spread over at least twice the threads. */
+    int rows = group * T, shared = window <= 0 && kfmt != KV_INT4_CH && D % 8 == 0;
+    int pieces = (2 * n_threads + Hkv - 1) / Hkv;
+    pieces = pieces > rows ? rows : pieces;
+    pieces = pieces < 1 ? 1 : pieces;
+    int chunk = rows > pieces ? (rows + pieces - 1) / pieces : 1;
+    (void)shared, (void)chunk;
 #pragma omp parallel num_threads(n_threads)
     {
 #ifdef _OPENMP
@@ -609,21 +753,40 @@ static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int 
 #else
         int thread = 0;
 #endif
-        float *p = malloc(((size_t)S + ks + vs) * sizeof(float));
-        if (!p) failed = 1;
-#pragma omp for schedule(static) collapse(2)
-        for (int t = 0; t < T; t++)
-            for (int h = 0; h < Hq; h++) {
-                if (!p) continue;
-                const float *qr = q + (size_t)t * q_ld + (size_t)h * D;
-                float *o = out + ((size_t)t * Hq + h) * D;
-                int last = S - T + t, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
-                kv_rows kh = head_rows(k, h / group, p + S, ks), vh = head_rows(v, h / group, p + S + ks, vs);
-                kh.nq = row_quantized(last, first_exact, n_quantized);
-                float *w = weights ? weights + ((size_t)thread * Hkv + h / group) * S : NULL;
-                attend_row(kfmt, vfmt, gshift, qr, kh, vh, D, first, last, scale, p, o, w);
+#ifdef USE_AVX2
+        if (shared) {  /* each kv head's rows in `pieces` runs of `chunk`, every key read once per run */
+            float *p = malloc(((size_t)chunk * (S + 8) + ks + vs) * sizeof(float));
+            if (!p) failed = 1;
+#pragma omp for schedule(static)
+            for (int u = 0; u < Hkv * pieces; u++) {
+                int h = u / pieces, r0 = u % pieces * chunk, n = rows - r0 < chunk ? rows - r0 : chunk;
+                if (!p || n <= 0) continue;
+                float *scales = p + (size_t)chunk * (S + 8);
+                kv_rows kh = head_rows(k, h, scales, ks), vh = head_rows(v, h, scales + ks, vs);
+                float *w = weights ? weights + ((size_t)thread * Hkv + h) * S : NULL;
+                attend_rows_any(kfmt, vfmt, gshift, q, q_ld, kh, vh, T, S, Hq, group, D, h, r0, n, scale, p,
+                                p + (size_t)chunk * S, out, w);
             }
-        free(p);
+            free(p);
+        } else
+#endif
+        {
+            float *p = malloc(((size_t)S + ks + vs) * sizeof(float));
+            if (!p) failed = 1;
+#pragma omp for schedule(static) collapse(2)
+            for (int t = 0; t < T; t++)
+                for (int h = 0; h < Hq; h++) {
+                    if (!p) continue;
+                    const float *qr = q + (size_t)t * q_ld + (size_t)h * D;
+                    float *o = out + ((size_t)t * Hq + h) * D;
+                    int last = S - T + t, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+                    kv_rows kh = head_rows(k, h / group, p + S, ks), vh = head_rows(v, h / group, p + S + ks, vs);
+                    kh.nq = row_quantized(last, first_exact, n_quantized);
+                    float *w = weights ? weights + ((size_t)thread * Hkv + h / group) * S : NULL;
+                    attend_row_any(kfmt, vfmt, gshift, qr, kh, vh, D, first, last, scale, p, o, w);
+                }
+            free(p);
+        }
     }
     if (weights && !failed) {
 #pragma omp parallel for schedule(static) collapse(2)

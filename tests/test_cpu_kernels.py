@@ -104,11 +104,13 @@ def test_silu_mul_on_halves_of_one_tensor():
     torch.testing.assert_close(cpu.silu_mul(g, u), ref.silu_mul(g, u), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("Hq, Hkv, D", [(4, 1, 16), (9, 3, 64), (6, 6, 12)])
-@pytest.mark.parametrize("T, S", [(1, 1), (1, 17), (5, 5), (5, 23)])
+# D 80 and 128: value channels past a multiple of 64, and two runs of 64; S 70: keys in several tiles of 32 (each
+# row's value sums kept between them); T 16: the rows of a kv head split into runs across the threads
+@pytest.mark.parametrize("Hq, Hkv, D", [(4, 1, 16), (9, 3, 64), (6, 6, 12), (8, 2, 128), (12, 4, 80)])
+@pytest.mark.parametrize("T, S", [(1, 1), (1, 17), (5, 5), (5, 23), (16, 70)])
 @pytest.mark.parametrize("window", [None, 3])
 def test_attention_matches_reference_on_cache_views(Hq, Hkv, D, T, S, window):
-    max_len = 32
+    max_len = 80
     cache_k, cache_v = torch.randn(1, Hkv, max_len, D), torch.randn(1, Hkv, max_len, D)
     k, v = cache_k[:, :, :S], cache_v[:, :, :S]  # head-strided views, as the KV cache hands them out
     q = torch.randn(1, T, Hq, D)
