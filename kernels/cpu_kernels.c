@@ -570,8 +570,8 @@ enum { PV_TILE = 32 };  /* keys whose value rows stay in L1 while every row of a
  * all of them rather than once each (grouped-query heads and the tokens of a verification block share them).
  * Each row's arithmetic is attend_row's, operation for operation (the same 8-key dot products, maximum, exp
  * and sum, and value sums in key order, kept in o between tiles of keys), so a row's result does not depend on
- * which rows share the pass. Rows see keys from 0 (no window); keys must not depend on the row (not KV_INT4_CH);
- * D % 8 == 0. p: scratch, n * S floats; mx: 8 * n floats. */
+ * which rows share the pass. Rows see keys from 0 (no window); keys must not depend on the row (INT4 keys: every
+ * row reads codes up to the same k.nq); D % 8 == 0. p: scratch, n * S floats; mx: 8 * n floats. */
 static inline __attribute__((always_inline)) void attend_rows(int kfmt, int vfmt, int gshift, const float *q, long q_ld,
                                                               kv_rows k, kv_rows v, int T, int S, int Hq, int group,
                                                               int D, int h, int r0, int n, float scale, float *p,
@@ -738,14 +738,17 @@ static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int 
 #endif
     float *weights = mass ? calloc((size_t)n_threads * Hkv * S, sizeof(float)) : NULL;  /* per thread (Hkv, S) */
     if (mass && !weights) return -2;
-    /* Without a window, and with keys every row reads alike, the rows of a kv head (its query heads times the T
-     * tokens) share one pass over its keys and values, in runs spread over at least twice the threads. */
-    int rows = group * T, shared = window <= 0 && kfmt != KV_INT4_CH && D % 8 == 0;
+    /* Without a window, and with keys every row reads alike (INT4 keys: when every row reads codes up to the same
+     * key, as a single token's rows do), the rows of a kv head (its query heads times the T tokens) share one
+     * pass over its keys and values, in runs spread over at least twice the threads. */
+    int rows = group * T, nq_shared = row_quantized(S - 1, first_exact, n_quantized);
+    int shared = window <= 0 && D % 8 == 0
+                 && (kfmt != KV_INT4_CH || row_quantized(S - T, first_exact, n_quantized) == nq_shared);
     int pieces = (2 * n_threads + Hkv - 1) / Hkv;
     pieces = pieces > rows ? rows : pieces;
     pieces = pieces < 1 ? 1 : pieces;
     int chunk = rows > pieces ? (rows + pieces - 1) / pieces : 1;
-    (void)shared, (void)chunk;
+    (void)shared, (void)chunk, (void)nq_shared;
 #pragma omp parallel num_threads(n_threads)
     {
 #ifdef _OPENMP
@@ -763,6 +766,7 @@ static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int 
                 if (!p || n <= 0) continue;
                 float *scales = p + (size_t)chunk * (S + 8);
                 kv_rows kh = head_rows(k, h, scales, ks), vh = head_rows(v, h, scales + ks, vs);
+                kh.nq = nq_shared;
                 float *w = weights ? weights + ((size_t)thread * Hkv + h) * S : NULL;
                 attend_rows_any(kfmt, vfmt, gshift, q, q_ld, kh, vh, T, S, Hq, group, D, h, r0, n, scale, p,
                                 p + (size_t)chunk * S, out, w);
