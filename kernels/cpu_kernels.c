@@ -490,6 +490,23 @@ static size_t scale_scratch(int fmt, int gshift, int D, int S) {
     }
 }
 
+#ifdef USE_AVX2
+/* The scaled dot products of query row qr (D) with keys s .. s+7: eight accumulators, reduced together */
+static inline __attribute__((always_inline)) __m256 dots8(int kfmt, int gshift, const float *qr, kv_rows k, int D,
+                                                          int s, float scale) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) {
+        acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qr), kv_at8(kfmt, gshift, k, D, s + j, 0));
+        for (int i = 8; i < D; i += 8)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_at8(kfmt, gshift, k, D, s + j, i), acc[j]);
+    }
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)),
+                         _mm256_set1_ps(scale));
+}
+#endif
+
 /* One query row qr (D) against the key/value rows first..last of one kv head -> o (D); with w, each key's
  * softmax weight is added to w[s]. p: scratch, S floats. kfmt, vfmt and gshift are constants at each call (the
  * row_* functions below), so every format compiles to its own loops. */
@@ -504,16 +521,7 @@ static inline __attribute__((always_inline)) void attend_row(int kfmt, int vfmt,
     if (D % 8 == 0) {  /* eight keys at a time: their dot products reduce together */
         __m256 mx8 = _mm256_set1_ps(-INFINITY);
         for (; s + 8 <= last + 1; s += 8) {
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) {
-                acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qr), kv_at8(kfmt, gshift, k, D, s + j, 0));
-                for (int i = 8; i < D; i += 8)
-                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_at8(kfmt, gshift, k, D, s + j, i), acc[j]);
-            }
-            __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-            __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-            __m256 dots = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)),
-                                        _mm256_set1_ps(scale));
+            __m256 dots = dots8(kfmt, gshift, qr, k, D, s, scale);
             _mm256_storeu_ps(p + s, dots);
             mx8 = _mm256_max_ps(mx8, dots);
         }
@@ -586,17 +594,7 @@ static inline __attribute__((always_inline)) void attend_rows(int kfmt, int vfmt
         for (int j = 0; j < n; j++) {
             int r = r0 + j;
             if (s + 8 > LAST(r) + 1) continue;
-            const float *qr = QROW(r);
-            __m256 acc[8];
-            for (int jj = 0; jj < 8; jj++) {
-                acc[jj] = _mm256_mul_ps(_mm256_loadu_ps(qr), kv_at8(kfmt, gshift, k, D, s + jj, 0));
-                for (int i = 8; i < D; i += 8)
-                    acc[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_at8(kfmt, gshift, k, D, s + jj, i), acc[jj]);
-            }
-            __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-            __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-            __m256 dots = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)),
-                                        _mm256_set1_ps(scale));
+            __m256 dots = dots8(kfmt, gshift, QROW(r), k, D, s, scale);
             _mm256_storeu_ps(p + (size_t)j * S + s, dots);
             _mm256_storeu_ps(mx + 8 * j, _mm256_max_ps(_mm256_loadu_ps(mx + 8 * j), dots));
         }
