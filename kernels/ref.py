@@ -31,11 +31,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def attention_mask(T: int, S: int, window: int | None, device) -> torch.Tensor | None:
-    """(T, S) bool, True where query t (at key position S - T + t) may see key s; None when all may."""
-    if T == 1 and (window is None or S <= window):
+def attention_mask(T: int, S: int, window: int | None, device, length: torch.Tensor | None = None) -> torch.Tensor | None:
+    """(T, S) bool, True where query t (at key position S - T + t) may see key s; None when all may.
+    length: an int32 (1,) tensor: only keys [0, length) are in use and query t sits at length - T + t; the slots
+    past them are masked, so the shape does not depend on it."""
+    if length is None and T == 1 and (window is None or S <= window):
         return None
-    i = torch.arange(S - T, S, device=device)[:, None]
+    i = (S if length is None else length) - T + torch.arange(T, device=device)[:, None]  # (T, 1) the queries' keys
     j = torch.arange(S, device=device)[None, :]
     mask = j <= i
     if window is not None:
@@ -53,13 +55,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     length: an int32 (1,) tensor: only keys [0, length) are in use and the queries are their last T; the slots
     past them are masked, so shapes do not depend on it (a compiled static decode step).
     """
-    if length is not None:
-        T, S = q.shape[1], k.shape[2]
-        i = length - T + torch.arange(T, device=q.device)[:, None]  # (T, 1) the queries' slots
-        j = torch.arange(S, device=q.device)[None, :]  # (1, S)
-        mask = (j <= i) if window is None else (j <= i) & (i - j < window)
-    else:
-        mask = attention_mask(q.shape[1], k.shape[2], window, q.device)
+    mask = attention_mask(q.shape[1], k.shape[2], window, q.device, length)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[1])
     return y.transpose(1, 2)
 

@@ -75,6 +75,11 @@ class LinearInputs:
     rows: torch.Tensor  # (R, in) a fixed random sample of token rows: the inputs the output error is measured on
 
 
+def _linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's output on rows (R, in) for weight (out, in): the forward the search judges by default."""
+    return rows @ weight.T
+
+
 def search_scale(w: torch.Tensor, x: LinearInputs, bits: int, group: int, tie=None, forward=None):
     """The input-channel scales s (in,) minimising the output error of W quantized as Q(W s) / s over x.rows
     -> (s, that error, plain RTN's error).
@@ -83,7 +88,7 @@ def search_scale(w: torch.Tensor, x: LinearInputs, bits: int, group: int, tie=No
     and s = 1 (RTN itself). The output is x W^T, or `forward(x.rows, W)` (the module the layer feeds, e.g. the
     whole MLP for gate/up). `tie` = (kv_heads, heads_per_kv, head_dim): s must be equal across the query heads
     that share a value head (o's input channels), so it can be folded into v."""
-    forward = forward or (lambda rows, weight: rows @ weight.T)
+    forward = forward or _linear
 
     def tied(v):  # (in,) -> the mean over the query heads of each key/value head, repeated
         if tie is None:
@@ -117,7 +122,7 @@ def choose_scaling(w: torch.Tensor, x: LinearInputs, bits: int, group: int, tie=
     activations through what follows the layer, it can do far worse. Measured on the embedded model: its 12th
     block's MLP, with the search's s on the fitted grid, erred 20x more than RTN, nearly all of it on 2 of 512
     sampled tokens; hence the comparison on the real output error."""
-    forward = forward or (lambda rows, weight: rows @ weight.T)
+    forward = forward or _linear
     s, err, rtn_err = search_scale(w, x, bits, group, tie, forward)
     y = forward(x.rows, w)
 
@@ -233,7 +238,7 @@ def awq_block(block, inputs: dict[str, LinearInputs], cfg, bits: int, group: int
     def output_error(name, weights):
         """On the sampled rows, the error of the layer's output, or for gate/up of the MLP's (down in float), as
         the scale search measures it: AWQ trades gate/up's own error for the MLP's."""
-        forward = through_mlp if name == "gate_up" else (lambda rows, w: rows @ w.T)
+        forward = through_mlp if name == "gate_up" else _linear
         rows, exact = inputs[name].rows, block.get_submodule(LAYERS[name]).weight
         return (forward(rows, weights) - forward(rows, exact)).pow(2).mean().item()
 
