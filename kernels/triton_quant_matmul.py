@@ -145,8 +145,11 @@ _INTERPRETER_BLOCKS = {"BLOCK_N": 256, "BLOCK_K": 512}  # the interpreter costs 
 def _gemv_launcher(cuda: bool):
     # Autotuning times each config on the GPU. The interpreter has none to time on (Triton 3.6 and 3.8 fail at the
     # first launch, 3.2 already in the decorator), so it gets fixed blocks.
+    # M is not in the key: every row count of a weight shape runs the config its first launch chose, so a row's
+    # sums are taken in one order whether 1 or 8 rows share a launch (the kernel reduces each row alone), and a
+    # speculative block of a new size neither stops to tune nor gives a token other bits than a one-token step.
     if cuda:
-        return triton.autotune(_GEMV_CONFIGS, key=["M", "N", "K", "K_SPLIT", "BITS", "GROUP"])(_gemv_kernel), {}
+        return triton.autotune(_GEMV_CONFIGS, key=["N", "K", "K_SPLIT", "BITS", "GROUP"])(_gemv_kernel), {}
     return _gemv_kernel, _INTERPRETER_BLOCKS
 
 

@@ -96,6 +96,18 @@ def test_gemv_split_k(bits, offsets, split_k):
     check_close(tqm._gemv(x, qs, d, m, bits, 64, split_k=split_k), x, tqm.dequantize_groups(qs, d, m, bits, 64))
 
 
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_a_row_does_not_depend_on_the_rows_beside_it(bits, offsets):
+    """Greedy speculative decoding is exact only if a token's product has the same bits whether it runs alone or in
+    a verification block: every row count up to VERIFY_ROWS gives each row the bits of the full block (on a GPU
+    this also needs one autotuned config for every row count of a shape)."""
+    qs, d, m = random_planes(96, 320, bits, offsets, 32, seed=bits)
+    x = torch.randn(tqm.VERIFY_ROWS, 320, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
+    block = tqm.quant_linear(x, qs, d, m, bits, 32)
+    for rows in range(1, tqm.VERIFY_ROWS):
+        assert torch.equal(tqm.quant_linear(x[-rows:], qs, d, m, bits, 32), block[-rows:]), rows
+
+
 @pytest.mark.parametrize("M", [2, 12])
 def test_leading_dims_and_strided_x(M):
     qs, d, m = random_planes(48, 128, 4, True, 64, seed=M)
