@@ -198,7 +198,9 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: t
     k, v int8 (1, Hkv, S, D) and k_scale, v_scale fp16 (1, Hkv, S, D/group), rows contiguous, k and v sharing their
     strides and so do the scales (views of a KV cache) -> (1, T, Hq, D) fp32.
 
-    Bit-identical to `attention` over `ref.dequantize_int8` of the codes: each row is dequantized in registers."""
+    The codes are never expanded to a copy: a group's scale multiplies q's sum with its codes (keys) or the softmax
+    weight before it multiplies them (values), so the result is `attention` over `ref.dequantize_int8` of the codes
+    up to a rounding or two. A row's bits do not depend on the rows beside it."""
     _, T, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     out = torch.empty(1, T, Hq, D, dtype=torch.float32)
@@ -238,8 +240,10 @@ def attention_int4(q: torch.Tensor, kv, window: int | None, mass: torch.Tensor |
     each query row reads the keys `QuantizedKV.row_quantized` gives it. q (1, T, Hq, D) as for `attention` ->
     (1, T, Hq, D) fp32.
 
-    Bit-identical to `attention` over `ref.dequantize_kv(kv, n)` for each row's n: codes are dequantized in
-    registers with kernels/ref.py's roundings."""
+    The codes are never expanded to a copy: for key codes of one group, q times the channel scales multiplies the
+    codes and q . the channel minimums is added once; value codes take the softmax weight times their scale, and the
+    minimums are summed once per group. The result is `attention` over `ref.dequantize_kv(kv, n)` for each row's n
+    up to a rounding or two; a row's bits do not depend on the rows beside it."""
     _, T, Hq, D = q.shape
     Hkv, S = kv.k.shape[1], kv.length
     cache = _int4_cache(kv.k, kv.v, kv.k_scale, kv.k_min, kv.v_scale, kv.v_min, kv.k_recent)

@@ -378,7 +378,7 @@ void silu_mul(const float *gate, const float *up, int M, int F, int ld, float *o
     }
 }
 
-/* ---- causal attention over a KV cache: fp32 rows, or codes dequantized as they are read ---- */
+/* ---- causal attention over a KV cache: fp32 rows, or codes read as they are stored ---- */
 
 /* How one kv head's keys or values are stored (kernels/ref.py defines each format):
  *   KV_F32      fp32 rows: row s at f + s * D
@@ -390,7 +390,7 @@ void silu_mul(const float *gate, const float *up, int M, int F, int ld, float *o
  * Head h's data start h * f_stride floats, h * q_stride code bytes and h * s_stride scales after head 0's. fs, fm: scratch where
  * attend_row puts the scales and minimums it reads, as fp32, at the same offsets. */
 enum { KV_F32, KV_INT8, KV_INT4, KV_INT4_CH };
-enum { KEY_GROUP = 32, RECENT = 2 * KEY_GROUP };
+enum { KEY_GROUP = 32, RECENT = 2 * KEY_GROUP, MAX_INT4_D = 256 };  /* MAX_INT4_D: head_dim an INT4 cache takes */
 
 typedef struct {
     const float *f;
@@ -406,8 +406,8 @@ static inline __attribute__((always_inline)) float nibble(const void *q, int D, 
     return (float)(i & 1 ? b >> 4 : b & 15);
 }
 
-/* Channel i of row s in fp32: a code times its scale (plus its minimum) in separate roundings, as kernels/ref.py
- * dequantizes, so attention over the codes has the bits of the fp32 kernel over their dequantized copy. */
+/* Channel i of row s in fp32: a code times its scale (plus its minimum), as kernels/ref.py dequantizes. The
+ * vector loops below mostly leave the codes as they are (key_dots, values64); this serves the remainders. */
 static inline __attribute__((always_inline)) float kv_at(int fmt, int gshift, kv_rows r, int D, int s, int i) {
     size_t g;
     switch (fmt) {
@@ -484,26 +484,134 @@ static void load_scales(int fmt, int gshift, kv_rows r, int D, int first, int la
 static size_t scale_scratch(int fmt, int gshift, int D, int S) {
     switch (fmt) {
     case KV_INT8: return (size_t)S * (D >> gshift);
-    case KV_INT4: return 2 * (size_t)S * (D >> gshift);
+    case KV_INT4: return 2 * ((size_t)S * (D >> gshift) + 8);  /* value_offsets reads up to 7 floats past the end */
     case KV_INT4_CH: return 2 * (size_t)((S + KEY_GROUP - 1) / KEY_GROUP) * D;
     default: return 0;
     }
 }
 
 #ifdef USE_AVX2
-/* The scaled dot products of query row qr (D) with keys s .. s+7: eight accumulators, reduced together */
-static inline __attribute__((always_inline)) __m256 dots8(int kfmt, int gshift, const float *qr, kv_rows k, int D,
-                                                          int s, float scale) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; j++) {
-        acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qr), kv_at8(kfmt, gshift, k, D, s + j, 0));
-        for (int i = 8; i < D; i += 8)
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), kv_at8(kfmt, gshift, k, D, s + j, i), acc[j]);
+/* 8 int8 codes at p as floats */
+static inline __m256 codes8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Channels i .. i+7 of row s's codes as floats (INT8, or INT4 keys or values), or from cf: that row's codes
+ * already unpacked (unpack_codes) by the caller for several query rows to share */
+static inline __attribute__((always_inline)) __m256 code8(int fmt, kv_rows r, int D, int s, int i, const float *cf) {
+    if (cf) return _mm256_loadu_ps(cf + i);
+    if (fmt == KV_INT8) return codes8((const int8_t *)r.q + (size_t)s * D + i);
+    return nibbles8((const uint8_t *)r.q + (size_t)s * (D / 2) + i / 2);
+}
+
+/* Rows s0 .. s0+n-1's codes as floats into out (n, D): exact small integers, so reading them back gives the bits
+ * code8 computes from the codes */
+static void unpack_codes(int fmt, kv_rows r, int D, int s0, int n, float *out) {
+    for (int s = s0; s < s0 + n; s++)
+        for (int i = 0; i < D; i += 8) _mm256_storeu_ps(out + (size_t)(s - s0) * D + i, code8(fmt, r, D, s, i, NULL));
+}
+
+/* Whether INT4 keys s .. s+7 are all codes of one key group: then q . (code * scale + minimum) is taken as
+ * (q * scale) . code + q . minimum, with q * scale and q . minimum (scaled_query) shared by the group's keys */
+static inline int int4_block(int kfmt, kv_rows k, int s) {
+    return kfmt == KV_INT4_CH && s + 8 <= k.nq && s / KEY_GROUP == (s + 7) / KEY_GROUP;
+}
+
+/* q * the channel scales of key group g -> qsc (D); returns q . the group's minimums */
+static float scaled_query(const float *qr, kv_rows k, int D, int g, float *qsc) {
+    const float *sc = k.fs + (size_t)g * D, *mn = k.fm + (size_t)g * D;
+    __m256 m8 = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        __m256 q8 = _mm256_loadu_ps(qr + i);
+        _mm256_storeu_ps(qsc + i, _mm256_mul_ps(q8, _mm256_loadu_ps(sc + i)));
+        m8 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(mn + i), m8);
     }
+    return hsum(m8);
+}
+
+/* Eight partial sums of q . key row s + j into acc[j], j < 8, each in a fixed order; the keys advance together
+ * through the channels, so their eight sums are independent chains. Quantized keys are not dequantized element by
+ * element: INT8 sums codes times q within a group of channels, then scales the group's sum; an INT4 block (qsc
+ * given) multiplies codes by q * scale. cf: NULL, or the eight keys' codes as floats (8, D). */
+static inline __attribute__((always_inline)) void key_dots(int kfmt, int gshift, const float *qr, const float *qsc,
+                                                           kv_rows k, int D, int s, const float *cf, __m256 *acc) {
+#define CODES(j, i) code8(kfmt, k, D, s + (j), i, cf ? cf + (size_t)(j) * D : NULL)
+    if (kfmt == KV_INT8) {
+        for (int g0 = 0; g0 < D; g0 += 1 << gshift) {
+            __m256 part[8], q8 = _mm256_loadu_ps(qr + g0);
+            for (int j = 0; j < 8; j++) part[j] = _mm256_mul_ps(q8, CODES(j, g0));
+            for (int i = g0 + 8; i < g0 + (1 << gshift); i += 8) {
+                q8 = _mm256_loadu_ps(qr + i);
+                for (int j = 0; j < 8; j++) part[j] = _mm256_fmadd_ps(q8, CODES(j, i), part[j]);
+            }
+            for (int j = 0; j < 8; j++) {
+                __m256 scale = _mm256_broadcast_ss(k.fs + (size_t)(s + j) * (D >> gshift) + (g0 >> gshift));
+                acc[j] = g0 ? _mm256_fmadd_ps(part[j], scale, acc[j]) : _mm256_mul_ps(part[j], scale);
+            }
+        }
+    } else if (qsc) {
+        __m256 q8 = _mm256_loadu_ps(qsc);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_mul_ps(q8, CODES(j, 0));
+        for (int i = 8; i < D; i += 8) {
+            q8 = _mm256_loadu_ps(qsc + i);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(q8, CODES(j, i), acc[j]);
+        }
+    } else {
+        __m256 q8 = _mm256_loadu_ps(qr);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_mul_ps(q8, kv_at8(kfmt, gshift, k, D, s + j, 0));
+        for (int i = 8; i < D; i += 8) {
+            q8 = _mm256_loadu_ps(qr + i);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(q8, kv_at8(kfmt, gshift, k, D, s + j, i), acc[j]);
+        }
+    }
+#undef CODES
+}
+
+/* The scaled dot products of query row qr (D) with keys s .. s+7: eight accumulators, reduced together.
+ * qsc, qoff: for an int4_block, scaled_query's results for its group (else NULL); cf: NULL, or the eight keys'
+ * codes as floats (8, D). */
+static inline __attribute__((always_inline)) __m256 dots8(int kfmt, int gshift, const float *qr, const float *qsc,
+                                                          float qoff, kv_rows k, int D, int s, float scale,
+                                                          const float *cf) {
+    __m256 acc[8] = {0};  /* all set by key_dots (D >= 8); the compiler cannot see it */
+    key_dots(kfmt, gshift, qr, qsc, k, D, s, cf, acc);
     __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    return _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)),
-                         _mm256_set1_ps(scale));
+    __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    return _mm256_mul_ps(qsc ? _mm256_add_ps(dots, _mm256_set1_ps(qoff)) : dots, _mm256_set1_ps(scale));
+}
+
+/* acc[0..7] + a * value row s, channels i0 .. i0+63. A quantized value is not dequantized: a times its group's
+ * scale multiplies the code; INT4's minimums are summed once per group (value_offsets) and start the accumulator.
+ * cf: NULL, or the row's codes as floats. */
+static inline __attribute__((always_inline)) void values64(int vfmt, int gshift, kv_rows v, int D, int s, int i0,
+                                                           float a, __m256 *acc, const float *cf) {
+    if (vfmt == KV_INT8 || vfmt == KV_INT4) {
+        const float *sc = v.fs + (size_t)s * (D >> gshift) + (i0 >> gshift);
+        __m256 ag[4];  /* 64 channels span 2 or 4 groups */
+        for (int g = 0; g < 64 >> gshift; g++) ag[g] = _mm256_set1_ps(a * sc[g]);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(ag[(8 * j) >> gshift], code8(vfmt, v, D, s, i0 + 8 * j, cf), acc[j]);
+    } else {
+        __m256 a8 = _mm256_set1_ps(a);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(a8, kv_at8(vfmt, gshift, v, D, s, i0 + 8 * j), acc[j]);
+    }
+}
+
+/* INT4 values: per group of channels g, sum over keys first..last of p[s] * inv * minimum(s, g) -> off[g]. Eight
+ * groups a vector, one multiply-add per key (lanes past the last group sum the next key's minimums, unused). */
+static inline __attribute__((always_inline)) void value_offsets(int gshift, kv_rows v, int D, int first, int last,
+                                                                const float *p, float inv, float *off) {
+    int ng = D >> gshift;  /* at most MAX_INT4_D / 16 = 16: two vectors, named so that they stay in registers */
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int s = first; s <= last; s++) {
+        __m256 a = _mm256_set1_ps(p[s] * inv);
+        lo = _mm256_fmadd_ps(a, _mm256_loadu_ps(v.fm + (size_t)s * ng), lo);
+        if (ng > 8) hi = _mm256_fmadd_ps(a, _mm256_loadu_ps(v.fm + (size_t)s * ng + 8), hi);
+    }
+    float all[16];
+    _mm256_storeu_ps(all, lo);
+    _mm256_storeu_ps(all + 8, hi);
+    for (int g = 0; g < ng; g++) off[g] = all[g];
 }
 #endif
 
@@ -520,8 +628,12 @@ static inline __attribute__((always_inline)) void attend_row(int kfmt, int vfmt,
 #ifdef USE_AVX2
     if (D % 8 == 0) {  /* eight keys at a time: their dot products reduce together */
         __m256 mx8 = _mm256_set1_ps(-INFINITY);
+        float qsc[MAX_INT4_D], qoff = 0.0f;
+        int qsc_group = -1;
         for (; s + 8 <= last + 1; s += 8) {
-            __m256 dots = dots8(kfmt, gshift, qr, k, D, s, scale);
+            int scaled = int4_block(kfmt, k, s);
+            if (scaled && s / KEY_GROUP != qsc_group) qsc_group = s / KEY_GROUP, qoff = scaled_query(qr, k, D, qsc_group, qsc);
+            __m256 dots = dots8(kfmt, gshift, qr, scaled ? qsc : NULL, qoff, k, D, s, scale, NULL);
             _mm256_storeu_ps(p + s, dots);
             mx8 = _mm256_max_ps(mx8, dots);
         }
@@ -553,12 +665,14 @@ static inline __attribute__((always_inline)) void attend_row(int kfmt, int vfmt,
         for (s = first; s <= last; s++) w[s] += p[s] * inv;
     int i0 = 0;
 #ifdef USE_AVX2
+    float off[MAX_INT4_D / 16];
+    if (vfmt == KV_INT4 && D >= 64) value_offsets(gshift, v, D, first, last, p, inv, off);
     for (; i0 + 64 <= D; i0 += 64) {  /* 64 output values stay in registers over all keys */
         __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) acc[j] = vfmt == KV_INT4 ? _mm256_set1_ps(off[(i0 + 8 * j) >> gshift]) : _mm256_setzero_ps();
         for (int s = first; s <= last; s++) {
-            __m256 a = _mm256_set1_ps(p[s] * inv);
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(a, kv_at8(vfmt, gshift, v, D, s, i0 + 8 * j), acc[j]);
+            float a = p[s] * inv;
+            values64(vfmt, gshift, v, D, s, i0, a, acc, NULL);
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
     }
@@ -575,26 +689,41 @@ enum { PV_TILE = 32 };  /* keys whose value rows stay in L1 while every row of a
 
 /* `attend_row` for the n query rows r0 .. r0+n-1 of one kv head (row r: token r / group, query head of the group
  * r % group; qrow(r), orow(r) its q and output, last(r) its last key), with every key and value row read once for
- * all of them rather than once each (grouped-query heads and the tokens of a verification block share them).
+ * all of them rather than once each (grouped-query heads and the tokens of a verification block share them); with
+ * two rows or more, quantized codes are unpacked to floats once for all (exact small integers: the same bits).
  * Each row's arithmetic is attend_row's, operation for operation (the same 8-key dot products, maximum, exp
  * and sum, and value sums in key order, kept in o between tiles of keys), so a row's result does not depend on
  * which rows share the pass. Rows see keys from 0 (no window); keys must not depend on the row (INT4 keys: every
- * row reads codes up to the same k.nq); D % 8 == 0. p: scratch, n * S floats; mx: 8 * n floats. */
+ * row reads codes up to the same k.nq); D % 8 == 0. p: scratch, n * S floats; mx: 8 * n floats; work:
+ * (8 + PV_TILE) * D + n * (D + 1) floats. */
 static inline __attribute__((always_inline)) void attend_rows(int kfmt, int vfmt, int gshift, const float *q, long q_ld,
                                                               kv_rows k, kv_rows v, int T, int S, int Hq, int group,
                                                               int D, int h, int r0, int n, float scale, float *p,
-                                                              float *mx, float *out, float *w) {
+                                                              float *mx, float *work, float *out, float *w) {
     load_scales(kfmt, gshift, k, D, 0, S - 1);
     load_scales(vfmt, gshift, v, D, 0, S - 1);
 #define QROW(r) (q + (size_t)((r) / group) * q_ld + (size_t)(h * group + (r) % group) * D)
 #define OROW(r) (out + ((size_t)((r) / group) * Hq + h * group + (r) % group) * D)
 #define LAST(r) (S - T + (r) / group)
+    /* quantized codes are unpacked to floats once for all n rows: kf holds eight keys', vf a tile of values' */
+    float *kf = work, *vf = kf + 8 * D, *qsc = vf + PV_TILE * D, *qoff = qsc + (size_t)n * D;
+    int share = n > 1, qsc_group = -1;
     for (int j = 0; j < n; j++) _mm256_storeu_ps(mx + 8 * j, _mm256_set1_ps(-INFINITY));
     for (int s = 0; s + 8 <= S; s += 8) {  /* eight keys at a time, as attend_row takes them, for every row */
+        int scaled = int4_block(kfmt, k, s);
+        if (scaled && s / KEY_GROUP != qsc_group) {
+            qsc_group = s / KEY_GROUP;
+            for (int j = 0; j < n; j++) qoff[j] = scaled_query(QROW(r0 + j), k, D, qsc_group, qsc + (size_t)j * D);
+        }
+        const float *cf = share && (kfmt == KV_INT8 || scaled) ? kf : NULL;
+        if (cf) unpack_codes(kfmt, k, D, s, 8, kf);
         for (int j = 0; j < n; j++) {
             int r = r0 + j;
             if (s + 8 > LAST(r) + 1) continue;
-            __m256 dots = dots8(kfmt, gshift, QROW(r), k, D, s, scale);
+            const float *qs = scaled ? qsc + (size_t)j * D : NULL;
+            float qo = scaled ? qoff[j] : 0.0f;
+            __m256 dots = cf ? dots8(kfmt, gshift, QROW(r), qs, qo, k, D, s, scale, cf)  /* each compiled apart */
+                             : dots8(kfmt, gshift, QROW(r), qs, qo, k, D, s, scale, NULL);
             _mm256_storeu_ps(p + (size_t)j * S + s, dots);
             _mm256_storeu_ps(mx + 8 * j, _mm256_max_ps(_mm256_loadu_ps(mx + 8 * j), dots));
         }
@@ -626,17 +755,25 @@ static inline __attribute__((always_inline)) void attend_rows(int kfmt, int vfmt
     }
     int d64 = D / 64 * 64;
     for (int s0 = 0; s0 < S; s0 += PV_TILE) {  /* 64 output values of a row in registers over a tile of keys */
+        const float *cf = share && d64 && (vfmt == KV_INT8 || vfmt == KV_INT4) ? vf : NULL;
+        if (cf) unpack_codes(vfmt, v, D, s0, S - s0 < PV_TILE ? S - s0 : PV_TILE, vf);
         for (int j = 0; j < n; j++) {
             int r = r0 + j, end = LAST(r) + 1 < s0 + PV_TILE ? LAST(r) + 1 : s0 + PV_TILE;
             if (end <= s0) continue;
             const float *pr = p + (size_t)j * S;
             float *o = OROW(r);
+            float off[MAX_INT4_D / 16];
+            if (vfmt == KV_INT4 && !s0 && d64) value_offsets(gshift, v, D, 0, LAST(r), pr, inv[j], off);
             for (int i0 = 0; i0 < d64; i0 += 64) {
                 __m256 acc[8];
-                for (int jj = 0; jj < 8; jj++) acc[jj] = s0 ? _mm256_loadu_ps(o + i0 + 8 * jj) : _mm256_setzero_ps();
+                for (int jj = 0; jj < 8; jj++)
+                    acc[jj] = s0 ? _mm256_loadu_ps(o + i0 + 8 * jj)
+                                 : vfmt == KV_INT4 ? _mm256_set1_ps(off[(i0 + 8 * jj) >> gshift]) : _mm256_setzero_ps();
                 for (int s = s0; s < end; s++) {
-                    __m256 a = _mm256_set1_ps(pr[s] * inv[j]);
-                    for (int jj = 0; jj < 8; jj++) acc[jj] = _mm256_fmadd_ps(a, kv_at8(vfmt, gshift, v, D, s, i0 + 8 * jj), acc[jj]);
+                    float a = pr[s] * inv[j];
+                    const float *vs = cf ? cf + (size_t)(s - s0) * D : NULL;
+                    if (vs) values64(vfmt, gshift, v, D, s, i0, a, acc, vs);  /* each compiled apart */
+                    else values64(vfmt, gshift, v, D, s, i0, a, acc, NULL);
                 }
                 for (int jj = 0; jj < 8; jj++) _mm256_storeu_ps(o + i0 + 8 * jj, acc[jj]);
             }
@@ -681,18 +818,19 @@ static void attend_row_any(int kfmt, int vfmt, int gshift, const float *qr, kv_r
 #define ROWS_FN(K, V, G) \
     static __attribute__((noinline)) void rows_##K##_##V##_##G(const float *q, long q_ld, kv_rows k, kv_rows v, int T, \
                                                                 int S, int Hq, int group, int D, int h, int r0, int n, \
-                                                                float scale, float *p, float *mx, float *out, float *w) { \
-        attend_rows(K, V, G, q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, out, w); \
+                                                                float scale, float *p, float *mx, float *work, \
+                                                                float *out, float *w) { \
+        attend_rows(K, V, G, q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, work, out, w); \
     }
 FORMATS(ROWS_FN)
 
 static void attend_rows_any(int kfmt, int vfmt, int gshift, const float *q, long q_ld, kv_rows k, kv_rows v, int T,
                             int S, int Hq, int group, int D, int h, int r0, int n, float scale, float *p, float *mx,
-                            float *out, float *w) {
+                            float *work, float *out, float *w) {
 #define ROWS_CASE(K, V, G) if (kfmt == K && vfmt == V && gshift == G) \
-        return rows_##K##_##V##_##G(q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, out, w);
+        return rows_##K##_##V##_##G(q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, work, out, w);
     FORMATS(ROWS_CASE)
-    attend_rows(kfmt, vfmt, gshift, q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, out, w);
+    attend_rows(kfmt, vfmt, gshift, q, q_ld, k, v, T, S, Hq, group, D, h, r0, n, scale, p, mx, work, out, w);
 }
 #endif
 
@@ -756,7 +894,8 @@ static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int 
 #endif
 #ifdef USE_AVX2
         if (shared) {  /* each kv head's rows in `pieces` runs of `chunk`, every key read once per run */
-            float *p = malloc(((size_t)chunk * (S + 8) + ks + vs) * sizeof(float));
+            size_t work = (size_t)(8 + PV_TILE) * D + (size_t)chunk * (D + 1);  /* attend_rows' unpacked codes */
+            float *p = malloc(((size_t)chunk * (S + 8) + ks + vs + work) * sizeof(float));
             if (!p) failed = 1;
 #pragma omp for schedule(static)
             for (int u = 0; u < Hkv * pieces; u++) {
@@ -767,7 +906,7 @@ static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int 
                 kh.nq = nq_shared;
                 float *w = weights ? weights + ((size_t)thread * Hkv + h) * S : NULL;
                 attend_rows_any(kfmt, vfmt, gshift, q, q_ld, kh, vh, T, S, Hq, group, D, h, r0, n, scale, p,
-                                p + (size_t)chunk * S, out, w);
+                                p + (size_t)chunk * S, scales + ks + vs, out, w);
             }
             free(p);
         } else
@@ -847,7 +986,8 @@ typedef struct {
 int attention_int4(const float *q, long q_ld, const int4_cache *c, int T, int S, int Hq, int Hkv, int D,
                    int n_quantized, int first_exact, int window, float *mass, long mass_stride, float *out) {
     int gshift = group_shift(c->group, D);
-    if (first_exact > n_quantized || n_quantized % KEY_GROUP || first_exact % KEY_GROUP || S - first_exact > RECENT)
+    if (first_exact > n_quantized || n_quantized % KEY_GROUP || first_exact % KEY_GROUP || S - first_exact > RECENT
+        || D > MAX_INT4_D)
         return -1;
     kv_rows kr = {.f = c->recent, .q = c->k, .sc = c->k_scale, .mn = c->k_min, .f_stride = c->recent_stride,
                   .q_stride = c->code_stride, .s_stride = c->k_scale_stride};
@@ -911,7 +1051,7 @@ static void pack_row(const uint8_t *codes, int D, uint8_t *packed) {  /* channel
  * {quantized, exact_from, end} (keys [0, quantized) are codes, [exact_from, end) exact in the ring), updated. */
 int int4_write(const int4_cache *c, int *state, int Hkv, int D, int slot, int T, const float *k, const float *v, long ld) {
     int gshift = group_shift(c->group, D), G = KEY_GROUP;
-    if (gshift < 0 || D > 256 || slot < 0 || T < 0) return -1;
+    if (gshift < 0 || D > MAX_INT4_D || slot < 0 || T < 0) return -1;
     int g0 = slot / G * G, end = slot + T, full = end / G * G, exact_from = state[1];
     int lossy = slot < exact_from || slot > state[2];
     int start = lossy ? g0 : slot;
