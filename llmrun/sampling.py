@@ -45,11 +45,16 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
+        # only the tokens still in play need ordering: after top-k, a partial sort of them instead of the vocabulary
+        alive = int(torch.isfinite(logits).sum())
+        if alive < logits.shape[-1]:
+            sorted_logits, order = torch.topk(logits, alive)
+        else:
+            sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens before it already reach top_p (the top token always stays)
-        drop_sorted = probs.cumsum(-1) - probs >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.index_fill(0, order[drop], float("-inf"))
     if min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
@@ -63,8 +68,15 @@ def token_probs(logits: torch.Tensor, params: SamplingParams, history: torch.Ten
         logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-    return logits.softmax(-1)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        # Top-k first: top-p and min-p can only drop more, so they run on the k survivors, not the vocabulary
+        # (unless the k-th value is tied, and more than k survive).
+        values, ids = torch.topk(logits, params.top_k)
+        if int((logits >= values[-1]).sum()) == params.top_k:
+            kept = filter_logits(values, 0, params.top_p, params.min_p).softmax(-1)
+            return torch.zeros_like(logits).index_put_((ids,), kept)
+    return filter_logits(logits, params.top_k, params.top_p, params.min_p).softmax(-1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -74,8 +86,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         if history is not None and params.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
         return int(logits.argmax())
-    probs = token_probs(logits, params, history)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(token_probs(logits, params, history), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token id drawn from probs (V,): nonnegative weights, at least one positive, not necessarily summing to 1.
+    Only the tokens with positive weight take part (after top-k / top-p / min-p, a few dozen), so the draw costs
+    one pass to find them rather than torch.multinomial's work over the whole vocabulary; same distribution."""
+    support = probs.nonzero().squeeze(1)
+    return int(support[torch.multinomial(probs[support], 1, generator=generator)])
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.sampling import SamplingParams, sample, token_probs
+from llmrun.sampling import SamplingParams, draw, sample, token_probs
 
 
 @dataclass
@@ -77,8 +77,8 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, gen
         residual = (p - q).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q up to rounding
             residual = p
-        return i, int(torch.multinomial(residual, 1, generator=generator))
-    return k, int(torch.multinomial(token_probs(logits[k], params, seen(k)), 1, generator=generator))
+        return i, draw(residual, generator)
+    return k, draw(token_probs(logits[k], params, seen(k)), generator)
 
 
 def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -168,7 +168,7 @@ class ModelDrafter:
                 token = sample(logits, params, None, history)
             else:
                 q = token_probs(logits, params, history)
-                token = int(torch.multinomial(q, 1, generator=generator))
+                token = draw(q, generator)
                 probs.append(q)
             tokens.append(token)
             if constraint is not None:

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from llmrun.sampling import SamplingParams, apply_repetition_penalty, filter_logits, make_generator, sample, token_probs
+from llmrun.sampling import (SamplingParams, apply_repetition_penalty, draw, filter_logits, make_generator, sample,
+                            token_probs)
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -79,3 +80,40 @@ def test_seeded_sampling_is_reproducible_and_matches_distribution():
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 18.47, chi2
     assert not math.isnan(chi2)
+
+
+def full_vocabulary_probs(logits, params):
+    """The filters applied over the whole vocabulary, as the definition reads: what token_probs must give."""
+    return filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(40, 0.95, 0.05), (40, 1.0, 0.0), (7, 0.5, 0.0), (200, 0.9, 0.1),
+                                                 (1, 0.95, 0.05), (40, 0.95, 0.9)])
+def test_top_k_first_gives_the_distribution_of_the_whole_vocabulary(top_k, top_p, min_p):
+    """token_probs runs top-p and min-p on the top-k survivors only: the same tokens kept, the same probabilities."""
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+    for seed in range(5):
+        logits = torch.randn(5000, generator=torch.Generator().manual_seed(seed)) * 3
+        got, want = token_probs(logits, params), full_vocabulary_probs(logits, params)
+        assert torch.equal(got > 0, want > 0)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_tie_at_the_kth_token_keeps_every_tied_token():
+    logits = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 0.0])  # top-2 ... top-3 cuts through three equal values
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
+    probs = token_probs(logits, params)
+    assert (probs > 0).tolist() == [True, True, True, True, True, False]
+    torch.testing.assert_close(probs, full_vocabulary_probs(logits, params))
+
+
+def test_draw_takes_only_tokens_with_weight_and_follows_the_weights():
+    weights = torch.zeros(1000)
+    weights[[3, 500, 999]] = torch.tensor([1.0, 2.0, 5.0])  # unnormalised
+    g = make_generator(0, "cpu")
+    tokens = torch.tensor([draw(weights, g) for _ in range(4000)])
+    assert set(tokens.tolist()) <= {3, 500, 999}
+    counts = torch.stack([(tokens == t).sum() for t in (3, 500, 999)]).float()
+    expected = torch.tensor([1.0, 2.0, 5.0]) / 8 * len(tokens)
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 13.82, chi2  # 2 degrees of freedom, 0.1% critical value
