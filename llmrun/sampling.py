@@ -45,16 +45,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        # only the tokens still in play need ordering: after top-k, a partial sort of them instead of the vocabulary
-        alive = int(torch.isfinite(logits).sum())
-        if alive < logits.shape[-1]:
-            sorted_logits, order = torch.topk(logits, alive)
-        else:
-            sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens before it already reach top_p (the top token always stays)
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.index_fill(0, order[drop], float("-inf"))
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
     if min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
@@ -71,9 +66,10 @@ def token_probs(logits: torch.Tensor, params: SamplingParams, history: torch.Ten
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         # Top-k first: top-p and min-p can only drop more, so they run on the k survivors, not the vocabulary
-        # (unless the k-th value is tied, and more than k survive).
+        # (unless the k-th value is tied, and more than k survive). A k-th value of -inf (fewer than k tokens
+        # allowed, as under a grammar's mask) leaves every allowed token among the k.
         values, ids = torch.topk(logits, params.top_k)
-        if int((logits >= values[-1]).sum()) == params.top_k:
+        if values[-1] == float("-inf") or int((logits >= values[-1]).sum()) == params.top_k:
             kept = filter_logits(values, 0, params.top_p, params.min_p).softmax(-1)
             return torch.zeros_like(logits).index_put_((ids,), kept)
     return filter_logits(logits, params.top_k, params.top_p, params.min_p).softmax(-1)

@@ -99,6 +99,15 @@ def test_top_k_first_gives_the_distribution_of_the_whole_vocabulary(top_k, top_p
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_fewer_allowed_tokens_than_k_as_under_a_grammar_mask():
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(9)) * 3
+    logits[torch.randperm(5000, generator=torch.Generator().manual_seed(9))[:4990]] = float("-inf")  # 10 allowed
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05)
+    got, want = token_probs(logits, params), full_vocabulary_probs(logits, params)
+    assert torch.equal(got > 0, want > 0) and 0 < int((got > 0).sum()) <= 10
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_a_tie_at_the_kth_token_keeps_every_tied_token():
     logits = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 0.0])  # top-2 ... top-3 cuts through three equal values
     params = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
