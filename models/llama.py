@@ -51,7 +51,9 @@ class Attention(nn.Module):
         qk = kernels.apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads in one pass
         q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv :]  # (B, T, H, D) each
         if cache is None:
-            y = kernels.attention(q, k.transpose(1, 2), v.transpose(1, 2), window)  # k, v (B, Hkv, T, D)
+            # k, v (B, Hkv, T, D), copied to rows as a cache holds them: the kernel a cached forward runs serves, so
+            # each row's bits are those of the same row computed with a cache (the C kernels are batch invariant)
+            y = kernels.attention(q, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), window)
         else:
             # k, v (B, Hkv, S, D) over the cache's S slots, or a quantized cache (v None); mass: H2O's scores
             k, v, mass = cache.update(self.layer_idx, start_pos, k, v)
