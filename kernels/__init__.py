@@ -150,7 +150,7 @@ def _cpu_reads(q, kv: ref.QuantizedKV, mass) -> bool:
     if kv.bits == 8:
         return (all(_cache_rows(t) for t in (kv.k, kv.v, kv.k_scale, kv.v_scale)) and kv.k.stride() == kv.v.stride()
                 and kv.k_scale.stride() == kv.v_scale.stride())
-    return cpu.int4_layout_ok(kv.k, kv.v, kv.k_scale, kv.k_min, kv.v_scale, kv.v_min, kv.k_recent)
+    return cpu.int4_layout_ok(kv.k, kv.v, kv.k_scale, kv.k_min, kv.v_scale, kv.v_min, kv.k_recent, kv.v_recent)
 
 
 def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None, length=None):

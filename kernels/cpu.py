@@ -212,27 +212,30 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: t
 
 class _Int4Cache(ctypes.Structure):  # int4_cache: one layer's INT4 cache, per kv head
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("k_min", ctypes.c_void_p),
-                ("v_scale", ctypes.c_void_p), ("v_min", ctypes.c_void_p), ("recent", ctypes.c_void_p),
+                ("v_scale", ctypes.c_void_p), ("v_min", ctypes.c_void_p), ("k_recent", ctypes.c_void_p),
+                ("v_recent", ctypes.c_void_p),
                 ("code_stride", ctypes.c_long), ("k_scale_stride", ctypes.c_long), ("v_scale_stride", ctypes.c_long),
-                ("recent_stride", ctypes.c_long), ("group", ctypes.c_int)]
+                ("recent_stride", ctypes.c_long), ("group", ctypes.c_int), ("ring", ctypes.c_int)]
 
 
-def int4_layout_ok(k, v, k_scale, k_min, v_scale, v_min, recent) -> bool:
-    """Whether one layer's INT4 cache tensors (`ref.QuantizedKV`'s, batch 1, fp32 recent keys) have the strides the
-    C kernels read: rows contiguous, keys and values sharing the codes' head stride, scales and minimums theirs."""
-    D = recent.shape[-1]
+def int4_layout_ok(k, v, k_scale, k_min, v_scale, v_min, k_recent, v_recent) -> bool:
+    """Whether one layer's INT4 cache tensors (`ref.QuantizedKV`'s, batch 1, fp32 rings) have the strides the C
+    kernels read: rows contiguous, keys and values sharing the codes' head stride (and the rings'), scales and
+    minimums theirs."""
+    D = k_recent.shape[-1]
     rows = all(t.shape[0] == 1 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
-               for t in (k, v, k_scale, k_min, v_scale, v_min, recent))
-    return (rows and recent.dtype == torch.float32 and k.stride(1) == v.stride(1) and k.shape[-1] * 2 == D
-            and k_scale.stride(1) == k_min.stride(1) and v_scale.stride(1) == v_min.stride(1)
-            and k_scale.shape[-1] == D and D % v_scale.shape[-1] == 0)
+               for t in (k, v, k_scale, k_min, v_scale, v_min, k_recent, v_recent))
+    return (rows and k_recent.dtype == v_recent.dtype == torch.float32 and k_recent.shape == v_recent.shape
+            and k_recent.stride(1) == v_recent.stride(1)
+            and k.stride(1) == v.stride(1) and k.shape[-1] * 2 == D and k_scale.stride(1) == k_min.stride(1)
+            and v_scale.stride(1) == v_min.stride(1) and k_scale.shape[-1] == D and D % v_scale.shape[-1] == 0)
 
 
-def _int4_cache(k, v, k_scale, k_min, v_scale, v_min, recent) -> _Int4Cache:
-    D = recent.shape[-1]
+def _int4_cache(k, v, k_scale, k_min, v_scale, v_min, k_recent, v_recent) -> _Int4Cache:
+    D = k_recent.shape[-1]
     return _Int4Cache(k.data_ptr(), v.data_ptr(), k_scale.data_ptr(), k_min.data_ptr(), v_scale.data_ptr(),
-                      v_min.data_ptr(), recent.data_ptr(), k.stride(1), k_scale.stride(1), v_scale.stride(1),
-                      recent.stride(1), D // v_scale.shape[-1])
+                      v_min.data_ptr(), k_recent.data_ptr(), v_recent.data_ptr(), k.stride(1), k_scale.stride(1),
+                      v_scale.stride(1), k_recent.stride(1), D // v_scale.shape[-1], k_recent.shape[-2])
 
 
 def attention_int4(q: torch.Tensor, kv, window: int | None, mass: torch.Tensor | None = None) -> torch.Tensor:
@@ -246,7 +249,7 @@ def attention_int4(q: torch.Tensor, kv, window: int | None, mass: torch.Tensor |
     up to a rounding or two; a row's bits do not depend on the rows beside it."""
     _, T, Hq, D = q.shape
     Hkv, S = kv.k.shape[1], kv.length
-    cache = _int4_cache(kv.k, kv.v, kv.k_scale, kv.k_min, kv.v_scale, kv.v_min, kv.k_recent)
+    cache = _int4_cache(kv.k, kv.v, kv.k_scale, kv.k_min, kv.v_scale, kv.v_min, kv.k_recent, kv.v_recent)
     out = torch.empty(1, T, Hq, D, dtype=torch.float32)
     _check(_lib().attention_int4(q.data_ptr(), q.stride(1), ctypes.byref(cache), T, S, Hq, Hkv, D, kv.n_quantized,
                                  kv.first_exact, window or 0, *_mass(mass), out.data_ptr()), "attention_int4")
@@ -256,7 +259,7 @@ def attention_int4(q: torch.Tensor, kv, window: int | None, mass: torch.Tensor |
 def int4_write(layer: tuple[torch.Tensor, ...], state: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Writes k, v fp32 (1, Hkv, T, D) into slots slot .. slot + T - 1 of one layer's INT4 cache, as
     llmrun/kv_cache.py's store writes them (bit for bit): `layer` = its (k, v, k_scale, k_min, v_scale, v_min,
-    recent) buffers, (1, Hkv, ...) each (`int4_layout_ok`); state int32 (3,) {quantized, exact_from, end},
+    k_recent, v_recent) buffers, (1, Hkv, ...) each (`int4_layout_ok`); state int32 (3,) {quantized, exact_from, end},
     updated in place."""
     Hkv, T, D = k.shape[1:]
     tokens = torch.stack((k, v)).transpose(2, 3).contiguous()  # (2, 1, T, Hkv, D): token rows, heads within

@@ -383,14 +383,14 @@ void silu_mul(const float *gate, const float *up, int M, int F, int ld, float *o
 /* How one kv head's keys or values are stored (kernels/ref.py defines each format):
  *   KV_F32      fp32 rows: row s at f + s * D
  *   KV_INT8     int8 codes q (rows of D) times fp16 scales sc (rows of D >> gshift): per token and group of channels
- *   KV_INT4     packed int4 codes q (rows of D / 2 bytes) times scales sc plus minimums mn, per token and group
- *               (INT4 values)
+ *   KV_INT4     INT4 values: rows below nq are packed int4 codes q (rows of D / 2 bytes) times scales sc plus
+ *               minimums mn, per token and group of channels; rows from nq on are exact, row s at f + (s % ring) * D
  *   KV_INT4_CH  INT4 keys: rows below nq are packed codes with a scale and a minimum per channel for each group of
- *               KEY_GROUP rows (sc, mn: a row of D per group); rows from nq on are exact, row s at f + (s % RECENT) * D
+ *               KEY_GROUP rows (sc, mn: a row of D per group); rows from nq on are exact, row s at f + (s % ring) * D
  * Head h's data start h * f_stride floats, h * q_stride code bytes and h * s_stride scales after head 0's. fs, fm: scratch where
  * attend_row puts the scales and minimums it reads, as fp32, at the same offsets. */
 enum { KV_F32, KV_INT8, KV_INT4, KV_INT4_CH };
-enum { KEY_GROUP = 32, RECENT = 2 * KEY_GROUP, MAX_INT4_D = 256 };  /* MAX_INT4_D: head_dim an INT4 cache takes */
+enum { KEY_GROUP = 32, MAX_INT4_D = 256 };  /* MAX_INT4_D: head_dim an INT4 cache takes */
 
 typedef struct {
     const float *f;
@@ -398,7 +398,7 @@ typedef struct {
     const uint16_t *sc, *mn;
     long f_stride, q_stride, s_stride;
     float *fs, *fm;
-    int nq;
+    int nq, ring;
 } kv_rows;
 
 static inline __attribute__((always_inline)) float nibble(const void *q, int D, int s, int i) {
@@ -416,10 +416,11 @@ static inline __attribute__((always_inline)) float kv_at(int fmt, int gshift, kv
     case KV_INT8:
         return (float)((const int8_t *)r.q)[(size_t)s * D + i] * r.fs[(size_t)s * (D >> gshift) + (i >> gshift)];
     case KV_INT4:
+        if (s >= r.nq) return r.f[(size_t)(s % r.ring) * D + i];
         g = (size_t)s * (D >> gshift) + (i >> gshift);
         return nibble(r.q, D, s, i) * r.fs[g] + r.fm[g];
     default:
-        if (s >= r.nq) return r.f[(size_t)(s % RECENT) * D + i];
+        if (s >= r.nq) return r.f[(size_t)(s % r.ring) * D + i];
         g = (size_t)(s / KEY_GROUP) * D + i;
         return nibble(r.q, D, s, i) * r.fs[g] + r.fm[g];
     }
@@ -446,11 +447,12 @@ static inline __attribute__((always_inline)) __m256 kv_at8(int fmt, int gshift, 
                              _mm256_broadcast_ss(r.fs + (size_t)s * (D >> gshift) + (i >> gshift)));
     }
     case KV_INT4:
+        if (s >= r.nq) return _mm256_loadu_ps(r.f + (size_t)(s % r.ring) * D + i);
         g = (size_t)s * (D >> gshift) + (i >> gshift);
         return _mm256_add_ps(_mm256_mul_ps(nibbles8((const uint8_t *)r.q + (size_t)s * (D / 2) + i / 2),
                                            _mm256_broadcast_ss(r.fs + g)), _mm256_broadcast_ss(r.fm + g));
     default:
-        if (s >= r.nq) return _mm256_loadu_ps(r.f + (size_t)(s % RECENT) * D + i);
+        if (s >= r.nq) return _mm256_loadu_ps(r.f + (size_t)(s % r.ring) * D + i);
         g = (size_t)(s / KEY_GROUP) * D + i;
         return _mm256_add_ps(_mm256_mul_ps(nibbles8((const uint8_t *)r.q + (size_t)s * (D / 2) + i / 2),
                                            _mm256_loadu_ps(r.fs + g)), _mm256_loadu_ps(r.fm + g));
@@ -583,10 +585,10 @@ static inline __attribute__((always_inline)) __m256 dots8(int kfmt, int gshift, 
 
 /* acc[0..7] + a * value row s, channels i0 .. i0+63. A quantized value is not dequantized: a times its group's
  * scale multiplies the code; INT4's minimums are summed once per group (value_offsets) and start the accumulator.
- * cf: NULL, or the row's codes as floats. */
+ * An exact INT4 value (s >= v.nq) is read from the ring. cf: NULL, or the row's codes as floats. */
 static inline __attribute__((always_inline)) void values64(int vfmt, int gshift, kv_rows v, int D, int s, int i0,
                                                            float a, __m256 *acc, const float *cf) {
-    if (vfmt == KV_INT8 || vfmt == KV_INT4) {
+    if (vfmt == KV_INT8 || (vfmt == KV_INT4 && s < v.nq)) {
         const float *sc = v.fs + (size_t)s * (D >> gshift) + (i0 >> gshift);
         __m256 ag[4];  /* 64 channels span 2 or 4 groups */
         for (int g = 0; g < 64 >> gshift; g++) ag[g] = _mm256_set1_ps(a * sc[g]);
@@ -597,7 +599,8 @@ static inline __attribute__((always_inline)) void values64(int vfmt, int gshift,
     }
 }
 
-/* INT4 values: per group of channels g, sum over keys first..last of p[s] * inv * minimum(s, g) -> off[g]. Eight
+/* INT4 values: per group of channels g, sum over the coded rows first..last (all below v.nq) of
+ * p[s] * inv * minimum(s, g) -> off[g]. Eight
  * groups a vector, one multiply-add per key (lanes past the last group sum the next key's minimums, unused). */
 static inline __attribute__((always_inline)) void value_offsets(int gshift, kv_rows v, int D, int first, int last,
                                                                 const float *p, float inv, float *off) {
@@ -666,7 +669,7 @@ static inline __attribute__((always_inline)) void attend_row(int kfmt, int vfmt,
     int i0 = 0;
 #ifdef USE_AVX2
     float off[MAX_INT4_D / 16];
-    if (vfmt == KV_INT4 && D >= 64) value_offsets(gshift, v, D, first, last, p, inv, off);
+    if (vfmt == KV_INT4 && D >= 64) value_offsets(gshift, v, D, first, last < v.nq ? last : v.nq - 1, p, inv, off);
     for (; i0 + 64 <= D; i0 += 64) {  /* 64 output values stay in registers over all keys */
         __m256 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = vfmt == KV_INT4 ? _mm256_set1_ps(off[(i0 + 8 * j) >> gshift]) : _mm256_setzero_ps();
@@ -763,7 +766,8 @@ static inline __attribute__((always_inline)) void attend_rows(int kfmt, int vfmt
             const float *pr = p + (size_t)j * S;
             float *o = OROW(r);
             float off[MAX_INT4_D / 16];
-            if (vfmt == KV_INT4 && !s0 && d64) value_offsets(gshift, v, D, 0, LAST(r), pr, inv[j], off);
+            if (vfmt == KV_INT4 && !s0 && d64)
+                value_offsets(gshift, v, D, 0, LAST(r) < v.nq ? LAST(r) : v.nq - 1, pr, inv[j], off);
             for (int i0 = 0; i0 < d64; i0 += 64) {
                 __m256 acc[8];
                 for (int jj = 0; jj < 8; jj++)
@@ -771,7 +775,7 @@ static inline __attribute__((always_inline)) void attend_rows(int kfmt, int vfmt
                                  : vfmt == KV_INT4 ? _mm256_set1_ps(off[(i0 + 8 * jj) >> gshift]) : _mm256_setzero_ps();
                 for (int s = s0; s < end; s++) {
                     float a = pr[s] * inv[j];
-                    const float *vs = cf ? cf + (size_t)(s - s0) * D : NULL;
+                    const float *vs = cf && !(vfmt == KV_INT4 && s >= v.nq) ? cf + (size_t)(s - s0) * D : NULL;
                     if (vs) values64(vfmt, gshift, v, D, s, i0, a, acc, vs);  /* each compiled apart */
                     else values64(vfmt, gshift, v, D, s, i0, a, acc, NULL);
                 }
@@ -903,7 +907,7 @@ static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int 
                 if (!p || n <= 0) continue;
                 float *scales = p + (size_t)chunk * (S + 8);
                 kv_rows kh = head_rows(k, h, scales, ks), vh = head_rows(v, h, scales + ks, vs);
-                kh.nq = nq_shared;
+                kh.nq = vh.nq = nq_shared;
                 float *w = weights ? weights + ((size_t)thread * Hkv + h) * S : NULL;
                 attend_rows_any(kfmt, vfmt, gshift, q, q_ld, kh, vh, T, S, Hq, group, D, h, r0, n, scale, p,
                                 p + (size_t)chunk * S, scales + ks + vs, out, w);
@@ -922,7 +926,7 @@ static inline __attribute__((always_inline)) int attend(int kfmt, int vfmt, int 
                     float *o = out + ((size_t)t * Hq + h) * D;
                     int last = S - T + t, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
                     kv_rows kh = head_rows(k, h / group, p + S, ks), vh = head_rows(v, h / group, p + S + ks, vs);
-                    kh.nq = row_quantized(last, first_exact, n_quantized);
+                    kh.nq = vh.nq = row_quantized(last, first_exact, n_quantized);
                     float *w = weights ? weights + ((size_t)thread * Hkv + h / group) * S : NULL;
                     attend_row_any(kfmt, vfmt, gshift, qr, kh, vh, D, first, last, scale, p, o, w);
                 }
@@ -972,26 +976,28 @@ int attention_int8(const float *q, long q_ld, const int8_t *k, const int8_t *v, 
 /* One layer's INT4 cache (ref.QuantizedKV with bits 4, llmrun/kv_cache.py's store), per kv head: packed key and value
  * codes (rows of D / 2 bytes, code_stride bytes per head); key scales and minimums (a row of D per group of KEY_GROUP
  * positions, k_scale_stride per head); value scales and minimums (rows of D / group, v_scale_stride per head); the
- * exact recent keys (RECENT rows of D, fp32, recent_stride per head). */
+ * rings of exact recent keys and values (ring rows of D, fp32, recent_stride per head). */
 typedef struct {
     uint8_t *k, *v;
     uint16_t *k_scale, *k_min, *v_scale, *v_min;
-    float *recent;
+    float *recent, *v_recent;
     long code_stride, k_scale_stride, v_scale_stride, recent_stride;
-    int group;
+    int group, ring;  /* ring: the rings' rows; position s at row s % ring */
 } int4_cache;
 
 /* `attend` over an INT4 cache of S positions: keys below n_quantized are codes, first_exact <= n_quantized the
- * lowest from which `recent` holds them exactly (each query row reads codes up to its row_quantized). */
+ * lowest from which the rings hold keys and values exactly (each query row reads codes up to its row_quantized,
+ * keys and values alike). */
 int attention_int4(const float *q, long q_ld, const int4_cache *c, int T, int S, int Hq, int Hkv, int D,
                    int n_quantized, int first_exact, int window, float *mass, long mass_stride, float *out) {
     int gshift = group_shift(c->group, D);
-    if (first_exact > n_quantized || n_quantized % KEY_GROUP || first_exact % KEY_GROUP || S - first_exact > RECENT
+    if (first_exact > n_quantized || n_quantized % KEY_GROUP || first_exact % KEY_GROUP || c->ring < 1 || S - first_exact > c->ring
         || D > MAX_INT4_D)
         return -1;
     kv_rows kr = {.f = c->recent, .q = c->k, .sc = c->k_scale, .mn = c->k_min, .f_stride = c->recent_stride,
-                  .q_stride = c->code_stride, .s_stride = c->k_scale_stride};
-    kv_rows vr = {.q = c->v, .sc = c->v_scale, .mn = c->v_min, .q_stride = c->code_stride, .s_stride = c->v_scale_stride};
+                  .q_stride = c->code_stride, .s_stride = c->k_scale_stride, .ring = c->ring};
+    kv_rows vr = {.f = c->v_recent, .q = c->v, .sc = c->v_scale, .mn = c->v_min, .f_stride = c->recent_stride,
+                  .q_stride = c->code_stride, .s_stride = c->v_scale_stride, .ring = c->ring};
     if (gshift == 5)
         return attend(KV_INT4_CH, KV_INT4, 5, q, q_ld, kr, vr, T, S, Hq, Hkv, D, window, first_exact, n_quantized,
                       mass, mass_stride, out);
@@ -1047,30 +1053,37 @@ static void pack_row(const uint8_t *codes, int D, uint8_t *packed) {  /* channel
 
 /* Writes T new keys and values of every kv head (token rows ld floats apart, head j's D at + j * D) into slots
  * slot .. slot + T - 1 of an INT4 cache, as llmrun/kv_cache.py's store writes them, bit for bit: values per token;
- * keys into the exact ring, and each key group that fills quantized per channel. state: the layer's
- * {quantized, exact_from, end} (keys [0, quantized) are codes, [exact_from, end) exact in the ring), updated. */
+ * keys and values into the exact rings, and each key group that fills quantized per channel. state: the layer's
+ * {quantized, exact_from, end} (keys [0, quantized) are codes, keys and values [exact_from, end) exact in the
+ * rings), updated. */
 int int4_write(const int4_cache *c, int *state, int Hkv, int D, int slot, int T, const float *k, const float *v, long ld) {
-    int gshift = group_shift(c->group, D), G = KEY_GROUP;
-    if (gshift < 0 || D > MAX_INT4_D || slot < 0 || T < 0) return -1;
+    int gshift = group_shift(c->group, D), G = KEY_GROUP, R = c->ring;
+    if (gshift < 0 || D > MAX_INT4_D || slot < 0 || T < 0 || R < 1) return -1;
     int g0 = slot / G * G, end = slot + T, full = end / G * G, exact_from = state[1];
     int lossy = slot < exact_from || slot > state[2];
     int start = lossy ? g0 : slot;
-    start = start > end - RECENT ? start : end - RECENT;
-    float *seg = malloc(sizeof(float) * (size_t)(end - g0) * D);  /* the keys [g0, end) of a head */
+    start = start > end - R ? start : end - R;
+    /* the keys [g0, end) of a head, then its values */
+    float *seg = malloc(2 * sizeof(float) * (size_t)(end - g0) * D), *vseg = seg + (size_t)(end - g0) * D;
     if (!seg) return -2;
     for (int j = 0; j < Hkv; j++) {
         uint8_t *kq = c->k + j * c->code_stride, *vq = c->v + j * c->code_stride;
         uint16_t *ks = c->k_scale + j * c->k_scale_stride, *km = c->k_min + j * c->k_scale_stride;
         uint16_t *vs = c->v_scale + j * c->v_scale_stride, *vm = c->v_min + j * c->v_scale_stride;
-        float *ring = c->recent + j * c->recent_stride;
-        for (int s = g0; s < slot; s++)  /* the partial group's keys so far: exact, or their codes below the ring */
+        float *ring = c->recent + j * c->recent_stride, *vring = c->v_recent + j * c->recent_stride;
+        int ng = D >> gshift, gs = 1 << gshift;
+        for (int s = g0; s < slot; s++)  /* the partial group so far: exact, or from the codes below the rings */
             for (int i = 0; i < D; i++) {
-                size_t g = (size_t)(s / G) * D + i;
-                seg[(size_t)(s - g0) * D + i] = s >= exact_from ? ring[(size_t)(s % RECENT) * D + i]
-                    : (float)(i & 1 ? kq[(size_t)s * (D / 2) + i / 2] >> 4 : kq[(size_t)s * (D / 2) + i / 2] & 15)
-                      * half_to_float(ks[g]) + half_to_float(km[g]);
+                size_t g = (size_t)(s / G) * D + i, gv = (size_t)s * ng + (i >> gshift);
+                seg[(size_t)(s - g0) * D + i] = s >= exact_from ? ring[(size_t)(s % R) * D + i]
+                    : nibble(kq, D, s, i) * half_to_float(ks[g]) + half_to_float(km[g]);
+                vseg[(size_t)(s - g0) * D + i] = s >= exact_from ? vring[(size_t)(s % R) * D + i]
+                    : nibble(vq, D, s, i) * half_to_float(vs[gv]) + half_to_float(vm[gv]);
             }
-        for (int t = 0; t < T; t++) memcpy(seg + (size_t)(slot - g0 + t) * D, k + t * ld + j * D, sizeof(float) * D);
+        for (int t = 0; t < T; t++) {
+            memcpy(seg + (size_t)(slot - g0 + t) * D, k + t * ld + j * D, sizeof(float) * D);
+            memcpy(vseg + (size_t)(slot - g0 + t) * D, v + t * ld + j * D, sizeof(float) * D);
+        }
         for (int g = g0; g < full; g += G) {  /* each filled group, per channel over its G positions */
             uint8_t block[KEY_GROUP][256], codes[KEY_GROUP];
             for (int i = 0; i < D; i++) {
@@ -1079,8 +1092,10 @@ int int4_write(const int4_cache *c, int *state, int Hkv, int D, int slot, int T,
             }
             for (int s = 0; s < G; s++) pack_row(block[s], D, kq + (size_t)(g + s) * (D / 2));
         }
-        for (int s = start; s < end; s++) memcpy(ring + (size_t)(s % RECENT) * D, seg + (size_t)(s - g0) * D, sizeof(float) * D);
-        int ng = D >> gshift, gs = 1 << gshift;
+        for (int s = start; s < end; s++) {
+            memcpy(ring + (size_t)(s % R) * D, seg + (size_t)(s - g0) * D, sizeof(float) * D);
+            memcpy(vring + (size_t)(s % R) * D, vseg + (size_t)(s - g0) * D, sizeof(float) * D);
+        }
         for (int t = 0; t < T; t++) {  /* values: per token, per group of channels */
             uint8_t row[256];
             for (int g = 0; g < ng; g++)
@@ -1092,7 +1107,7 @@ int int4_write(const int4_cache *c, int *state, int Hkv, int D, int slot, int T,
     free(seg);
     int kept = lossy ? start : exact_from;
     state[0] = full;
-    state[1] = kept > end - RECENT ? kept : end - RECENT;
+    state[1] = kept > end - R ? kept : end - R;
     state[2] = end;
     return 0;
 }
@@ -1152,7 +1167,7 @@ static int layer_attention(const stack_params *p, const layer_params *L, const f
     default: {  /* what llmrun/kv_cache.py's INT4 store hands attention (its `read`) */
         const int *st = L->int4_state;
         int nq = st[0] < S / KEY_GROUP * KEY_GROUP ? st[0] : S / KEY_GROUP * KEY_GROUP;
-        int exact = st[1] > S - RECENT ? st[1] : S - RECENT;
+        int R = L->int4.ring, exact = st[1] > S - R ? st[1] : S - R;
         exact = (exact + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
         return attention_int4(qkv, qkv_ld, &L->int4, T, S, Hq, Hkv, D, nq, exact < nq ? exact : nq, p->window,
                               L->scores, p->max_len, att);

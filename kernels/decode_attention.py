@@ -11,10 +11,11 @@ score tile (padded to a power of two and masked), so each K/V tile is loaded onc
 head_dim is padded to a power of two (80, 96 -> 128) and masked.
 
 A quantized cache (`ref.QuantizedKV`, INT8 or INT4, `quantized_decode_attention`) is read as codes and scales, and
-each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products. INT4 keys switch from codes
-to the exact ring at a position that depends on the query row (`ref.QuantizedKV.row_quantized`), between nq_lo
-(the first row's) and nq_hi (the last row's): a tile of keys below nq_lo or from nq_hi on reads one version for every
-row; the one or two tiles that overlap [nq_lo, nq_hi) score both and pick per (row, key).
+each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products. INT4 keys and values switch
+from codes to the exact rings at a position that depends on the query row (`ref.QuantizedKV.row_quantized`),
+between nq_lo (the first row's) and nq_hi (the last row's): a tile of positions below nq_lo or from nq_hi on reads
+one version for every row; the one or two tiles that overlap [nq_lo, nq_hi) load both, score both keys and pick
+per (row, key), and split each row's probabilities between the two versions of the values.
 
 Attention mass (H2O), when asked for: the split kernel also writes its masked scores to a (B, Hkv, T * G, keys)
 scratch buffer, the combine (or, with one split, the split kernel) writes each row's log2-sum-exp, and
@@ -43,7 +44,6 @@ MAX_SPLITS = 64
 
 
 _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)  # positions per INT4 key scale
-_RECENT = tl.constexpr(ref.RECENT)  # slots of INT4's full-precision key ring
 
 
 @triton.jit
@@ -75,25 +75,27 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
 
 
 @triton.jit
-def _load_keys(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
-               offs_n, offs_d, mask, n_quantized, BITS: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
-    """A tile of K: INT4 keys before n_quantized are codes, the later ones full precision in the ring k_recent."""
+def _load_tile(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, ring_base, stride_ring_s, ring,
+               offs_n, offs_d, mask, n_quantized, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+               DTYPE: tl.constexpr):
+    """A tile of K or V: INT4 positions before n_quantized are codes (PER_CHANNEL: keys' scales), the later ones
+    full precision in the ring (of `ring` slots, position s at s % ring)."""
     if BITS == 4:
         old = offs_n < n_quantized  # (BLOCK_N,)
-        k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d,
-                     mask & old[:, None], BITS, GROUP, True, DTYPE)
-        recent = tl.load(kr_base + (offs_n % _RECENT)[:, None] * stride_krs + offs_d[None, :],
+        x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d,
+                     mask & old[:, None], BITS, GROUP, PER_CHANNEL, DTYPE)
+        recent = tl.load(ring_base + (offs_n % ring)[:, None] * stride_ring_s + offs_d[None, :],
                          mask=mask & (offs_n >= n_quantized)[:, None], other=0.0)
-        k = tl.where(old[:, None], k, recent.to(DTYPE))
+        x = tl.where(old[:, None], x, recent.to(DTYPE))
     else:
-        k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d, mask,
-                     BITS, GROUP, False, DTYPE)
-    return k
+        x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, mask,
+                     BITS, GROUP, False, DTYPE)  # INT8 scales are per token
+    return x
 
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, KScale, KMin, KRecent, VScale, VMin, Out, MidO, MidLse, Lse, Scores, SLen,
+    Q, K, V, KScale, KMin, KRecent, VScale, VMin, VRecent, Out, MidO, MidLse, Lse, Scores, SLen,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -102,8 +104,9 @@ def _split_kernel(
     stride_krb, stride_krh, stride_krs,
     stride_vsb, stride_vsh, stride_vss,
     stride_vmb, stride_vmh, stride_vms,
+    stride_vrb, stride_vrh, stride_vrs,
     stride_ob, stride_ot, stride_oh,
-    T, S, Hkv, G, D, lo, split_len, window, qk_scale, nq_lo, nq_hi,
+    T, S, Hkv, G, D, lo, split_len, window, qk_scale, nq_lo, nq_hi, ring,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
     SCORES: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -121,7 +124,7 @@ def _split_kernel(
     h = kvh * G + rows % G  # query head
     row_ok = rows < T * G
     pos = S - T + t  # key position of each row's token
-    # INT4: keys before row_nq are read as codes, the later ones exact (ref.QuantizedKV.row_quantized)
+    # INT4: positions before row_nq are read as codes, the later ones exact (ref.QuantizedKV.row_quantized)
     row_nq = tl.minimum(tl.maximum((pos + 1) // _KEY_GROUP * _KEY_GROUP, nq_lo), nq_hi)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -137,6 +140,7 @@ def _split_kernel(
     v_base = V + b * stride_vb + kvh * stride_vh
     vs_base = VScale + b * stride_vsb + kvh * stride_vsh
     vm_base = VMin + b * stride_vmb + kvh * stride_vmh
+    vr_base = VRecent + b * stride_vrb + kvh * stride_vrh
     start = lo + split * split_len
     end = tl.minimum(start + split_len, S)
     if DEVICE_LEN and HAS_WINDOW:  # lo is 0 then: skip the tiles before the earliest key any row sees
@@ -149,15 +153,19 @@ def _split_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = _load_keys(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
-                       offs_n, offs_d, kv_mask, nq_lo, BITS, GROUP, q.dtype)  # (BLOCK_N, BLOCK_D)
+        k = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs, ring,
+                       offs_n, offs_d, kv_mask, nq_lo, BITS, GROUP, True, q.dtype)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
-        if BITS == 4:
-            if (n0 < nq_hi) & (n0 + BLOCK_N > nq_lo):  # rows disagree on some keys here: codes up to nq_hi too
-                k_codes = _load_keys(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base,
-                                     stride_krs, offs_n, offs_d, kv_mask, nq_hi, BITS, GROUP, q.dtype)
-                s_codes = tl.dot(q, tl.trans(k_codes), input_precision=PRECISION)
-                s = tl.where(offs_n[None, :] < row_nq[:, None], s_codes, s)
+        if BITS == 4:  # rows disagree on some positions here: codes up to nq_hi are loaded too
+            mixed = (n0 < nq_hi) & (n0 + BLOCK_N > nq_lo)
+        else:
+            mixed = False
+        coded = offs_n[None, :] < row_nq[:, None]  # (BLOCK_M, BLOCK_N): what each row reads as codes
+        if mixed:
+            k_codes = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
+                                 ring, offs_n, offs_d, kv_mask, nq_hi, BITS, GROUP, True, q.dtype)
+            s_codes = tl.dot(q, tl.trans(k_codes), input_precision=PRECISION)
+            s = tl.where(coded, s_codes, s)
         s = s * qk_scale
         visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         if HAS_WINDOW:
@@ -172,9 +180,16 @@ def _split_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, offs_n, offs_d, kv_mask,
-                     BITS, GROUP, False, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs, ring,
+                       offs_n, offs_d, kv_mask, nq_lo, BITS, GROUP, False, q.dtype)
+        if mixed:
+            v_codes = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs,
+                                 ring, offs_n, offs_d, kv_mask, nq_hi, BITS, GROUP, False, q.dtype)
+            pv = tl.dot(tl.where(coded, p, 0.0).to(v.dtype), v_codes, input_precision=PRECISION)
+            pv += tl.dot(tl.where(coded, 0.0, p).to(v.dtype), v, input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -253,11 +268,12 @@ SHARED_MEMORY_DEFAULT = 99 * 1024
 def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bool, BLOCK_M: int, BLOCK_D: int,
                         BLOCK_N: int, num_stages: int) -> int:
     """Bytes of shared memory `_split_kernel` takes on a GPU of compute capability `major`, given the element sizes
-    of its tensors Q, K, V, KScale, KMin, KRecent in `sizes`: an upper bound on what Triton (3.6 to 3.8) allocates,
-    mostly within 1 KB. tests/test_triton_compile.py holds it against the compiler's figure for sm_80 and sm_90.
+    of its tensors Q, K, V, KScale, KMin, KRecent, VRecent in `sizes`: an upper bound on what Triton (3.6 to 3.8)
+    allocates, mostly within 1 KB. tests/test_triton_compile.py holds it against the compiler's figure for sm_80 and sm_90.
     - Loaded ahead (software pipelining), num_stages - 1 copies, or num_stages where Hopper's warpgroup MMA reads
       dense K and V straight from shared memory: per key and channel, K and V (dense, INT8's codes), or INT4's key
-      scale, min and exact ring entry (INT4's codes and the per-group scales are gathered, too narrow to copy ahead).
+      scale, min and the two rings' entries (INT4's codes and the per-group scales are gathered, too narrow to copy
+      ahead).
     - Live through the loop: q (BLOCK_M, BLOCK_D) as a dot operand, and 8 bytes per row for reductions.
     - In turn within a step, the largest counted: the dequantized K tile (BLOCK_N, BLOCK_D) (two, codes and exact,
       for INT4 on Hopper); the dequantized V tile with the probabilities p (BLOCK_M, BLOCK_N), which the
@@ -265,7 +281,8 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
     """
     q_bytes = sizes["Q"]
     wgmma = major >= 9 and BLOCK_M >= 64 and q_bytes == 2  # Hopper's: 16-bit operands, tiles of 64 rows
-    per_key = sizes["KScale"] + sizes["KMin"] + sizes["KRecent"] if BITS == 4 else sizes["K"] + sizes["V"]
+    per_key = (sizes["KScale"] + sizes["KMin"] + sizes["KRecent"] + sizes["VRecent"] if BITS == 4
+               else sizes["K"] + sizes["V"])
     copies = num_stages if wgmma and BITS == 0 else num_stages - 1
     tile = BLOCK_N * BLOCK_D * q_bytes if BITS else 0  # a dequantized K or V tile
     p = 0 if wgmma else BLOCK_M * BLOCK_N * q_bytes
@@ -285,7 +302,7 @@ def _configs_that_fit(configs, named_args, **kwargs):
     keyword args): the configs that fit the device's shared memory, or else the smallest. Triton would compile the
     others, seconds each, only to skip them."""
     major, limit = _device_limits(named_args["Q"].device.index)
-    sizes = {name: named_args[name].element_size() for name in ("Q", "K", "V", "KScale", "KMin", "KRecent")}
+    sizes = {name: named_args[name].element_size() for name in ("Q", "K", "V", "KScale", "KMin", "KRecent", "VRecent")}
     need = [split_shared_memory(major, sizes, kwargs["BITS"], kwargs["SCORES"], kwargs["BLOCK_M"], kwargs["BLOCK_D"],
                                 c.kwargs["BLOCK_N"], c.num_stages) for c in configs]
     return [c for c, n in zip(configs, need) if n <= limit] or [configs[need.index(min(need))]]
@@ -337,7 +354,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     _, Hkv, S, _ = k.shape
     assert k.shape == v.shape == (B, Hkv, S, D), (q.shape, k.shape, v.shape)
     assert k.dtype == v.dtype == q.dtype and k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous"
-    return _attend(q, (k, v, k, k, k, k, k), 0, 1, (0, 0), S, window, num_splits, mass, length)
+    return _attend(q, (k, v, k, k, k, k, k, k), 0, 1, (0, 0, 1), S, window, num_splits, mass, length)
 
 
 def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int | None = None, *,
@@ -347,8 +364,8 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
     dequantized in registers, to q's dtype; no full-precision copy of the cache is made.
 
     kv: INT8 or INT4 (layouts in `ref.QuantizedKV`) of B sequences, Hkv heads, S positions, head_dim D = kv.head_dim
-       (a multiple of 16); every tensor any batch/head/position strides, last dim contiguous. INT4's k_recent
-       (B, Hkv, ref.RECENT, D) may be of any float dtype.
+       (a multiple of 16); every tensor any batch/head/position strides, last dim contiguous. INT4's rings k_recent
+       and v_recent (B, Hkv, R, D) may be of any float dtype.
     q (B, T, Hq, D) fp32, fp16 or bf16; window, num_splits, mass, length as for `decode_attention` (length: INT8
     only, kv then spanning the buffer's capacity).
     Returns (B, T, Hq, D) contiguous in q's dtype.
@@ -362,26 +379,29 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
         (q.shape, kv.k.shape, kv.v.shape, kv.v_scale.shape)
     if kv.bits == 8:
         assert kv.k_scale.shape == kv.v_scale.shape, (kv.k_scale.shape, kv.v_scale.shape)
-        cache = (kv.k, kv.v, kv.k_scale, kv.k_scale, kv.k_scale, kv.v_scale, kv.v_scale)  # (unused slots repeat)
+        cache = (kv.k, kv.v, kv.k_scale, kv.k_scale, kv.k_scale, kv.v_scale, kv.v_scale, kv.v_scale)  # (unused repeat)
     else:
         n_groups = triton.cdiv(min(kv.n_quantized, S), ref.KEY_GROUP)
         assert kv.n_quantized % ref.KEY_GROUP == 0 and kv.first_exact % ref.KEY_GROUP == 0, (kv.n_quantized,
                                                                                             kv.first_exact)
-        assert kv.first_exact <= kv.n_quantized and S - kv.first_exact <= ref.RECENT, (kv.first_exact, S)
-        assert kv.k_recent.shape == (B, Hkv, ref.RECENT, D) and kv.v_min.shape == kv.v_scale.shape, \
-            (kv.k_recent.shape, kv.v_min.shape)
+        ring = kv.k_recent.shape[2]
+        assert kv.first_exact <= kv.n_quantized and S - kv.first_exact <= ring, (kv.first_exact, S, ring)
+        assert kv.k_recent.shape == kv.v_recent.shape == (B, Hkv, ring, D) and kv.v_min.shape == kv.v_scale.shape, \
+            (kv.k_recent.shape, kv.v_recent.shape, kv.v_min.shape)
         assert kv.k_scale.shape[2] >= n_groups and kv.k_scale.shape[3] == D and kv.k_min.shape == kv.k_scale.shape, \
             (kv.k_scale.shape, kv.k_min.shape, n_groups)
-        cache = (kv.k, kv.v, kv.k_scale, kv.k_min, kv.k_recent, kv.v_scale, kv.v_min)
+        cache = (kv.k, kv.v, kv.k_scale, kv.k_min, kv.k_recent, kv.v_scale, kv.v_min, kv.v_recent)
     assert all(x.stride(-1) == 1 for x in cache), "every tensor of the cache needs a contiguous last dim"
-    assert length is None or kv.bits == 8, "an INT4 cache's rows read keys decided on the host"
+    assert length is None or kv.bits == 8, "an INT4 cache's rows read codes up to positions decided on the host"
     nq = kv.row_quantized(T) if kv.bits == 4 else [0]
-    return _attend(q, cache, kv.bits, group, (nq[0], nq[-1]), S, window, num_splits, mass, length)
+    ring = kv.k_recent.shape[2] if kv.bits == 4 else 1
+    return _attend(q, cache, kv.bits, group, (nq[0], nq[-1], ring), S, window, num_splits, mass, length)
 
 
-def _attend(q, cache, bits, group, nq_range, S, window, num_splits, mass, length=None):
-    """Launch the kernels on cache = (k, v, k_scale, k_min, k_recent, v_scale, v_min), the tensors a format does not
-    use standing in for any (they are never read); INT4 rows read keys below nq_range[0] to nq_range[1] as codes.
+def _attend(q, cache, bits, group, int4_rows, S, window, num_splits, mass, length=None):
+    """Launch the kernels on cache = (k, v, k_scale, k_min, k_recent, v_scale, v_min, v_recent), the tensors a format
+    does not use standing in for any (they are never read); int4_rows = (nq_lo, nq_hi, ring): INT4 rows read the
+    positions below nq_lo to nq_hi as codes, the rest from rings of `ring` slots.
     With `length` (a device tensor), S is the capacity and the kernel reads how many keys are in use."""
     B, T, Hq, D = q.shape
     Hkv = cache[0].shape[1]
@@ -423,7 +443,7 @@ def _attend(q, cache, bits, group, nq_range, S, window, num_splits, mass, length
         q.stride(0), q.stride(1), q.stride(2),
         *(stride for x in cache for stride in x.stride()[:3]),
         out.stride(0), out.stride(1), out.stride(2),
-        T, S, Hkv, G, D, lo, split_len, window or 0, math.log2(math.e) / math.sqrt(D), *nq_range,
+        T, S, Hkv, G, D, lo, split_len, window or 0, math.log2(math.e) / math.sqrt(D), *int4_rows,
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
         DEVICE_LEN=length is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,

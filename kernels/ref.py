@@ -97,15 +97,18 @@ def quant_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
 # INT8: symmetric, per token, one fp16 scale per group of `group` channels (32, or 16 when head_dim needs it).
 # INT4 (KIVI, Liu et al. 2024): values per token, asymmetric (fp16 scale and minimum per group of channels); keys
 # per channel, asymmetric over groups of KEY_GROUP consecutive positions. A key group is quantized once it is full;
-# until then its keys are read in full precision from `k_recent`, a ring of 2 * KEY_GROUP positions (slot s at
-# s % 64), which also keeps the previous group's exact keys so a short rollback re-fills it bit for bit.
+# until then its keys are read in full precision, and so are its values (KIVI's full-precision residual), from the
+# rings `k_recent` and `v_recent` of R slots (position s at slot s % R). A cache's rings hold its last R = RECENT
+# positions (or all of them, when it holds fewer): enough that every row of a prompt chunk of up to PREFILL_ROWS
+# tokens finds the exact keys and values it reads, and that a rollback re-fills a partial group bit for bit.
 # Two 4-bit codes share a byte: channel 2i in the low nibble, 2i + 1 in the high one.
-# Which keys a query reads as codes depends on its position (`QuantizedKV.row_quantized`): each row of a block of
-# queries reads what it would have read had the tokens been fed one at a time, so a speculative block verifies
-# exactly what plain decoding computes.
+# Which positions a query reads as codes depends on its position (`QuantizedKV.row_quantized`): each row of a block
+# of queries reads what it would have read had the tokens been fed one at a time, so a speculative block verifies
+# exactly what plain decoding computes, and a prompt's rows read what decoding reads.
 
 KEY_GROUP = 32  # positions per INT4 key scale
-RECENT = 2 * KEY_GROUP  # full-precision ring of the INT4 keys
+PREFILL_ROWS = 512  # a prompt chunk (llmrun.generate.PREFILL_CHUNK): the rings hold it and the groups before it
+RECENT = PREFILL_ROWS + 2 * KEY_GROUP  # slots of INT4's full-precision rings (at most)
 
 
 def kv_group(head_dim: int) -> int:
@@ -181,11 +184,12 @@ class QuantizedKV:
     """One layer's quantized cache as attention reads it: S positions of B sequences, Hkv heads, head_dim D.
 
     int8: k, v int8 (B, Hkv, S, D); k_scale, v_scale fp16 (B, Hkv, S, D/group).
-    int4: v uint8 (B, Hkv, S, D/2) with v_scale, v_min fp16 (B, Hkv, S, D/group); k uint8 (B, Hkv, S, D/2) whose
-          first `n_quantized` positions (a multiple of KEY_GROUP) are codes, with k_scale, k_min fp16
-          (B, Hkv, >= n_quantized / KEY_GROUP, D); k_recent (B, Hkv, RECENT, D) (the model's dtype) holds the exact
-          keys [first_exact, S), position s at s % RECENT, with first_exact <= n_quantized a multiple of KEY_GROUP
-          and S - first_exact <= RECENT (None: n_quantized). Which of the two a query reads: `row_quantized`.
+    int4: v uint8 (B, Hkv, S, D/2) with v_scale, v_min fp16 (B, Hkv, S, D/group) (every position's value has
+          codes); k uint8 (B, Hkv, S, D/2) whose first `n_quantized` positions (a multiple of KEY_GROUP) are codes,
+          with k_scale, k_min fp16 (B, Hkv, >= n_quantized / KEY_GROUP, D); k_recent and v_recent (B, Hkv, R, D)
+          (the model's dtype) hold the exact keys and values [first_exact, S), position s at s % R, with
+          first_exact <= n_quantized a multiple of KEY_GROUP and S - first_exact <= R (None: n_quantized).
+          A query reads the positions before its `row_quantized` as codes, keys and values alike, the rest exact.
     Position, head and batch strides are free (views of a larger buffer); the last dimension is contiguous.
     """
 
@@ -197,6 +201,7 @@ class QuantizedKV:
     k_min: torch.Tensor | None = None
     v_min: torch.Tensor | None = None
     k_recent: torch.Tensor | None = None
+    v_recent: torch.Tensor | None = None
     n_quantized: int = 0
     first_exact: int | None = None
 
@@ -217,29 +222,31 @@ class QuantizedKV:
         return (self.v.shape[-1] * (2 if self.bits == 4 else 1)) // self.v_scale.shape[-1]
 
     def row_quantized(self, T: int) -> list[int]:
-        """INT4: how many keys, from position 0, each query of the T newest positions reads as codes (the rest it
-        reads exact from k_recent). Row r sits at position p = S - T + r; when one-token decoding ran it, the full
-        key groups were those ending at or before p + 1: floor((p + 1) / KEY_GROUP) * KEY_GROUP keys, here clamped to
-        [first_exact, n_quantized]. T = 1 reads n_quantized. In a cache written as decoding writes it (blocks of at
-        most KEY_GROUP + 1 tokens, rollbacks no deeper) the clamp never bites, so every row reads what a one-token
-        step read; a longer block's early rows read codes where the ring has lost their exact keys."""
+        """INT4: how many positions, from 0, each query of the T newest positions reads as codes (the rest it reads
+        exact from the rings). Row r sits at position p = S - T + r; when one-token decoding ran it, the full key
+        groups were those ending at or before p + 1: floor((p + 1) / KEY_GROUP) * KEY_GROUP positions, here clamped
+        to [first_exact, n_quantized]. T = 1 reads n_quantized. In a cache written in blocks of at most
+        RECENT - KEY_GROUP + 1 tokens (PREFILL_ROWS and more), rolled back by at most RECENT - KEY_GROUP, the clamp
+        never bites, so every row reads what a one-token step read; a longer block's early rows read codes where the
+        rings have lost their exact keys and values."""
         S, G = self.length, KEY_GROUP
         return [min(max((S - T + r + 1) // G * G, self.first_exact), self.n_quantized) for r in range(T)]
 
 
 def dequantize_kv(kv: QuantizedKV, n_quantized: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values (B, Hkv, S, D) fp32 that a quantized cache stands for. INT4: keys [0, n_quantized) from
-    their codes, the rest exact from k_recent; by default kv.n_quantized (what the newest position's query reads),
-    at least kv.first_exact."""
+    """The keys and values (B, Hkv, S, D) fp32 that a quantized cache stands for. INT4: positions [0, n_quantized)
+    from their codes, the rest exact from the rings; by default kv.n_quantized (what the newest position's query
+    reads), at least kv.first_exact."""
     if kv.bits == 8:
         return dequantize_int8(kv.k, kv.k_scale), dequantize_int8(kv.v, kv.v_scale)
     S = kv.length
     nq = kv.n_quantized if n_quantized is None else n_quantized
     assert kv.first_exact <= nq <= kv.n_quantized, (kv.first_exact, nq, kv.n_quantized)
-    v = dequantize_int4_tokens(kv.v, kv.v_scale, kv.v_min)
-    k_old = dequantize_int4_channels(kv.k[:, :, :nq], kv.k_scale, kv.k_min)
     recent = torch.arange(nq, S, device=kv.k.device) % kv.k_recent.shape[2]
+    k_old = dequantize_int4_channels(kv.k[:, :, :nq], kv.k_scale, kv.k_min)
+    v_old = dequantize_int4_tokens(kv.v[:, :, :nq], kv.v_scale[:, :, :nq], kv.v_min[:, :, :nq])
     k = torch.cat((k_old, kv.k_recent[:, :, recent].float()), dim=2)
+    v = torch.cat((v_old, kv.v_recent[:, :, recent].float()), dim=2)
     return k, v
 
 

@@ -139,11 +139,13 @@ class _Int8Store:
 class _Int4Store:
     """KIVI: values per token (packed codes (L, B, Hkv, C, D/2), fp16 scale and minimum per group of channels);
     keys per channel over groups of KEY_GROUP positions (packed codes, fp16 scale and minimum (L, B, Hkv, C/32,
-    D)). A key group is quantized when it fills; `recent` (L, B, Hkv, RECENT, D) keeps, in the model's dtype,
-    the exact keys of the partial group and of the one before it, so a rollback of up to a group re-fills it
-    exactly as it was. `state` (L, 3) int32, per layer {quantized, exact_from, end}: keys [0, quantized) are
-    codes, [exact_from, end) are exact in `recent`. On the CPU in fp32 the C kernels write (`kernels.cpu.int4_write`,
-    the same bits as the torch code here, which serves elsewhere), and so does the C decode stack, which updates
+    D)). A key group is quantized when it fills. The rings `k_recent` and `v_recent` (L, B, Hkv, R, D) keep, in
+    the model's dtype, the exact keys and values of the last R = min(RECENT, C) positions, which the partial
+    group's (and a prompt chunk's) queries read, and from which a rollback re-fills a partial group exactly as it
+    was.
+    `state` (L, 3) int32, per layer {quantized, exact_from, end}: keys [0, quantized) are codes, the keys and values
+    [exact_from, end) are exact in the rings. On the CPU in fp32 the C kernels write (`kernels.cpu.int4_write`, the
+    same bits as the torch code here, which serves elsewhere), and so does the C decode stack, which updates
     `state` itself."""
 
     def __init__(self, L, B, H, C, D, dtype, device):
@@ -151,80 +153,91 @@ class _Int4Store:
         self.k = torch.zeros(L, B, H, C, D // 2, dtype=torch.uint8, device=device)
         self.k_scale = torch.zeros(L, B, H, -(-C // G), D, dtype=torch.float16, device=device)
         self.k_min = torch.zeros_like(self.k_scale)
-        self.recent = torch.zeros(L, B, H, ref.RECENT, D, dtype=dtype, device=device)
         self.v = torch.zeros(L, B, H, C, D // 2, dtype=torch.uint8, device=device)
         self.v_scale = torch.zeros(L, B, H, C, D // self.group, dtype=torch.float16, device=device)
         self.v_min = torch.zeros_like(self.v_scale)
+        self.ring = max(1, min(ref.RECENT, C))
+        self.k_recent = torch.zeros(L, B, H, self.ring, D, dtype=dtype, device=device)
+        self.v_recent = torch.zeros_like(self.k_recent)
         self.state = torch.zeros(L, 3, dtype=torch.int32)  # on the host: indices, not data
         # each layer's buffers as the C kernels take them, made once (they never move); None where the C kernels
-        # cannot write them (a batch, a recent ring in another dtype)
+        # cannot write them (a batch, rings in another dtype)
         views = [tuple(b[layer] for b in self.buffers) for layer in range(L)]
         c_writes = B == 1 and dtype == torch.float32 and all(kernels.cpu.int4_layout_ok(*v) for v in views)
         self._c_layers = views if c_writes else None
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        """(k, v, k_scale, k_min, v_scale, v_min, recent): the order `kernels.cpu` takes them in."""
-        return self.k, self.v, self.k_scale, self.k_min, self.v_scale, self.v_min, self.recent
+        """(k, v, k_scale, k_min, v_scale, v_min, k_recent, v_recent): the order `kernels.cpu` takes them in."""
+        return self.k, self.v, self.k_scale, self.k_min, self.v_scale, self.v_min, self.k_recent, self.v_recent
 
     def _state(self, layer) -> tuple[int, int, int]:
         quantized, exact_from, end = self.state[layer].tolist()
         return quantized, exact_from, end
 
     def _recent_index(self, start, end):
-        return torch.arange(start, end, device=self.recent.device) % ref.RECENT
+        return torch.arange(start, end, device=self.k_recent.device) % self.ring
 
-    def _exact_keys(self, layer, start, end):
-        """Keys [start, end) fp32, from `recent` where it holds them, else dequantized from their codes."""
+    def _exact(self, layer, start, end) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [start, end) fp32, from the rings where they hold them, else from their codes."""
         cut = min(max(start, self._state(layer)[1]), end)
-        parts = []
-        if cut > start:  # below the ring: those groups are quantized
+        keys, values = [], []
+        if cut > start:  # below the rings: the key groups are quantized, and every value is
             g0 = start // ref.KEY_GROUP
-            parts.append(ref.dequantize_int4_channels(self.k[layer, :, :, g0 * ref.KEY_GROUP : cut],
-                                                      self.k_scale[layer, :, :, g0:], self.k_min[layer, :, :, g0:])
-                         [:, :, start - g0 * ref.KEY_GROUP :])
+            keys.append(ref.dequantize_int4_channels(self.k[layer, :, :, g0 * ref.KEY_GROUP : cut],
+                                                     self.k_scale[layer, :, :, g0:], self.k_min[layer, :, :, g0:])
+                        [:, :, start - g0 * ref.KEY_GROUP :])
+            values.append(ref.dequantize_int4_tokens(self.v[layer, :, :, start:cut], self.v_scale[layer, :, :, start:cut],
+                                                     self.v_min[layer, :, :, start:cut]))
         if end > cut:
-            parts.append(self.recent[layer][:, :, self._recent_index(cut, end)].float())
-        return torch.cat(parts, dim=2) if len(parts) != 1 else parts[0]
+            index = self._recent_index(cut, end)
+            keys.append(self.k_recent[layer][:, :, index].float())
+            values.append(self.v_recent[layer][:, :, index].float())
+        return tuple(torch.cat(parts, dim=2) if len(parts) != 1 else parts[0] for parts in (keys, values))
 
-    def _write_keys(self, layer, slot, k):
+    def _write_exact(self, layer, slot, k, v):
+        """Keys and values (B, Hkv, T, D) at [slot, slot + T) into the rings, and the key groups they fill as codes."""
         G = ref.KEY_GROUP
         _, exact_from, last_end = self._state(layer)
         end = slot + k.shape[2]
         g0 = slot // G * G
-        head = self._exact_keys(layer, g0, slot) if slot > g0 else None
-        seg = k.float() if head is None else torch.cat((head, k.float()), dim=2)  # keys [g0, end)
+        if slot > g0:  # the partial group's first keys: the [g0, end) segment is what gets quantized
+            head_k, head_v = self._exact(layer, g0, slot)
+            k, v = torch.cat((head_k, k.float()), dim=2), torch.cat((head_v, v.float()), dim=2)
         full = end // G * G
         if full > g0:
-            codes, scale, lo = ref.quantize_int4_channels(seg[:, :, : full - g0])
+            codes, scale, lo = ref.quantize_int4_channels(k[:, :, : full - g0])
             self.k[layer, :, :, g0:full] = codes
             self.k_scale[layer, :, :, g0 // G : full // G] = scale
             self.k_min[layer, :, :, g0 // G : full // G] = lo
         lossy = slot < exact_from or slot > last_end
-        start = max(g0 if lossy else slot, end - ref.RECENT)
-        self.recent[layer][:, :, self._recent_index(start, end)] = seg[:, :, start - g0 :].to(self.recent.dtype)
-        self.state[layer] = torch.tensor([full, max(start if lossy else exact_from, end - ref.RECENT), end])
+        start = max(g0 if lossy else slot, end - self.ring)
+        index = self._recent_index(start, end)
+        self.k_recent[layer][:, :, index] = k[:, :, start - g0 :].to(self.k_recent.dtype)
+        self.v_recent[layer][:, :, index] = v[:, :, start - g0 :].to(self.v_recent.dtype)
+        self.state[layer] = torch.tensor([full, max(start if lossy else exact_from, end - self.ring), end])
 
     def write(self, layer, slot, k, v):
         if self._c_layers is not None and kernels.cpu_kernels_serve(k):
             kernels.cpu.int4_write(self._c_layers[layer], self.state[layer], slot, k, v)
             return
-        self._write_keys(layer, slot, k)
         codes, scale, lo = ref.quantize_int4_tokens(v, self.group)
         T = v.shape[2]
         self.v[layer, :, :, slot : slot + T], self.v_scale[layer, :, :, slot : slot + T] = codes, scale
         self.v_min[layer, :, :, slot : slot + T] = lo
+        self._write_exact(layer, slot, k, v)
 
     def read(self, layer, length):
         G = ref.KEY_GROUP
         quantized, exact_from, _ = self._state(layer)
         nq = min(quantized, length // G * G)
-        # a block's queries may read exact keys from the first group start where the ring holds them all: not before
-        # exact_from (a rollback past the ring lost the older ones), nor more than RECENT positions back
-        first_exact = min(nq, -(-max(exact_from, length - ref.RECENT) // G) * G)
+        # a block's queries may read exact keys from the first group start where the rings hold them all: not before
+        # exact_from (a rollback past the rings lost the older ones), nor more than the rings' length back
+        first_exact = min(nq, -(-max(exact_from, length - self.ring) // G) * G)
         return ref.QuantizedKV(4, self.k[layer, :, :, :length], self.v[layer, :, :, :length],
                                self.k_scale[layer], self.v_scale[layer, :, :, :length], self.k_min[layer],
-                               self.v_min[layer, :, :, :length], self.recent[layer], nq, first_exact), None
+                               self.v_min[layer, :, :, :length], self.k_recent[layer], self.v_recent[layer], nq,
+                               first_exact), None
 
     def truncate(self, length):
         g = length // ref.KEY_GROUP * ref.KEY_GROUP
@@ -232,29 +245,34 @@ class _Int4Store:
             quantized, exact_from, end = self._state(layer)
             if length >= end:
                 continue
-            if exact_from > g:  # the partial group's first keys left the ring: take their codes
+            if exact_from > g:  # the partial group's first positions left the rings: take their codes
                 if length > g:
-                    keys = self._exact_keys(layer, g, length)
-                    self.recent[layer][:, :, self._recent_index(g, length)] = keys.to(self.recent.dtype)
+                    keys, values = self._exact(layer, g, length)
+                    index = self._recent_index(g, length)
+                    self.k_recent[layer][:, :, index] = keys.to(self.k_recent.dtype)
+                    self.v_recent[layer][:, :, index] = values.to(self.v_recent.dtype)
                 exact_from = g
             self.state[layer] = torch.tensor([min(quantized, g), exact_from, length])
 
     def keys(self, layer, length):
-        return self._exact_keys(layer, 0, length)
+        return self._exact(layer, 0, length)[0]
 
     def set_keys(self, layer, k):
+        values = self._exact(layer, 0, k.shape[2])[1]
         self.state[layer] = 0
-        self._write_keys(layer, 0, k)
+        self._write_exact(layer, 0, k, values)
 
     def keep(self, layer, length, index):
+        keys, values = (_gather(x, index) for x in self._exact(layer, 0, length))
         n = index.shape[2]
         for buf in (self.v[layer], self.v_scale[layer], self.v_min[layer]):
             buf[:, :, :n] = _gather(buf[:, :, :length], index)
-        self.set_keys(layer, _gather(self.keys(layer, length), index))  # regrouped: quantized afresh
+        self.state[layer] = 0
+        self._write_exact(layer, 0, keys, values)  # key groups formed anew: quantized afresh
 
     @property
     def nbytes(self):
-        return sum(t.nbytes for t in (self.k, self.k_scale, self.k_min, self.recent, self.v, self.v_scale, self.v_min))
+        return sum(t.nbytes for t in self.buffers)
 
 
 def _gather(x, index):

@@ -173,7 +173,7 @@ class Transformer(nn.Module):
             kv = dict(fp32_kv=dense)
         elif fmt == "int8":
             kv = dict(int8_kv=(store.codes, store.scales))
-        elif fmt == "int4" and store.recent.dtype == torch.float32 and store.k.shape[1] == 1:
+        elif fmt == "int4" and store.k_recent.dtype == torch.float32 and store.k.shape[1] == 1:
             kv = dict(int4_kv=(*store.buffers, store.state))
         else:
             return None

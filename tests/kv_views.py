@@ -26,10 +26,10 @@ def random_keys_values(B, Hkv, S, D, device="cpu"):
     return k, torch.randn(B, Hkv, S, D, device=device)
 
 
-def quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact=None, kv=None, device="cpu"):
+def quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact=None, kv=None, device="cpu", ring=ref.RECENT):
     """A QuantizedKV of random keys and values (or of kv = (k, v)), every tensor a view of a larger buffer.
-    INT4 keys [0, n_quantized) are codes; [first_exact, S) (default [n_quantized, S)) sit exact in the ring
-    k_recent, whose other slots are NaN."""
+    INT4 keys [0, n_quantized) are codes (values all have codes); keys and values [first_exact, S) (default
+    [n_quantized, S)) sit exact in the rings k_recent and v_recent of `ring` slots, whose other slots are NaN."""
     k, v = random_keys_values(B, Hkv, S, D, device) if kv is None else kv
     group = ref.kv_group(D)
     if bits == 8:
@@ -39,11 +39,14 @@ def quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact=None, kv
     v_codes, v_scale, v_min = ref.quantize_int4_tokens(v, group)
     k_codes = torch.randint(0, 256, (B, Hkv, S, D // 2), dtype=torch.uint8, device=device)  # garbage past n_quantized
     k_codes[:, :, :n_quantized], k_scale, k_min = ref.quantize_int4_channels(k[:, :, :n_quantized])
-    k_recent = torch.full((B, Hkv, ref.RECENT, D), float("nan"), dtype=dtype, device=device)
+    k_recent = torch.full((B, Hkv, ring, D), float("nan"), dtype=dtype, device=device)
+    v_recent = torch.full_like(k_recent, float("nan"))
     recent = torch.arange(first_exact, S, device=device)
-    k_recent[:, :, recent % ref.RECENT] = k[:, :, recent].to(dtype)
+    k_recent[:, :, recent % ring] = k[:, :, recent].to(dtype)
+    v_recent[:, :, recent % ring] = v[:, :, recent].to(dtype)
     return ref.QuantizedKV(4, in_buffer(k_codes), in_buffer(v_codes), in_buffer(k_scale), in_buffer(v_scale),
-                           in_buffer(k_min), in_buffer(v_min), in_buffer(k_recent, spare=0), n_quantized, first_exact)
+                           in_buffer(k_min), in_buffer(v_min), in_buffer(k_recent, spare=0), in_buffer(v_recent, spare=0),
+                           n_quantized, first_exact)
 
 
 def mass_buffer(B, Hkv, S, device="cpu"):
@@ -51,8 +54,8 @@ def mass_buffer(B, Hkv, S, device="cpu"):
     return torch.rand(B, Hkv + 1, S + 13, device=device)[:, 1:, :S]
 
 
-def int4_state(S):
+def int4_state(S, ring=ref.RECENT):
     """(n_quantized, first_exact) of a cache of S keys written as decoding writes it: the full groups are codes, and
-    the ring holds the exact keys of the last RECENT positions from a group's start on."""
+    rings of `ring` slots hold the exact keys and values of the last `ring` positions from a group's start on."""
     n_quantized = S // ref.KEY_GROUP * ref.KEY_GROUP
-    return n_quantized, min(n_quantized, max(0, -(-(S - ref.RECENT) // ref.KEY_GROUP) * ref.KEY_GROUP))
+    return n_quantized, min(n_quantized, max(0, -(-(S - ring) // ref.KEY_GROUP) * ref.KEY_GROUP))

@@ -50,9 +50,10 @@ def expected(fmt, k, v):
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
     if fmt == "int8":
         return ref.dequantize_int8(*ref.quantize_int8(k, 32)), ref.dequantize_int8(*ref.quantize_int8(v, 32))
-    full = k.shape[2] // ref.KEY_GROUP * ref.KEY_GROUP
+    full = k.shape[2] // ref.KEY_GROUP * ref.KEY_GROUP  # the newest query reads these as codes, the rest exact
     k_q = ref.dequantize_int4_channels(*ref.quantize_int4_channels(k[:, :, :full]))
-    return torch.cat((k_q, k[:, :, full:]), dim=2), ref.dequantize_int4_tokens(*ref.quantize_int4_tokens(v, 32))
+    v_q = ref.dequantize_int4_tokens(*ref.quantize_int4_tokens(v[:, :, :full], 32))
+    return torch.cat((k_q, k[:, :, full:]), dim=2), torch.cat((v_q, v[:, :, full:]), dim=2)
 
 
 @pytest.mark.parametrize("D", [64, 80, 128])
@@ -111,42 +112,51 @@ def test_a_short_rollback_leaves_the_cache_as_if_the_rejected_tokens_never_came(
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_an_int4_rollback_past_the_exact_keys_uses_their_codes():
-    k, v = random_kv(200)
-    cache = KVCache(L, B, H, 256, D, torch.float32, "cpu", kv_format="int4")
-    write(cache, k, v, [200])
-    cache.truncate(70)  # keys 64..69 were quantized with group 64..95 and left the exact ring
-    got_k, _ = read(cache)
-    want_k, _ = expected("int4", k[:, :96], v[:, :96])
-    torch.testing.assert_close(got_k, want_k[:, :, :70], rtol=0, atol=1e-5)
-    write(cache, k, v, [130], start=70)  # refilled: the group's first keys are their dequantized selves
+def test_an_int4_rollback_past_the_rings_uses_the_codes():
+    S = ref.RECENT + 136
+    k, v = random_kv(S)
+    cache = KVCache(L, B, H, S, D, torch.float32, "cpu", kv_format="int4")
+    write(cache, k, v, [S])
+    cache.truncate(70)  # positions 64..69 were quantized (keys with group 64..95) and left the rings
+    got_k, got_v = read(cache)
+    codes_k = ref.dequantize_int4_channels(*ref.quantize_int4_channels(k.transpose(1, 2)[:, :, :96]))[:, :, :70]
+    codes_v = ref.dequantize_int4_tokens(*ref.quantize_int4_tokens(v.transpose(1, 2)[:, :, :70], 32))
+    torch.testing.assert_close(got_k, codes_k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_v, codes_v, rtol=0, atol=1e-5)
+    write(cache, k, v, [130], start=70)  # refilled: the group's first positions are their dequantized selves
+    got_k, got_v = read(cache)
+    want_k, want_v = expected("int4", k[:, :200], v[:, :200])
+    torch.testing.assert_close(got_v[:, :, 64:70], codes_v[:, :, 64:], rtol=0, atol=1e-5)  # no exact copy left
+    torch.testing.assert_close(got_v[:, :, 70:], want_v[:, :, 70:], rtol=0, atol=1e-5)
+    assert (got_k - want_k).abs().max() < 0.2 * k.abs().max()  # lossy, but bounded by a 4-bit step or two
     cache.truncate(0)  # and back to empty (a new conversation): the cache is as new
     cache.length = 0
     write(cache, k, v, [200])
-    got_k, _ = read(cache)
-    torch.testing.assert_close(got_k, expected("int4", k, v)[0], rtol=0, atol=1e-5)
-    got_k, _ = read(cache)
-    want_k, _ = expected("int4", k, v)
-    assert (got_k - want_k).abs().max() < 0.2 * k.abs().max()  # lossy, but bounded by a 4-bit step or two
+    got_k, got_v = read(cache)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("rejected", [0, 9, 33])
-@pytest.mark.parametrize("start, T", [(40, 8), (60, 4), (95, 1), (90, 17), (31, 33), (63, 33), (100, 33)])
+@pytest.mark.parametrize("rejected", [0, 9, 33, ref.RECENT - ref.KEY_GROUP])
+@pytest.mark.parametrize("start, T", [(40, 8), (60, 4), (95, 1), (90, 17), (31, 33), (63, 33), (100, 33),
+                                      (700, 512), (37, ref.RECENT - ref.KEY_GROUP + 1)])
 def test_each_row_of_an_int4_block_reads_the_keys_one_token_steps_read(start, T, rejected):
-    """A block of T tokens after a prompt of `start` (and after a block of `rejected` other tokens rolled back, at
-    most the 33 of a speculation's deepest rollback): query row r reads bit for bit the keys and values a one-token
+    """A block of T tokens after a prompt of `start` (and after a block of `rejected` other tokens rolled back, up
+    to the deepest rollback the rings keep exact): query row r reads bit for bit the keys and values a one-token
     step at its position read. (60, 4): the group [32, 64) fills at the last row; (63, 33): the groups ending at 64
-    and 96 fill in the block."""
+    and 96 fill in the block; (700, 512): a prompt chunk; (37, RECENT - 31): the longest block the rings serve."""
     S = start + T
     k, v = random_kv(max(S, start + rejected))
     other_k, other_v = random_kv(start + rejected, seed=1)
-    block = KVCache(L, B, H, 256, D, torch.float32, "cpu", kv_format="int4")
+    size = max(S, start + rejected)
+    block = KVCache(L, B, H, size, D, torch.float32, "cpu", kv_format="int4")
     write(block, k, v, [start])
     if rejected:
         write(block, other_k, other_v, [rejected], start=start)
         block.truncate(start)
     kv, _, _ = write(block, k, v, [T], start=start)
-    steps = KVCache(L, B, H, 256, D, torch.float32, "cpu", kv_format="int4")
+    assert len(set(kv.row_quantized(T))) == S // 32 - (start + 1) // 32 + 1  # no row is clamped
+    steps = KVCache(L, B, H, size, D, torch.float32, "cpu", kv_format="int4")
     write(steps, k, v, [start])
     rows = {}  # row r -> the keys and values (B, H, start + r + 1, D) a one-token step at position start + r read
     for r in range(T):
@@ -161,18 +171,21 @@ def test_each_row_of_an_int4_block_reads_the_keys_one_token_steps_read(start, T,
     assert seen == T
 
 
-def test_a_long_int4_block_reads_codes_where_the_ring_lost_the_exact_keys():
-    """A prefill chunk longer than the ring: rows whose one-token keys are gone read the groups' codes instead."""
-    k, v = random_kv(200)
-    cache = KVCache(L, B, H, 256, D, torch.float32, "cpu", kv_format="int4")
+def test_a_long_int4_block_reads_codes_where_the_rings_lost_the_exact_keys():
+    """A block longer than the rings serve: rows whose one-token keys and values are gone read the codes instead."""
+    assert ref.RECENT == 576  # the positions below follow from it
+    k, v = random_kv(700)
+    cache = KVCache(L, B, H, 700, D, torch.float32, "cpu", kv_format="int4")
     write(cache, k, v, [100])
-    kv, _, _ = write(cache, k, v, [100], start=100)
-    assert (kv.n_quantized, kv.first_exact) == (192, 160)  # the ring holds the exact keys [136, 200)
-    # rows at positions 100..199: those before 159 read up to 160 as codes, not their own 96 or 128
-    assert kv.row_quantized(100) == [160] * 91 + [192] * 9
-    r0, r1, k_read, _ = next(ref.quantized_row_blocks(kv, 100))
-    assert (r0, r1) == (0, 91)
-    torch.testing.assert_close(k_read[:, :, :160], expected("int4", k, v)[0][:, :, :160], rtol=0, atol=1e-5)
+    kv, _, _ = write(cache, k, v, [600], start=100)
+    assert (kv.n_quantized, kv.first_exact) == (672, 128)  # the rings hold the exact positions [124, 700)
+    # rows at positions 100..699: those before 127 read up to 128 as codes, not their own 96; the rest their own
+    assert kv.row_quantized(600) == [128] * 28 + [(p + 1) // 32 * 32 for p in range(128, 700)]
+    r0, r1, k_read, v_read = next(ref.quantized_row_blocks(kv, 600))
+    assert (r0, r1) == (0, 28 + 31)
+    want_k, want_v = expected("int4", k[:, :128], v[:, :128])
+    torch.testing.assert_close(k_read[:, :, :128], want_k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(v_read[:, :, :128], want_v, rtol=0, atol=1e-5)
 
 
 def test_without_eviction_a_full_cache_refuses_more():

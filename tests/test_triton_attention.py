@@ -92,7 +92,7 @@ def test_autotuner_drops_configs_that_cannot_fit(monkeypatch):
     small for any, the smallest. tests/test_triton_compile.py holds the estimate against the compiler."""
     tuner, _ = module._split_launcher(True)
     q, kv = torch.empty(1, 1, 8, 256), torch.empty(1, 1, 64, 256)
-    monkeypatch.setattr(tuner, "nargs", {"Q": q, "K": kv, "V": kv, "KScale": kv, "KMin": kv, "KRecent": kv},
+    monkeypatch.setattr(tuner, "nargs", {"Q": q, "K": kv, "V": kv, "KScale": kv, "KMin": kv, "KRecent": kv, "VRecent": kv},
                         raising=False)  # the positional args by name, as Autotuner.run sets them
     meta = {"BITS": 0, "SCORES": False, "BLOCK_M": 16, "BLOCK_D": 256}
     monkeypatch.setattr(module, "_device_limits", lambda index: (9, 227 * 1024))
@@ -105,8 +105,9 @@ def test_autotuner_drops_configs_that_cannot_fit(monkeypatch):
 # --- a quantized cache (ref.QuantizedKV), and the attention mass ------------------------------------------------------
 
 
-def check_quantized(bits, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, first_exact=None, mass=False, **kwargs):
-    kv = quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact)
+def check_quantized(bits, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, first_exact=None, mass=False,
+                    ring=ref.RECENT, **kwargs):
+    kv = quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact, ring=ring)
     q = torch.randn(B, T, Hq + 2 * Hkv, D, device=DEVICE).to(dtype)[:, :, :Hq]
     # against fp64: fp32's own rounding (a softmax over up to 1000 keys with x20 outliers) is not nothing either
     blocks = list(ref.quantized_row_blocks(kv, T))
@@ -161,9 +162,10 @@ def check_mass(got, before, q, k, window):
 
 
 def rows_one_by_one(q, k, v, window, n_quantized, first_exact):
-    """Brute force: every query row alone, over keys [0, its nq) dequantized from their codes (quantized over the
-    whole groups of [0, n_quantized)) and exact ones after; nq = the keys of the groups full when its token came,
-    clamped to [first_exact, n_quantized]. -> output (B, T, Hq, D) and attention mass (B, Hkv, S), fp32."""
+    """Brute force: every query row alone, over keys and values [0, its nq) dequantized from their codes (keys
+    quantized over the whole groups of [0, n_quantized)) and exact ones after; nq = the positions of the groups full
+    when its token came, clamped to [first_exact, n_quantized]. -> output (B, T, Hq, D) and attention mass
+    (B, Hkv, S), fp32."""
     B, T, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     codes = ref.dequantize_int4_channels(*ref.quantize_int4_channels(k[:, :, :n_quantized]))
@@ -173,28 +175,30 @@ def rows_one_by_one(q, k, v, window, n_quantized, first_exact):
         p = S - T + r
         nq = min(max((p + 1) // ref.KEY_GROUP * ref.KEY_GROUP, first_exact), n_quantized)
         keys = torch.cat((codes[:, :, :nq], k[:, :, nq:]), dim=2)
+        vals = torch.cat((values[:, :, :nq], v[:, :, nq:]), dim=2)
         first = 0 if window is None else max(0, p + 1 - window)
         for h in range(Hq):
             scores = torch.einsum("bd,bsd->bs", q[:, r, h], keys[:, h // (Hq // Hkv), first : p + 1]) / D**0.5
             w = scores.softmax(-1)  # (B, keys first..p)
-            out[:, r, h] = torch.einsum("bs,bsd->bd", w, values[:, h // (Hq // Hkv), first : p + 1])
+            out[:, r, h] = torch.einsum("bs,bsd->bd", w, vals[:, h // (Hq // Hkv), first : p + 1])
             mass[:, h // (Hq // Hkv), first : p + 1] += w
     return out, mass
 
 
-# (T, S, window): blocks of 1, 4, 17, 33 queries whose rows' groups switch 0, 1 or 2 times (33 rows from position 63:
-# the groups ending at 64 and at 96 fill inside the block), and 64 rows (a prefill chunk) whose early rows are clamped
-# to first_exact: the ring no longer holds their exact keys.
-ROW_BLOCKS = [(1, 97, None), (4, 100, None), (4, 98, 20), (17, 130, None), (17, 1000, 300), (33, 96, None),
-              (33, 600, 100), (64, 200, None)]
+# (T, S, window, ring): blocks of 1, 4, 17, 33 queries whose rows' groups switch 0, 1 or 2 times (33 rows from
+# position 63: the groups ending at 64 and at 96 fill inside the block), 64 rows in rings of 64 slots whose early
+# rows are clamped to first_exact (the rings no longer hold their exact keys), and 100 rows that the rings serve.
+ROW_BLOCKS = [(1, 97, None, ref.RECENT), (4, 100, None, ref.RECENT), (4, 98, 20, ref.RECENT),
+              (17, 130, None, ref.RECENT), (17, 1000, 300, ref.RECENT), (33, 96, None, ref.RECENT),
+              (33, 600, 100, ref.RECENT), (64, 200, None, 64), (100, 700, None, ref.RECENT)]
 
 
-@pytest.mark.parametrize("T, S, window", ROW_BLOCKS)
-def test_int4_reference_reads_each_rows_own_keys(T, S, window):
+@pytest.mark.parametrize("T, S, window, ring", ROW_BLOCKS)
+def test_int4_reference_reads_each_rows_own_keys(T, S, window, ring):
     B, Hq, Hkv, D = 2, 6, 2, 64
-    n_quantized, first_exact = int4_state(S)
+    n_quantized, first_exact = int4_state(S, ring)
     k, v = random_keys_values(B, Hkv, S, D)
-    kv = quantized_cache(4, B, Hkv, S, D, n_quantized, torch.float32, first_exact, kv=(k, v))
+    kv = quantized_cache(4, B, Hkv, S, D, n_quantized, torch.float32, first_exact, kv=(k, v), ring=ring)
     q = torch.randn(B, T, Hq, D, device=DEVICE)
     want, want_mass = rows_one_by_one(q, k, v, window, n_quantized, first_exact)
     # 1e-4: two fp32 softmaxes over up to 1000 keys with x20 outliers, summed in other orders (1e-5 failed ~1 in 50);
@@ -206,26 +210,28 @@ def test_int4_reference_reads_each_rows_own_keys(T, S, window):
     assert rows_differ == ((all_codes - want).abs().max().item() > 1e-3)
 
 
-# (B, T, Hq, Hkv, S, D, window, num_splits): GQA 1, 3, 4; D 64, 80, 128; the row blocks above; one or more splits
+# (B, T, Hq, Hkv, S, D, window, num_splits, ring): GQA 1, 3, 4; D 64, 80, 128; the row blocks above; one or more
+# splits
 INT4_ROW_SHAPES = [
-    (1, 1, 4, 4, 97, 64, None, None),
-    (2, 4, 6, 2, 98, 80, None, None),
-    (1, 4, 4, 1, 100, 128, 20, None),
-    (1, 17, 3, 3, 130, 64, None, 2),
-    (1, 17, 4, 1, 1000, 80, 300, None),
-    (1, 33, 6, 2, 96, 128, None, None),  # 99 rows: two row blocks
-    (1, 33, 4, 1, 600, 64, 100, 3),
-    (1, 64, 2, 1, 200, 64, None, None),
+    (1, 1, 4, 4, 97, 64, None, None, ref.RECENT),
+    (2, 4, 6, 2, 98, 80, None, None, ref.RECENT),
+    (1, 4, 4, 1, 100, 128, 20, None, ref.RECENT),
+    (1, 17, 3, 3, 130, 64, None, 2, ref.RECENT),
+    (1, 17, 4, 1, 1000, 80, 300, None, ref.RECENT),
+    (1, 33, 6, 2, 96, 128, None, None, ref.RECENT),  # 99 rows: two row blocks
+    (1, 33, 4, 1, 600, 64, 100, 3, ref.RECENT),
+    (1, 64, 2, 1, 200, 64, None, None, 64),
+    (1, 70, 2, 1, 700, 64, None, None, ref.RECENT),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B, T, Hq, Hkv, S, D, window, num_splits", INT4_ROW_SHAPES)
-def test_int4_rows_read_their_own_keys(B, T, Hq, Hkv, S, D, window, num_splits, dtype, monkeypatch):
+@pytest.mark.parametrize("B, T, Hq, Hkv, S, D, window, num_splits, ring", INT4_ROW_SHAPES)
+def test_int4_rows_read_their_own_keys(B, T, Hq, Hkv, S, D, window, num_splits, ring, dtype, monkeypatch):
     monkeypatch.setattr(module, "SPLIT_ALIGN", 32)  # splits of 32 keys: a split boundary inside the two-version range
-    n_quantized, first_exact = int4_state(S)
+    n_quantized, first_exact = int4_state(S, ring)
     check_quantized(4, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, first_exact, mass=dtype == torch.float32,
-                    num_splits=num_splits)
+                    ring=ring, num_splits=num_splits)
 
 
 # (B, T, Hq, Hkv, S, D, window, num_splits)

@@ -346,7 +346,7 @@ def _split_estimate(spec, arch):
 
     kinds = {name: kind for name, kind, _ in spec.params}
     consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
-    sizes = {name: _element_bytes(kinds[name]) for name in ("Q", "K", "V", "KScale", "KMin", "KRecent")}
+    sizes = {name: _element_bytes(kinds[name]) for name in ("Q", "K", "V", "KScale", "KMin", "KRecent", "VRecent")}
     return split_shared_memory(arch // 10, sizes, consts["BITS"], consts["SCORES"], consts["BLOCK_M"],
                                consts["BLOCK_D"], consts["BLOCK_N"], dict(spec.options)["num_stages"])
 
@@ -360,7 +360,7 @@ def _pruned(spec, arch, limit):
         return False
     dtypes = {1: torch.uint8, 2: torch.float16, 4: torch.float32}
     named = {name: torch.empty(0, dtype=dtypes[_element_bytes(kind)]) for name, kind, _ in spec.params
-             if name in ("Q", "K", "V", "KScale", "KMin", "KRecent")}
+             if name in ("Q", "K", "V", "KScale", "KMin", "KRecent", "VRecent")}
     consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decode_attention, "_device_limits", lambda index: (arch // 10, limit))
