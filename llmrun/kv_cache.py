@@ -50,6 +50,12 @@ def bytes_per_token(cfg, kv_format: str) -> float:
     return elems * per_head
 
 
+def int4_ring_bytes(cfg, itemsize: int) -> int:
+    """The fixed bytes of an INT4 cache's rings (the last RECENT positions' exact keys and values, every layer) in a
+    dtype of `itemsize` bytes (the model's)."""
+    return 2 * ref.RECENT * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+
 class _DenseStore:
     """K and V in one floating-point dtype: (L, B, Hkv, C, D) each."""
 

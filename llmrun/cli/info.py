@@ -15,7 +15,8 @@ from .options import JsonFlag, ModelArg
 @user_errors
 def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
     """Architecture, parameters, weight bytes by dtype, context, KV bytes per token, tokenizer and template."""
-    from llmrun.kv_cache import KV_FORMATS
+    from llmrun.kernels import ref
+    from llmrun.kv_cache import KV_FORMATS, int4_ring_bytes
     from llmrun.kv_cache import bytes_per_token as kv_bytes
     from llmrun.memory import human_bytes
 
@@ -41,6 +42,7 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         "sliding_window": cfg.sliding_window,
         "tied_embeddings": cfg.tie_embeddings,
         "kv_bytes_per_token": {fmt: kv_bytes(cfg, fmt) for fmt in KV_FORMATS},
+        "kv_int4_rings": {"positions": ref.RECENT, "bf16": int4_ring_bytes(cfg, 2), "fp32": int4_ring_bytes(cfg, 4)},
         "tokenizer": tok.kind,
         "chat_template": tok.chat_template is not None,
     }
@@ -52,7 +54,10 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         if key == "weight_bytes":
             value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + f" (total {human_bytes(sum(value.values()))})"
         elif key == "kv_bytes_per_token":
-            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + " (int4 adds a 64-token full-precision key window)"
+            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items())
+        elif key == "kv_int4_rings":
+            value = (f"the last {value['positions']} positions' exact keys and values: {human_bytes(value['bf16'])} "
+                     f"in bf16, {human_bytes(value['fp32'])} in fp32 (fixed)")
         elif key == "parameters":
             value = f"{value:,} ({value / 1e6:.1f} M)"
         table.add_row(key.replace("_", " "), str(value))
