@@ -29,11 +29,15 @@
 #include <immintrin.h>
 #define USE_AVX2 1
 #endif
+#if defined(USE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define USE_VNNI 1  /* AVX-512 VNNI: vpdpbusd, 64 byte products summed into int32 lanes in one instruction */
+#endif
 
 typedef struct {
-    int8_t *q;  /* (M, nb, 32) */
-    float *d;   /* (M, nb) */
-    float *s;   /* (M, nb) */
+    int8_t *q;  /* (M, ldq): each row's int8 values, in the layout the kernel reads (below) */
+    float *d;   /* (M, ldd): each block's scale, likewise */
+    float *s;   /* (M, lds): each block's scale times the sum of its values, in block order */
+    int ldq, ldd, lds;
 } acts;
 
 static float half_to_float(uint16_t h) {
@@ -80,25 +84,85 @@ static uint16_t float_to_half(float f) {
 #endif
 }
 
-/* Where block b's values and scale go in the activation planes. For 4-bit weights (`paired`, AVX2 only) the
- * layout follows the kernel: blocks pair up (b, b+1) as [lo16(b) lo16(b+1) hi16(b) hi16(b+1)], matching 32
- * bytes of packed nibbles, and within each group of eight blocks the scales sit in the order the kernel's
- * reduction produces its sums, [0 2 4 6 1 3 5 7]. Otherwise values and scales are in natural order. */
-static void quantize_row(const float *x, int nb, int8_t *q, float *d, float *s, int paired) {
+/* Where quantize_row puts each block's 32 values (in two runs: values 0-15, values 16-31) and its scale, for the
+ * kernel that reads them:
+ * NATURAL  block order: K bytes and nb scales a row.
+ * PAIRS    AVX2, 4-bit weights: blocks pair up (b, b+1) as [lo16(b) lo16(b+1) hi16(b) hi16(b+1)], matching 32 bytes
+ *          of packed nibbles, and within each group of eight blocks the scales sit in the order the kernel's
+ *          reduction produces its sums, [0 2 4 6 1 3 5 7].
+ * QUADS    AVX-512 VNNI, 4-bit weights: chunks of four blocks, 128 bytes [lo16(b) .. lo16(b+3) hi16(b) .. hi16(b+3)]
+ *          matching 64 bytes of packed nibbles, and 16 scales, each block's repeated over the 4 int32 lanes its
+ *          products land in.
+ * WIDE8    AVX-512 VNNI, 8-bit weights: chunks of two blocks, 64 bytes in block order, and 16 scales (8 a block).
+ * QUADS and WIDE8 interleave the rows of a tile chunk by chunk (chunk c of every row, then chunk c + 1), so that
+ * the kernel finds each row of a pass at a constant offset; a row's last chunk is padded with zeros. */
+enum { NATURAL, PAIRS, QUADS, WIDE8 };
+
+/* Block xb (32 floats) -> int8 codes, values 0-15 at lo and 16-31 at hi, rounded as torch.round does (ties to
+ * even); returns the block's scale amax / 127 and sets *sum to the codes' sum. */
+static inline float quantize_block(const float *xb, int8_t *lo, int8_t *hi, int *sum) {
+#ifdef USE_AVX2
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(xb + 8 * k);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[k]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float scale = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    __m128i c[8];  /* the codes as int32, four at a time */
+    __m256i total = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        __m256i ck = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        total = _mm256_add_epi32(total, ck);
+        c[2 * k] = _mm256_castsi256_si128(ck), c[2 * k + 1] = _mm256_extracti128_si256(ck, 1);
+    }
+    _mm_storeu_si128((__m128i *)lo, _mm_packs_epi16(_mm_packs_epi32(c[0], c[1]), _mm_packs_epi32(c[2], c[3])));
+    _mm_storeu_si128((__m128i *)hi, _mm_packs_epi16(_mm_packs_epi32(c[4], c[5]), _mm_packs_epi32(c[6], c[7])));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    *sum = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+    return scale;
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+    float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    *sum = 0;
+    for (int i = 0; i < 32; i++) {
+        int v = (int)nearbyintf(xb[i] * inv);
+        (i < 16 ? lo : hi - 16)[i] = (int8_t)v;
+        *sum += v;
+    }
+    return scale;
+#endif
+}
+
+/* One activation row x (nb blocks) into q, d (the layout's) and s (each block's scale times its codes' sum, in block
+ * order); QUADS and WIDE8: a row's chunk c + 1 lies q_step bytes and d_step floats after its chunk c. */
+static void quantize_row(const float *x, int nb, int layout, int8_t *q, float *d, size_t q_step, size_t d_step,
+                         float *s) {
+    if (layout == QUADS || layout == WIDE8) {  /* what lies past the last block reads as zeros */
+        int per = layout == QUADS ? 4 : 2, last = (nb - 1) / per;
+        memset(q + last * q_step, 0, layout == QUADS ? 128 : 64);
+        memset(d + last * d_step, 0, 16 * sizeof(float));
+    }
     for (int b = 0; b < nb; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        int sum = 0, in_pair = paired && (b ^ 1) < nb, pair = b & ~1, odd = b & 1;
-        for (int i = 0; i < 32; i++) {
-            int v = (int)nearbyintf(xb[i] * inv);  /* ties to even, as torch.round */
-            int at = in_pair ? 32 * pair + (i < 16 ? i : 16 + i) + 16 * odd : 32 * b + i;
-            q[at] = (int8_t)v;
-            sum += v;
+        size_t lo, hi, at;  /* where values 0-15 and 16-31 go, and the scale */
+        int lanes = 1;
+        if (layout == QUADS) {
+            lo = b / 4 * q_step + 16 * (b % 4), hi = lo + 64, at = b / 4 * d_step + 4 * (b % 4), lanes = 4;
+        } else if (layout == WIDE8) {
+            lo = b / 2 * q_step + 32 * (b % 2), hi = lo + 16, at = b / 2 * d_step + 8 * (b % 2), lanes = 8;
+        } else if (layout == PAIRS && (b ^ 1) < nb) {
+            int k = b % 8;
+            lo = 32 * (b & ~1) + 16 * (b & 1), hi = lo + 32, at = b < nb / 8 * 8 ? b - k + (k % 2 ? 4 + k / 2 : k / 2) : b;
+        } else {
+            lo = 32 * b, hi = lo + 16, at = b;
         }
-        int j = b % 8, in_group = paired && b < nb / 8 * 8;
-        d[in_group ? b - j + (j % 2 ? 4 + j / 2 : j / 2) : b] = scale;
+        int sum;
+        float scale = quantize_block(x + 32 * b, q + lo, q + hi, &sum);
+        for (int l = 0; l < lanes; l++) d[at + l] = scale;
         s[b] = scale * (float)sum;
     }
 }
@@ -148,18 +212,12 @@ static inline __m256i block_totals(const __m256i p[8]) {
 }
 #endif
 
-enum { TILE = 32 };
-
-#ifdef USE_AVX2
-#define PAIRED(bits) ((bits) == 4)
-#else
-#define PAIRED(bits) 0
-#endif  /* activation rows per pass over a weight row: its unpacked blocks are reused TILE times */
+enum { TILE = 32 };  /* activation rows per pass over a weight row: its unpacked blocks are reused TILE times */
 
 /* out[i] = W row . activation row i, for the T <= TILE activation rows in `a` starting at row i0.
  * Every row's arithmetic is the same whatever T is, so a token's result does not depend on how many tokens
  * share the call (greedy speculative decoding relies on this). */
-static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int nb, const acts *a, int K,
+static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int nb, const acts *a,
                      int i0, int T, float *out) {
 #ifdef USE_AVX2
     __m256 acc[TILE], acc_m[TILE];
@@ -182,7 +240,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
             __m256 dw = _mm256_permutevar8x32_ps(d8, order);
             __m256 mw = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))) : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
             for (int t = 0; t < T; t++) {
-                const int8_t *aq = a->q + (size_t)(i0 + t) * K + 32 * b;
+                const int8_t *aq = a->q + (size_t)(i0 + t) * a->ldq + 32 * b;
                 __m256i p[4];
                 for (int j = 0; j < 4; j++) {  /* int16 sums stay below 2 * 2 * 15 * 127 */
                     __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i *)(aq + 64 * j))),
@@ -190,7 +248,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
                     p[j] = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));  /* [block 2j x4 | block 2j+1 x4] */
                 }
                 __m256i totals = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-                const float *ad = a->d + (size_t)(i0 + t) * (K / 32) + b, *as = a->s + (size_t)(i0 + t) * (K / 32) + b;
+                const float *ad = a->d + (size_t)(i0 + t) * a->ldd + b, *as = a->s + (size_t)(i0 + t) * a->lds + b;
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(ad)), _mm256_cvtepi32_ps(totals), acc[t]);
                 acc_m[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(as), acc_m[t]);
             }
@@ -202,13 +260,13 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
             float m0 = m ? half_to_float(m[b]) : -8.0f * d0, m1 = m ? half_to_float(m[b + 1]) : -8.0f * d1;
             for (int t = 0; t < T; t++) {
                 size_t row = (size_t)(i0 + t);
-                const int8_t *aq = a->q + row * K + 32 * b;
+                const int8_t *aq = a->q + row * a->ldq + 32 * b;
                 __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(l, _mm256_loadu_si256((const __m256i *)aq)),
                                                _mm256_maddubs_epi16(h, _mm256_loadu_si256((const __m256i *)(aq + 32))));
                 __m256i p = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-                __m256 sc = _mm256_set_m128(_mm_set1_ps(d1 * a->d[row * nb + b + 1]), _mm_set1_ps(d0 * a->d[row * nb + b]));
+                __m256 sc = _mm256_set_m128(_mm_set1_ps(d1 * a->d[row * a->ldd + b + 1]), _mm_set1_ps(d0 * a->d[row * a->ldd + b]));
                 acc[t] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[t]);
-                tail[t] += m0 * a->s[row * nb + b] + m1 * a->s[row * nb + b + 1];
+                tail[t] += m0 * a->s[row * a->lds + b] + m1 * a->s[row * a->lds + b + 1];
             }
         }
     } else {
@@ -216,10 +274,10 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
             for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(qs + 32 * (b + j)));
             __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
             for (int t = 0; t < T; t++) {
-                const int8_t *aq = a->q + (size_t)(i0 + t) * K + 32 * b;
+                const int8_t *aq = a->q + (size_t)(i0 + t) * a->ldq + 32 * b;
                 __m256i p[8];
                 for (int j = 0; j < 8; j++) p[j] = dot_s8_s8(w[j], _mm256_loadu_si256((const __m256i *)(aq + 32 * j)));
-                const float *ad = a->d + (size_t)(i0 + t) * (K / 32) + b;
+                const float *ad = a->d + (size_t)(i0 + t) * a->ldd + b;
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(ad)), _mm256_cvtepi32_ps(block_totals(p)), acc[t]);
             }
         }
@@ -229,17 +287,17 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
         float db = half_to_float(d[b]), mb = m ? half_to_float(m[b]) : -8.0f * db;
         for (int t = 0; t < T; t++) {
             size_t row = (size_t)(i0 + t);
-            __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + row * K + 32 * b));
+            __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + row * a->ldq + 32 * b));
             __m256i p = bits == 4 ? dot_u8_s8(wb, x) : dot_s8_s8(wb, x);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d[row * nb + b]), _mm256_cvtepi32_ps(p), acc[t]);
-            if (bits == 4) tail[t] += mb * a->s[row * nb + b];
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d[row * a->ldd + b]), _mm256_cvtepi32_ps(p), acc[t]);
+            if (bits == 4) tail[t] += mb * a->s[row * a->lds + b];
         }
     }
     for (int t = 0; t < T; t++) out[t] = tail[t] + hsum(_mm256_add_ps(acc[t], acc_m[t]));
 #else
     for (int t = 0; t < T; t++) {
         size_t row = (size_t)(i0 + t);
-        const int8_t *x = a->q + row * K;
+        const int8_t *x = a->q + row * a->ldq;
         float total = 0.0f;
         for (int b = 0; b < nb; b++) {
             int sum = 0;
@@ -251,13 +309,126 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
                 for (int i = 0; i < 32; i++) sum += q[i] * x[32 * b + i];
             }
             float db = half_to_float(d[b]);
-            total += db * a->d[row * nb + b] * (float)sum;
-            if (bits == 4) total += (m ? half_to_float(m[b]) : -8.0f * db) * a->s[row * nb + b];
+            total += db * a->d[row * a->ldd + b] * (float)sum;
+            if (bits == 4) total += (m ? half_to_float(m[b]) : -8.0f * db) * a->s[row * a->lds + b];
         }
         out[t] = total;
     }
 #endif
 }
+
+#ifdef USE_VNNI
+enum { VNNI_ROWS = 8, WEIGHT_ROWS = 2 };  /* at most, activation and weight rows a pass of dot_rows_vnni: their
+                                          * 16 accumulators stay in registers */
+
+static const int32_t LANE_BLOCK4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+static const int32_t LANE_BLOCK8[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+
+/* dot_rows with AVX-512 VNNI, for R <= 2 weight rows (row r's planes at qs + r qs_row, d + r nb, m + r nb) and
+ * T <= VNNI_ROWS activation rows, whose chunk c starts at aq + c q_step (values) and ad + c d_step (scales), row t
+ * abytes and 16 floats after row 0, and whose block sums are rows of as, lds apart; out[r * TILE + t].
+ * vpdpbusd multiplies unsigned weight bytes by signed activation bytes and adds each four products into an int32
+ * lane: the weights go in as 4-bit codes, or as 8-bit codes plus 128 (w ^ 0x80), and lane l of 16 belongs to
+ * block l / 4 of a quad (4-bit) or l / 8 of a pair (8-bit). Each lane is scaled by its block's d * ad and
+ * accumulated in fp32, so nothing is summed across lanes until the end. The blocks' offsets (m; -8 d for
+ * symmetric 4-bit; -128 d, which takes the 8-bit codes' 128 back) multiply the block sums in a second loop, 16
+ * blocks at a time. Two weight rows share each activation load; a row's arithmetic is the same whatever R and T
+ * are. */
+static inline __attribute__((always_inline)) void dot_rows_vnni(int bits, int R, const uint8_t *qs, size_t qs_row,
+                                                               const uint16_t *d, const uint16_t *m, int nb,
+                                                               const int8_t *aq, size_t q_step, const float *ad,
+                                                               size_t d_step, const float *as, int lds, int T,
+                                                               float *out) {
+    const int per = bits == 4 ? 4 : 2, abytes = bits == 4 ? 128 : 64;  /* blocks in 64 weight bytes; a row's bytes */
+    const __m512i lane_block = _mm512_loadu_si512(bits == 4 ? LANE_BLOCK4 : LANE_BLOCK8);
+    __m512 acc[2][VNNI_ROWS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b += per, qs += 64, aq += q_step, ad += d_step) {
+        int n = nb - b < per ? nb - b : per;
+        __m512i lo[2], hi[2];
+        __m512 dw[2];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = qs + r * qs_row;
+            const uint16_t *dr = d + (size_t)r * nb + b;
+            __m512i w;
+            __m256i d16;
+            if (n == per) {  /* (a masked load here stalls on every weight line that comes from memory) */
+                w = _mm512_loadu_si512(wr);
+                d16 = bits == 4 ? _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)dr))
+                                : _mm256_castsi128_si256(_mm_loadu_si32(dr));
+            } else {
+                w = _mm512_maskz_loadu_epi8((1ULL << (n * 64 / per)) - 1, wr);
+                d16 = _mm256_maskz_loadu_epi16((__mmask16)((1 << n) - 1), dr);
+            }
+            dw[r] = _mm512_permutexvar_ps(lane_block, _mm512_cvtph_ps(d16));  /* each lane's weight scale */
+            if (bits == 4) {
+                lo[r] = _mm512_and_si512(w, _mm512_set1_epi8(0x0f));
+                hi[r] = _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0f));
+            } else
+                lo[r] = hi[r] = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+        }
+        for (int t = 0; t < T; t++) {
+            __m512i x_lo = _mm512_loadu_si512(aq + abytes * t), x_hi = bits == 4 ? _mm512_loadu_si512(aq + abytes * t + 64) : x_lo;
+            __m512 sa = _mm512_loadu_ps(ad + 16 * t);
+            for (int r = 0; r < R; r++) {
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], x_lo);
+                if (bits == 4) p = _mm512_dpbusd_epi32(p, hi[r], x_hi);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[r], sa), acc[r][t]);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b += 16) {
+        __mmask16 k = nb - b >= 16 ? 0xffff : (__mmask16)((1 << (nb - b)) - 1);
+        __m512 mw[2];
+        for (int r = 0; r < R; r++) {
+            mw[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (bits == 4 && m ? m : d) + (size_t)r * nb + b));
+            if (bits == 8 || !m) mw[r] = _mm512_mul_ps(mw[r], _mm512_set1_ps(bits == 4 ? -8.0f : -128.0f));
+        }
+        for (int t = 0; t < T; t++) {
+            const float *at = as + (size_t)lds * t + b;
+            __m512 st = k == 0xffff ? _mm512_loadu_ps(at) : _mm512_maskz_loadu_ps(k, at);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(mw[r], st, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) out[r * TILE + t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* out[r * TILE + i] = W row r . activation row i0 + i for R <= 2 weight rows and the T <= TILE rows of the tile at
+ * i0: VNNI_ROWS rows a pass (the weight rows stay in L1), each count compiled as a constant */
+static void dot_tile(int bits, int R, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int nb, const acts *a,
+                     int i0, int T, float *out) {
+    int abytes = bits == 4 ? 128 : 64;
+    size_t qs_row = (size_t)nb * (bits == 4 ? 16 : 32);
+    for (int g = 0; g < T; g += VNNI_ROWS) {
+        const int8_t *aq = a->q + (size_t)i0 * a->ldq + (size_t)abytes * g;
+        const float *ad = a->d + (size_t)i0 * a->ldd + 16 * g, *as = a->s + (size_t)(i0 + g) * a->lds;
+        size_t q_step = (size_t)abytes * T, d_step = 16 * (size_t)T;
+        switch ((T - g < VNNI_ROWS ? T - g : VNNI_ROWS) * 16 + (R - 1) * 8 + bits / 4) {
+#define CASE(k, r, bits) \
+        case k * 16 + (r - 1) * 8 + bits / 4: \
+            dot_rows_vnni(bits, r, qs, qs_row, d, m, nb, aq, q_step, ad, d_step, as, a->lds, k, out + g); break;
+#define ROWS(k) CASE(k, 1, 4) CASE(k, 1, 8) CASE(k, 2, 4) CASE(k, 2, 8)
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+#undef CASE
+        }
+    }
+}
+#else
+enum { WEIGHT_ROWS = 1 };
+
+static void dot_tile(int bits, int R, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int nb, const acts *a,
+                     int i0, int T, float *out) {
+    (void)R;  /* one weight row at a time */
+    /* constant arguments let the compiler specialize the common cases (one token; 4 or 8 bits) */
+    if (T == 1 && bits == 4) dot_rows(4, qs, d, m, nb, a, i0, 1, out);
+    else if (T == 1) dot_rows(8, qs, d, m, nb, a, i0, 1, out);
+    else if (bits == 4) dot_rows(4, qs, d, m, nb, a, i0, T, out);
+    else dot_rows(8, qs, d, m, nb, a, i0, T, out);
+}
+#endif
 
 /* y (M, N) = x (M, K) @ W^T for W in 4-bit (bits 4) or 8-bit (bits 8) planes; with `accumulate`, y +=.
  * Returns 0, -1 for bad arguments, -2 when out of memory. */
@@ -265,34 +436,52 @@ int quant_matmul(int bits, const void *qs, const uint16_t *d, const uint16_t *m,
                  float *y, int accumulate) {
     if ((bits != 4 && bits != 8) || K % 32 || N < 0 || M < 0) return -1;
     int nb = K / 32;
-    acts a = {malloc((size_t)M * K + 32), malloc((size_t)M * nb * sizeof(float)), malloc((size_t)M * nb * sizeof(float))};
+    int layout = NATURAL;
+    acts a = {.ldq = K, .ldd = nb, .lds = nb};
+#if defined(USE_VNNI)
+    int chunks = bits == 4 ? (nb + 3) / 4 : (nb + 1) / 2;
+    layout = bits == 4 ? QUADS : WIDE8, a.ldq = chunks * (bits == 4 ? 128 : 64), a.ldd = 16 * chunks;
+#elif defined(USE_AVX2)
+    if (bits == 4) layout = PAIRS;
+#endif
+    a.q = malloc((size_t)M * a.ldq + 32);
+    a.d = malloc((size_t)M * a.ldd * sizeof(float));
+    a.s = malloc((size_t)M * a.lds * sizeof(float));
     if (!a.q || !a.d || !a.s) {
         free(a.q), free(a.d), free(a.s);
         return -2;
     }
     size_t row = (size_t)nb * (bits == 4 ? 16 : 32);
+    /* Weight rows a pass. Two share each activation load once a tile's activations outgrow L1 (long rows, many
+     * tokens); otherwise one, so that the weights stream from memory in one sequential run. */
+    int R = (size_t)(M < TILE ? M : TILE) * ((size_t)a.ldq + a.ldd * sizeof(float)) > 48 * 1024 ? WEIGHT_ROWS : 1;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int i = 0; i < M; i++)
-            quantize_row(x + (size_t)i * K, nb, a.q + (size_t)i * K, a.d + (size_t)i * nb, a.s + (size_t)i * nb, PAIRED(bits));
+        for (int i = 0; i < M; i++) {
+            int i0 = i / TILE * TILE, r = i - i0, rows = M - i0 < TILE ? M - i0 : TILE;
+            float *s = a.s + (size_t)i * a.lds;
+            if (layout == QUADS || layout == WIDE8) {  /* rows of a tile interleaved chunk by chunk */
+                int abytes = layout == QUADS ? 128 : 64;
+                quantize_row(x + (size_t)i * K, nb, layout, a.q + (size_t)i0 * a.ldq + (size_t)abytes * r,
+                             a.d + (size_t)i0 * a.ldd + 16 * r, (size_t)abytes * rows, 16 * (size_t)rows, s);
+            } else
+                quantize_row(x + (size_t)i * K, nb, layout, a.q + (size_t)i * a.ldq, a.d + (size_t)i * a.ldd, 0, 0, s);
+        }
         /* each thread streams its share of W's rows once, unpacking each block once per TILE tokens */
 #pragma omp for schedule(static) collapse(2)
         for (int i0 = 0; i0 < (M + TILE - 1) / TILE * TILE; i0 += TILE) {
-            for (int n = 0; n < N; n++) {
-                int T = M - i0 < TILE ? M - i0 : TILE;
-                float v[TILE];
+            for (int n = 0; n < N; n += R) {
+                int T = M - i0 < TILE ? M - i0 : TILE, rows = N - n < R ? N - n : R;
+                float v[WEIGHT_ROWS * TILE];
                 const uint8_t *qr = (const uint8_t *)qs + n * row;
                 const uint16_t *dr = d + (size_t)n * nb, *mr = m ? m + (size_t)n * nb : NULL;
-                /* constant arguments let the compiler specialize the common cases (one token; 4 or 8 bits) */
-                if (T == 1 && bits == 4) dot_rows(4, qr, dr, mr, nb, &a, K, i0, 1, v);
-                else if (T == 1) dot_rows(8, qr, dr, mr, nb, &a, K, i0, 1, v);
-                else if (bits == 4) dot_rows(4, qr, dr, mr, nb, &a, K, i0, T, v);
-                else dot_rows(8, qr, dr, mr, nb, &a, K, i0, T, v);
-                for (int t = 0; t < T; t++) {
-                    float *out = y + (size_t)(i0 + t) * N + n;
-                    *out = accumulate ? *out + v[t] : v[t];
-                }
+                dot_tile(bits, rows, qr, dr, mr, nb, &a, i0, T, v);
+                for (int r = 0; r < rows; r++)
+                    for (int t = 0; t < T; t++) {
+                        float *out = y + (size_t)(i0 + t) * N + n + r;
+                        *out = accumulate ? *out + v[r * TILE + t] : v[r * TILE + t];
+                    }
             }
         }
     }

@@ -54,8 +54,9 @@ def test_quant_matmul_is_batch_invariant_and_accumulates(bits, offsets):
     qs, d, m = random_planes(40, 288, bits, offsets)
     x = torch.randn(45, 288)
     all_rows = cpu.quant_matmul(x, qs, d, m, bits)
-    for i in (0, 31, 32, 44):
+    for i in range(45):  # alone, and among 45 rows: tiles of 32 rows, passes of up to 8
         assert torch.equal(cpu.quant_matmul(x[i : i + 1], qs, d, m, bits)[0], all_rows[i])
+    assert torch.equal(cpu.quant_matmul(x[5:14], qs, d, m, bits), all_rows[5:14])
     base = torch.randn(45, 40)
     out = base.clone()
     assert cpu.quant_matmul(x, qs, d, m, bits, out=out) is out
@@ -406,13 +407,27 @@ def test_dequant_weights_run_plain_pytorch_only(tiny_quantized, monkeypatch):
         plain.model(torch.tensor([[4]]), 3, cache)
 
 
-@pytest.fixture
-def portable_kernels(monkeypatch):
-    """The C kernels built for plain x86-64, without AVX2: the scalar loops that CPUs without AVX2 (and every
-    non-x86 CPU) run, loaded for this test only."""
+def _cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(params=["x86-64", "x86-64-v3"])
+def portable_kernels(request, monkeypatch):
+    """The C kernels built for another x86-64 level than this CPU's, loaded for this test only: plain x86-64, the
+    scalar loops that CPUs without AVX2 (and every non-x86 CPU) run; and x86-64-v3, the AVX2 kernels, which a CPU
+    with AVX-512 VNNI does not run natively."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the native build is already the portable one here")
-    monkeypatch.setattr(cpu, "FLAGS", ["-march=x86-64" if f == "-march=native" else f for f in cpu.FLAGS])
+    if request.param == "x86-64-v3":
+        flags = _cpu_flags()
+        if not {"avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"} <= flags:
+            pytest.skip("this CPU cannot run x86-64-v3 code")
+        if "avx512_vnni" not in flags:
+            pytest.skip("the native build is already the AVX2 one here")
+    monkeypatch.setattr(cpu, "FLAGS", [f"-march={request.param}" if f == "-march=native" else f for f in cpu.FLAGS])
     cpu._lib.cache_clear()
     assert cpu.available(), cpu.unavailable_reason()
     yield
@@ -421,8 +436,8 @@ def portable_kernels(monkeypatch):
 
 @pytest.mark.slow
 def test_the_portable_build_keeps_every_guarantee(portable_kernels, monkeypatch):
-    """Without AVX2 the kernels match the reference, are batch invariant, and read quantized caches with the bits
-    of the fp32 kernel over their dequantized copies."""
+    """Built for other x86-64 levels, the kernels match the reference, are batch invariant, and read quantized
+    caches with the bits of the fp32 kernel over their dequantized copies."""
     for bits, offsets in FORMATS:
         test_quant_matmul_matches_reference(bits, offsets, 33, 288, 3)
         test_quant_matmul_is_batch_invariant_and_accumulates(bits, offsets)
