@@ -36,8 +36,8 @@
 typedef struct {
     int8_t *q;  /* (M, ldq): each row's int8 values, in the layout the kernel reads (below) */
     float *d;   /* (M, ldd): each block's scale, likewise */
-    float *s;   /* (M, lds): each block's scale times the sum of its values, in block order */
-    int ldq, ldd, lds;
+    float *s;   /* (M, nb): each block's scale times the sum of its values, in block order */
+    int ldq, ldd;
 } acts;
 
 static float half_to_float(uint16_t h) {
@@ -248,7 +248,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
                     p[j] = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));  /* [block 2j x4 | block 2j+1 x4] */
                 }
                 __m256i totals = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-                const float *ad = a->d + (size_t)(i0 + t) * a->ldd + b, *as = a->s + (size_t)(i0 + t) * a->lds + b;
+                const float *ad = a->d + (size_t)(i0 + t) * a->ldd + b, *as = a->s + (size_t)(i0 + t) * nb + b;
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(ad)), _mm256_cvtepi32_ps(totals), acc[t]);
                 acc_m[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(as), acc_m[t]);
             }
@@ -266,7 +266,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
                 __m256i p = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
                 __m256 sc = _mm256_set_m128(_mm_set1_ps(d1 * a->d[row * a->ldd + b + 1]), _mm_set1_ps(d0 * a->d[row * a->ldd + b]));
                 acc[t] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[t]);
-                tail[t] += m0 * a->s[row * a->lds + b] + m1 * a->s[row * a->lds + b + 1];
+                tail[t] += m0 * a->s[row * nb + b] + m1 * a->s[row * nb + b + 1];
             }
         }
     } else {
@@ -290,7 +290,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
             __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + row * a->ldq + 32 * b));
             __m256i p = bits == 4 ? dot_u8_s8(wb, x) : dot_s8_s8(wb, x);
             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(db * a->d[row * a->ldd + b]), _mm256_cvtepi32_ps(p), acc[t]);
-            if (bits == 4) tail[t] += mb * a->s[row * a->lds + b];
+            if (bits == 4) tail[t] += mb * a->s[row * nb + b];
         }
     }
     for (int t = 0; t < T; t++) out[t] = tail[t] + hsum(_mm256_add_ps(acc[t], acc_m[t]));
@@ -310,7 +310,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
             }
             float db = half_to_float(d[b]);
             total += db * a->d[row * a->ldd + b] * (float)sum;
-            if (bits == 4) total += (m ? half_to_float(m[b]) : -8.0f * db) * a->s[row * a->lds + b];
+            if (bits == 4) total += (m ? half_to_float(m[b]) : -8.0f * db) * a->s[row * nb + b];
         }
         out[t] = total;
     }
@@ -326,7 +326,7 @@ static const int32_t LANE_BLOCK8[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1
 
 /* dot_rows with AVX-512 VNNI, for R <= 2 weight rows (row r's planes at qs + r qs_row, d + r nb, m + r nb) and
  * T <= VNNI_ROWS activation rows, whose chunk c starts at aq + c q_step (values) and ad + c d_step (scales), row t
- * abytes and 16 floats after row 0, and whose block sums are rows of as, lds apart; out[r * TILE + t].
+ * abytes and 16 floats after row 0, and whose block sums are rows of as, nb apart; out[r * TILE + t].
  * vpdpbusd multiplies unsigned weight bytes by signed activation bytes and adds each four products into an int32
  * lane: the weights go in as 4-bit codes, or as 8-bit codes plus 128 (w ^ 0x80), and lane l of 16 belongs to
  * block l / 4 of a quad (4-bit) or l / 8 of a pair (8-bit). Each lane is scaled by its block's d * ad and
@@ -337,7 +337,7 @@ static const int32_t LANE_BLOCK8[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1
 static inline __attribute__((always_inline)) void dot_rows_vnni(int bits, int R, const uint8_t *qs, size_t qs_row,
                                                                const uint16_t *d, const uint16_t *m, int nb,
                                                                const int8_t *aq, size_t q_step, const float *ad,
-                                                               size_t d_step, const float *as, int lds, int T,
+                                                               size_t d_step, const float *as, int T,
                                                                float *out) {
     const int per = bits == 4 ? 4 : 2, abytes = bits == 4 ? 128 : 64;  /* blocks in 64 weight bytes; a row's bytes */
     const __m512i lane_block = _mm512_loadu_si512(bits == 4 ? LANE_BLOCK4 : LANE_BLOCK8);
@@ -386,7 +386,7 @@ static inline __attribute__((always_inline)) void dot_rows_vnni(int bits, int R,
             if (bits == 8 || !m) mw[r] = _mm512_mul_ps(mw[r], _mm512_set1_ps(bits == 4 ? -8.0f : -128.0f));
         }
         for (int t = 0; t < T; t++) {
-            const float *at = as + (size_t)lds * t + b;
+            const float *at = as + (size_t)nb * t + b;
             __m512 st = k == 0xffff ? _mm512_loadu_ps(at) : _mm512_maskz_loadu_ps(k, at);
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(mw[r], st, acc[r][t]);
         }
@@ -403,12 +403,12 @@ static void dot_tile(int bits, int R, const uint8_t *qs, const uint16_t *d, cons
     size_t qs_row = (size_t)nb * (bits == 4 ? 16 : 32);
     for (int g = 0; g < T; g += VNNI_ROWS) {
         const int8_t *aq = a->q + (size_t)i0 * a->ldq + (size_t)abytes * g;
-        const float *ad = a->d + (size_t)i0 * a->ldd + 16 * g, *as = a->s + (size_t)(i0 + g) * a->lds;
+        const float *ad = a->d + (size_t)i0 * a->ldd + 16 * g, *as = a->s + (size_t)(i0 + g) * nb;
         size_t q_step = (size_t)abytes * T, d_step = 16 * (size_t)T;
         switch ((T - g < VNNI_ROWS ? T - g : VNNI_ROWS) * 16 + (R - 1) * 8 + bits / 4) {
 #define CASE(k, r, bits) \
         case k * 16 + (r - 1) * 8 + bits / 4: \
-            dot_rows_vnni(bits, r, qs, qs_row, d, m, nb, aq, q_step, ad, d_step, as, a->lds, k, out + g); break;
+            dot_rows_vnni(bits, r, qs, qs_row, d, m, nb, aq, q_step, ad, d_step, as, k, out + g); break;
 #define ROWS(k) CASE(k, 1, 4) CASE(k, 1, 8) CASE(k, 2, 4) CASE(k, 2, 8)
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
@@ -437,7 +437,7 @@ int quant_matmul(int bits, const void *qs, const uint16_t *d, const uint16_t *m,
     if ((bits != 4 && bits != 8) || K % 32 || N < 0 || M < 0) return -1;
     int nb = K / 32;
     int layout = NATURAL;
-    acts a = {.ldq = K, .ldd = nb, .lds = nb};
+    acts a = {.ldq = K, .ldd = nb};
 #if defined(USE_VNNI)
     int chunks = bits == 4 ? (nb + 3) / 4 : (nb + 1) / 2;
     layout = bits == 4 ? QUADS : WIDE8, a.ldq = chunks * (bits == 4 ? 128 : 64), a.ldd = 16 * chunks;
@@ -446,7 +446,7 @@ int quant_matmul(int bits, const void *qs, const uint16_t *d, const uint16_t *m,
 #endif
     a.q = malloc((size_t)M * a.ldq + 32);
     a.d = malloc((size_t)M * a.ldd * sizeof(float));
-    a.s = malloc((size_t)M * a.lds * sizeof(float));
+    a.s = malloc((size_t)M * nb * sizeof(float));
     if (!a.q || !a.d || !a.s) {
         free(a.q), free(a.d), free(a.s);
         return -2;
@@ -460,7 +460,7 @@ int quant_matmul(int bits, const void *qs, const uint16_t *d, const uint16_t *m,
 #pragma omp for schedule(static)
         for (int i = 0; i < M; i++) {
             int i0 = i / TILE * TILE, r = i - i0, rows = M - i0 < TILE ? M - i0 : TILE;
-            float *s = a.s + (size_t)i * a.lds;
+            float *s = a.s + (size_t)i * nb;
             if (layout == QUADS || layout == WIDE8) {  /* rows of a tile interleaved chunk by chunk */
                 int abytes = layout == QUADS ? 128 : 64;
                 quantize_row(x + (size_t)i * K, nb, layout, a.q + (size_t)i0 * a.ldq + (size_t)abytes * r,
