@@ -189,9 +189,10 @@ def test_int4_attention_matches_reference(Hq, Hkv, D, T, S, n_quantized, first_e
     torch.testing.assert_close(got, ref.quantized_attention(q, kv, window), rtol=1e-4, atol=2e-5)
     torch.testing.assert_close(mass - before, ref.quantized_attention_mass(q, kv, window), rtol=1e-4, atol=1e-5)
     # each row reads its own keys: the fp32 kernel over the dequantized cache, one run of rows at a time, up to
-    # the roundings that reading codes moves (a group's scale multiplies a sum of codes)
+    # the roundings that reading codes moves (a group's scale multiplies a sum of codes; over 1000 keys that
+    # reached 1.25e-5 once)
     runs = [cpu.attention(q[:, r0:r1], k, v, window) for r0, r1, k, v in ref.quantized_row_blocks(kv, T)]
-    torch.testing.assert_close(got, torch.cat(runs, dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, torch.cat(runs, dim=1), rtol=1e-5, atol=2e-5)
     t = T - 1  # the last query alone, at the same position, gives the same bits
     assert torch.equal(cpu.attention_int4(q[:, t:].contiguous(), kv, window)[0, 0], got[0, t])
 
