@@ -34,8 +34,8 @@
 #endif
 
 typedef struct {
-    int8_t *q;  /* (M, ldq): each row's int8 values, in the layout the kernel reads (below) */
-    float *d;   /* (M, ldd): each block's scale, likewise */
+    int8_t *q;  /* M * ldq int8 values in the layout the kernel reads (below: QUADS and WIDE8 interleave a tile's rows) */
+    float *d;   /* M * ldd block scales, likewise */
     float *s;   /* (M, nb): each block's scale times the sum of its values, in block order */
     int ldq, ldd;
 } acts;
