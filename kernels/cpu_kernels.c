@@ -214,6 +214,21 @@ static inline __m256i block_totals(const __m256i p[8]) {
 
 enum { TILE = 32 };  /* activation rows per pass over a weight row: its unpacked blocks are reused TILE times */
 
+#ifdef USE_AVX2
+enum { PREFETCH = 4096 };  /* bytes of weight codes ahead of the ones being read */
+
+/* Ask for the weight codes PREFETCH bytes past the `bytes` at qs (whole cache lines), and for the scales d and
+ * offsets m (NULL: none) as far ahead in the row's blocks. The hardware prefetcher alone left a one-token step
+ * (Qwen2.5-Coder-1.5B on 2 cores of an AMD EPYC) a fifth short of its speed with these hints. */
+static inline __attribute__((always_inline)) void prefetch_weights(int bits, const uint8_t *qs, int bytes,
+                                                                  const uint16_t *d, const uint16_t *m) {
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)qs + PREFETCH + i, _MM_HINT_T0);
+    int ahead = PREFETCH / (bits == 4 ? 8 : 16);  /* 2 bytes of scale per block of 16 or 32 code bytes */
+    _mm_prefetch((const char *)d + ahead, _MM_HINT_T0);
+    if (m) _mm_prefetch((const char *)m + ahead, _MM_HINT_T0);
+}
+#endif
+
 /* out[i] = W row . activation row i, for the T <= TILE activation rows in `a` starting at row i0.
  * Every row's arithmetic is the same whatever T is, so a token's result does not depend on how many tokens
  * share the call (greedy speculative decoding relies on this). */
@@ -230,6 +245,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
         const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
         for (; b + 8 <= nb; b += 8) {  /* eight blocks, as four pairs sharing one 32-byte load each */
             __m256i lo[4], hi[4];
+            prefetch_weights(4, qs + 16 * b, 128, d + b, m ? m + b : NULL);
             for (int j = 0; j < 4; j++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 16 * (b + 2 * j)));
                 lo[j] = _mm256_and_si256(v, low);
@@ -271,6 +287,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
         }
     } else {
         for (; b + 8 <= nb; b += 8) {  /* eight blocks at a time: their scales are one vector */
+            prefetch_weights(8, qs + 32 * b, 256, d + b, NULL);
             for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(qs + 32 * (b + j)));
             __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
             for (int t = 0; t < T; t++) {
@@ -351,6 +368,7 @@ static inline __attribute__((always_inline)) void dot_rows_vnni(int bits, int R,
         for (int r = 0; r < R; r++) {
             const uint8_t *wr = qs + r * qs_row;
             const uint16_t *dr = d + (size_t)r * nb + b;
+            prefetch_weights(bits, wr, 64, dr, bits == 4 && m ? m + (size_t)r * nb + b : NULL);
             __m512i w;
             __m256i d16;
             if (n == per) {  /* (a masked load here stalls on every weight line that comes from memory) */
