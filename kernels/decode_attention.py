@@ -6,9 +6,17 @@ row block) runs an online softmax over its keys and writes a partial result (its
 sum, and the log2-sum-exp of its scores); `_combine_kernel` then merges the splits of each (batch, token,
 query head). With one split the first kernel writes the output directly.
 
-GQA: the G = Hq / Hkv query heads that share a kv head, times the T tokens, are the T * G rows of one program's
-score tile (padded to a power of two and masked), so each K/V tile is loaded once for all of them.
+GQA: the G = Hq / Hkv query heads that share a kv head, times the T tokens, are the T * G rows of the score tiles
+(BLOCK_M = 16 rows a program, masked), so each K/V tile is loaded once for up to 16 of them.
 head_dim is padded to a power of two (80, 96 -> 128) and masked.
+
+A row's result does not depend on the rows beside it, nor on how many keys follow its own: greedy speculative
+decoding needs a verification block's rows to round exactly as one-token steps do. So nothing about the tiling
+follows T or S: the splits are cut at multiples of a fixed length (SPLIT_LEN keys), tiles start at multiples of
+BLOCK_N within a split, every program has BLOCK_M rows, the autotuner's key holds nothing that T or S changes,
+and the combine sums fixed chunks of splits, numbered from the first key, in a fixed order. Keys past a row's own
+(or before its window) only ever add exact zeros: a masked tile leaves a row's running sums as they were, and a
+split it cannot see weighs 0.
 
 A quantized cache (`ref.QuantizedKV`, INT8 or INT4, `quantized_decode_attention`) is read as codes and scales, and
 each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products. INT4 keys and values switch
@@ -37,10 +45,9 @@ import triton.language as tl
 
 from . import ref
 
-SPLIT_ALIGN = 128  # split boundaries fall on multiples of this many keys (every BLOCK_N divides it)
-MAX_TILE = 64 * 128  # rows (tokens x grouped heads) x padded head_dim per program, to bound the fp32
-                     # accumulator's registers; more rows become another grid dimension
-MAX_SPLITS = 64
+SPLIT_LEN = 256  # keys per split: splits start at its multiples (every BLOCK_N divides it)
+BLOCK_M = 16  # query rows (tokens x grouped heads) per program, the least tl.dot takes; more rows, more programs
+COMBINE_CHUNK = 16  # splits the combine sums in one fixed-shape reduction
 
 
 _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)  # positions per INT4 key scale
@@ -106,7 +113,7 @@ def _split_kernel(
     stride_vmb, stride_vmh, stride_vms,
     stride_vrb, stride_vrh, stride_vrs,
     stride_ob, stride_ot, stride_oh,
-    T, S, Hkv, G, D, lo, split_len, window, qk_scale, nq_lo, nq_hi, ring,
+    T, S, Hkv, G, D, lo, first_split, split_len, window, qk_scale, nq_lo, nq_hi, ring,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
     SCORES: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -141,10 +148,11 @@ def _split_kernel(
     vs_base = VScale + b * stride_vsb + kvh * stride_vsh
     vm_base = VMin + b * stride_vmb + kvh * stride_vmh
     vr_base = VRecent + b * stride_vrb + kvh * stride_vrh
-    start = lo + split * split_len
+    start = (first_split + split) * split_len
     end = tl.minimum(start + split_len, S)
-    if DEVICE_LEN and HAS_WINDOW:  # lo is 0 then: skip the tiles before the earliest key any row sees
-        start = tl.maximum(start, tl.maximum(S - T + 1 - window, 0) // BLOCK_N * BLOCK_N)
+    if DEVICE_LEN and HAS_WINDOW:  # lo is 0 then: the earliest key any row sees
+        lo = tl.maximum(S - T + 1 - window, 0)
+    start += tl.maximum(lo - start, 0) // BLOCK_N * BLOCK_N  # skip whole tiles before it, keeping the tiles' places
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
@@ -174,7 +182,7 @@ def _split_kernel(
         if SCORES:  # Scores (B, Hkv, T * G, S - lo) fp32 contiguous, for the attention mass
             bh = b * Hkv + kvh
             tl.store(Scores + (bh * (T * G) + rows)[:, None] * (S - lo) + (offs_n - lo)[None, :], s,
-                     mask=row_ok[:, None] & n_ok[None, :])
+                     mask=row_ok[:, None] & (n_ok & (offs_n >= lo))[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
         p = tl.math.exp2(s - m_safe[:, None])
@@ -201,7 +209,8 @@ def _split_kernel(
         if SCORES:  # Lse (B, T, Hq) fp32 contiguous
             tl.store(Lse + (b * T + t) * Hq + h, lse, mask=row_ok)
     else:
-        # MidO (B, T, Hq, n_splits, BLOCK_D) and MidLse (B, T, Hq, n_splits), both contiguous fp32
+        # MidO (B, T, Hq, n_splits, BLOCK_D) and MidLse (B, T, Hq, n_splits), both contiguous fp32, split i there
+        # being split first_split + i of the keys
         n_splits = tl.num_programs(1)
         mid = ((b * T + t) * Hq + h) * n_splits + split  # (BLOCK_M,)
         tl.store(MidO + mid[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
@@ -212,26 +221,42 @@ def _split_kernel(
 def _combine_kernel(
     MidO, MidLse, Out, Lse,
     stride_ob, stride_ot, stride_oh,
-    T, Hq, n_splits, D,
-    WRITE_LSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    T, Hq, n_splits, first_split, D,
+    WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """The output of one (b, t, h): the splits' outputs weighted by exp2(their lse - the largest). Split j of the
+    keys adds into slot j % CHUNK of a (CHUNK, BLOCK_D) accumulator, chunk after chunk from the one holding the first
+    split, then one reduction of fixed shape sums the slots: a split that exists for some rows of a block and not
+    for others (or not in a one-token step) adds exact zeros and moves nothing else."""
     row = tl.program_id(0)  # (b * T + t) * Hq + h
     b = row // (T * Hq)
     t = (row // Hq) % T
     h = row % Hq
-    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < n_splits
-    lse = tl.load(MidLse + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
-    o = tl.load(MidO + (row * n_splits + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m)  # a split that saw no key weighs 0
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    base = row * n_splits  # MidLse / MidO entry of split first_split
+    c0 = first_split // CHUNK * CHUNK
+    m = tl.full([CHUNK], float("-inf"), tl.float32)
+    for c in range(c0, first_split + n_splits, CHUNK):
+        i = c + offs_c - first_split
+        m = tl.maximum(m, tl.load(MidLse + base + i, mask=(i >= 0) & (i < n_splits), other=float("-inf")))
+    m_all = tl.max(m, 0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    acc = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    den = tl.zeros([CHUNK], tl.float32)
+    for c in range(c0, first_split + n_splits, CHUNK):
+        i = c + offs_c - first_split
+        ok = (i >= 0) & (i < n_splits)
+        w = tl.math.exp2(tl.load(MidLse + base + i, mask=ok, other=float("-inf")) - m_all)  # an empty split: 0
+        o = tl.load(MidO + (base + i)[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc += o * w[:, None]
+        den += w
+    total = tl.sum(den, 0)
+    out = tl.sum(acc, 0) / total
     tl.store(Out + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=offs_d < D)
     if WRITE_LSE:  # Lse (B, T, Hq) fp32 contiguous: the row's log2-sum-exp over all its keys
-        tl.store(Lse + row, m + tl.math.log2(tl.sum(w, 0)))
+        tl.store(Lse + row, m_all + tl.math.log2(total))
 
 
 @triton.jit
@@ -313,24 +338,15 @@ def _split_launcher(cuda: bool):
     """(kernel, fixed launch settings): autotuned over BLOCK_N, warps and stages on CUDA, fixed otherwise."""
     if not cuda:
         return _split_kernel, {"BLOCK_N": 64, "num_warps": 4}
-    key = ["BLOCK_M", "BLOCK_D", "BITS", "GROUP", "HAS_WINDOW", "DIRECT", "SCORES", "PRECISION", "DEVICE_LEN"]
+    # Nothing that T or S changes: one config serves a model's one-token steps and verification blocks, eager or
+    # in a CUDA graph, with one split or more (DIRECT), so their rows round alike.
+    key = ["BLOCK_D", "BITS", "GROUP", "HAS_WINDOW", "SCORES", "PRECISION"]
     prune = {"early_config_prune": _configs_that_fit}
     return triton.autotune(SPLIT_CONFIGS, key=key, prune_configs_by=prune)(_split_kernel), {}
 
 
-@cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_splits(keys: int, programs: int, q: torch.Tensor) -> int:
-    """Enough splits to give every SM ~2 programs, each split at least SPLIT_ALIGN keys."""
-    target = 2 * _sm_count(q.device.index or 0) if q.is_cuda else 4
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(keys, SPLIT_ALIGN), MAX_SPLITS))
-
-
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, *,
-                     num_splits: int | None = None, mass: torch.Tensor | None = None,
+                     split_len: int | None = None, mass: torch.Tensor | None = None,
                      length: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of the T newest tokens over a KV cache, as `ref.attention` defines it.
 
@@ -340,7 +356,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
        buffer; any batch/head/position strides, last dim contiguous. Hq % Hkv == 0: query head h reads kv
        head h // (Hq / Hkv).
     window: if given, query t (at position S - T + t) sees only keys in (pos - window, pos]; else [0, pos].
-    num_splits: how many pieces the keys are cut into (FlashDecoding); by default enough to fill the GPU.
+    split_len: the keys are cut into splits at its multiples (FlashDecoding); default SPLIT_LEN. A row's result
+       depends on it, never on T or S.
     mass: if given, fp32 (B, Hkv, S) with position stride 1 (a view of a longer buffer is fine): each key's
        softmax weight, summed over the T queries and the G query heads of its kv head, is added to it
        (`ref.attention_mass`: H2O's accumulated attention). Costs a (B, Hkv, T * G, S) fp32 scratch buffer.
@@ -354,11 +371,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     _, Hkv, S, _ = k.shape
     assert k.shape == v.shape == (B, Hkv, S, D), (q.shape, k.shape, v.shape)
     assert k.dtype == v.dtype == q.dtype and k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous"
-    return _attend(q, (k, v, k, k, k, k, k, k), 0, 1, (0, 0, 1), S, window, num_splits, mass, length)
+    return _attend(q, (k, v, k, k, k, k, k, k), 0, 1, (0, 0, 1), S, window, split_len, mass, length)
 
 
 def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int | None = None, *,
-                               num_splits: int | None = None, mass: torch.Tensor | None = None,
+                               split_len: int | None = None, mass: torch.Tensor | None = None,
                                length: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention` over a quantized cache, as `ref.quantized_attention` defines it: each K/V tile is
     dequantized in registers, to q's dtype; no full-precision copy of the cache is made.
@@ -366,7 +383,7 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
     kv: INT8 or INT4 (layouts in `ref.QuantizedKV`) of B sequences, Hkv heads, S positions, head_dim D = kv.head_dim
        (a multiple of 16); every tensor any batch/head/position strides, last dim contiguous. INT4's rings k_recent
        and v_recent (B, Hkv, R, D) may be of any float dtype.
-    q (B, T, Hq, D) fp32, fp16 or bf16; window, num_splits, mass, length as for `decode_attention` (length: INT8
+    q (B, T, Hq, D) fp32, fp16 or bf16; window, split_len, mass, length as for `decode_attention` (length: INT8
     only, kv then spanning the buffer's capacity).
     Returns (B, T, Hq, D) contiguous in q's dtype.
     """
@@ -395,10 +412,10 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
     assert length is None or kv.bits == 8, "an INT4 cache's rows read codes up to positions decided on the host"
     nq = kv.row_quantized(T) if kv.bits == 4 else [0]
     ring = kv.k_recent.shape[2] if kv.bits == 4 else 1
-    return _attend(q, cache, kv.bits, group, (nq[0], nq[-1], ring), S, window, num_splits, mass, length)
+    return _attend(q, cache, kv.bits, group, (nq[0], nq[-1], ring), S, window, split_len, mass, length)
 
 
-def _attend(q, cache, bits, group, int4_rows, S, window, num_splits, mass, length=None):
+def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length=None):
     """Launch the kernels on cache = (k, v, k_scale, k_min, k_recent, v_scale, v_min, v_recent), the tensors a format
     does not use standing in for any (they are never read); int4_rows = (nq_lo, nq_hi, ring): INT4 rows read the
     positions below nq_lo to nq_hi as codes, the rest from rings of `ring` slots.
@@ -411,7 +428,6 @@ def _attend(q, cache, bits, group, int4_rows, S, window, num_splits, mass, lengt
     G = Hq // Hkv
     out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_M = min(max(16, triton.next_power_of_2(T * G)), MAX_TILE // BLOCK_D)  # tl.dot wants >= 16 rows
     m_blocks = triton.cdiv(T * G, BLOCK_M)
 
     assert length is None or (mass is None and length.dtype == torch.int32 and length.device == q.device), \
@@ -419,10 +435,9 @@ def _attend(q, cache, bits, group, int4_rows, S, window, num_splits, mass, lengt
     # the earliest key any query sees (with a device-side length, the kernel skips the rest itself)
     lo = 0 if window is None or length is not None else max(0, S - T + 1 - window)
     keys = S - lo
-    if num_splits is None:
-        num_splits = _num_splits(keys, B * Hkv * m_blocks, q)
-    split_len = triton.cdiv(triton.cdiv(keys, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
-    num_splits = triton.cdiv(keys, split_len)  # no empty split after rounding up
+    split_len = split_len or SPLIT_LEN
+    first_split = lo // split_len  # the splits holding keys [lo, S), numbered from key 0
+    num_splits = triton.cdiv(S, split_len) - first_split
     direct = num_splits == 1
     if direct:
         mid_o = mid_lse = out  # unused
@@ -443,15 +458,15 @@ def _attend(q, cache, bits, group, int4_rows, S, window, num_splits, mass, lengt
         q.stride(0), q.stride(1), q.stride(2),
         *(stride for x in cache for stride in x.stride()[:3]),
         out.stride(0), out.stride(1), out.stride(2),
-        T, S, Hkv, G, D, lo, split_len, window or 0, math.log2(math.e) / math.sqrt(D), *int4_rows,
+        T, S, Hkv, G, D, lo, first_split, split_len, window or 0, math.log2(math.e) / math.sqrt(D), *int4_rows,
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
         DEVICE_LEN=length is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
     )
     if not direct:
         _combine_kernel[(B * T * Hq,)](
-            mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), T, Hq, num_splits, D,
-            WRITE_LSE=mass is not None, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
+            mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), T, Hq, num_splits, first_split,
+            D, WRITE_LSE=mass is not None, CHUNK=COMBINE_CHUNK, BLOCK_D=BLOCK_D,
         )
     if mass is not None:
         BLOCK_S = 128

@@ -63,8 +63,8 @@ def capture(step: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], object
 class DecodeGraphs:
     """The CUDA graphs of `model`'s short forwards over one `cache`: one per number of tokens T <= MAX_TOKENS and
     span (the cache slots its attention is handed: a power of two >= MIN_SPAN holding the keys in use, or the
-    whole cache), captured at its first use, so attention's split-K is sized to the context as an eager step's is
-    rather than to the whole cache. `forward` runs T tokens at a position and slot, as
+    whole cache), captured at its first use, so attention launches programs for the splits of the keys in use rather
+    than for the whole cache. `forward` runs T tokens at a position and slot, as
     `model(tokens, position, cache)` would, and returns their logits (1, T, V)."""
 
     def __init__(self, model, cache: KVCache):

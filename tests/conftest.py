@@ -25,6 +25,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def row_by_row_dot(monkeypatch):
+    """Under the interpreter, tl.dot computes each row of its product on its own. The interpreter's np.matmul gives
+    a row other bits depending on where in the tile it sits, as a GPU's MMA does not: without this, the bits of a
+    row would say more about numpy's BLAS than about the kernel. On a GPU the tests run as they are."""
+    if _cuda:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    whole = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        rows = [whole(self, interpreter.TensorHandle(a.data[i : i + 1], a.dtype), b,
+                      interpreter.TensorHandle(d.data[i : i + 1], d.dtype), *args) for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate([r.data for r in rows]), rows[0].dtype)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _own_quantized_index(tmp_path_factory):
     """`llmrun quantize` records what it writes for `llmrun models`: tests record into an index of their own, never

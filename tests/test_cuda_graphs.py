@@ -145,9 +145,9 @@ def test_graphs_replay_the_eager_steps(tmp_path, dtype, qtype, kv_format, evict)
 
 
 @pytest.mark.parametrize("bits", [0, 8])
-@pytest.mark.parametrize("T, S, window, num_splits", [(1, 1, None, None), (4, 33, None, 3), (16, 300, 7, 4),
-                                                      (5, 200, 50, 2), (3, 130, None, 1)])
-def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, window, num_splits):
+@pytest.mark.parametrize("T, S, window, split_len", [(1, 1, None, None), (4, 33, None, 128), (16, 300, 7, 100),
+                                                     (5, 200, 50, 200), (3, 130, None, 512)])
+def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, window, split_len):
     """decode_attention / quantized_decode_attention with `length`: over a buffer of 400 slots whose slots from
     `length` on are NaN, the attention of the first `length` keys; the splits cover the capacity (some empty)."""
     from llmrun.kernels.decode_attention import decode_attention, quantized_decode_attention
@@ -160,12 +160,12 @@ def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, wi
     length = torch.tensor([S], dtype=torch.int32, device=DEVICE)
     if bits == 0:
         k[:, :, S:], v[:, :, S:] = float("nan"), float("nan")
-        got = decode_attention(q, k, v, window, num_splits=num_splits, length=length)
+        got = decode_attention(q, k, v, window, split_len=split_len, length=length)
         want = ref.attention(q, k[:, :, :S], v[:, :, :S], window)
     else:
         (kc, ks), (vc, vs) = ref.quantize_int8(k, 32), ref.quantize_int8(v, 32)
         ks[:, :, S:], vs[:, :, S:] = float("nan"), float("nan")
-        got = quantized_decode_attention(q, ref.QuantizedKV(8, kc, vc, ks, vs), window, num_splits=num_splits,
+        got = quantized_decode_attention(q, ref.QuantizedKV(8, kc, vc, ks, vs), window, split_len=split_len,
                                          length=length)
         want = ref.quantized_attention(q, ref.QuantizedKV(8, *(x[:, :, :S] for x in (kc, vc, ks, vs))), window)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -5,6 +5,7 @@ TRITON_INTERPRET=1), so long caches come with few heads; bf16 runs only on a GPU
 2 x torch's own error in the same dtype (against fp32) + atol.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -48,7 +49,7 @@ SHAPES = [
     (1, 1, 4, 4, 1, 64, None),
     (2, 1, 6, 2, 17, 80, None),
     (1, 4, 8, 2, 17, 96, 5),
-    (1, 16, 7, 1, 17, 128, None),  # 112 rows: two row blocks of 64
+    (1, 16, 7, 1, 17, 128, None),  # 112 rows: 7 row blocks
     (1, 1, 7, 1, 1000, 128, None),
     (2, 4, 3, 1, 1000, 256, 100),
     (1, 16, 4, 1, 1000, 80, 64),
@@ -73,17 +74,64 @@ def test_long_cache_matches_reference(B, T, Hq, Hkv, S, D, window, dtype):
     check(B, T, Hq, Hkv, S, D, window, dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_split_count_does_not_change_the_result(num_splits):
-    check(1, 4, 4, 1, 600, 64, None, torch.float32, num_splits=num_splits)
+@pytest.mark.parametrize("split_len", [1024, None, 100, 32])  # 1, 3, 6 and 19 splits
+def test_split_length_does_not_change_the_result(split_len):
+    check(1, 4, 4, 1, 600, 64, None, torch.float32, split_len=split_len)
 
 
-def test_split_that_some_rows_cannot_see(monkeypatch):
-    """Splits of 8 keys, window 40, T 16: keys [45, 100) in 7 splits; [45, 53) is all out of query 15's window,
-    [93, 100) all in the future of queries 0-8. Those partials must weigh nothing in the combine."""
-    monkeypatch.setattr(module, "SPLIT_ALIGN", 8)
+def test_split_that_some_rows_cannot_see():
+    """Splits of 8 keys, window 40, T 16: keys [45, 100) in splits 5 to 12 (keys 40-103); [40, 53) is all out of
+    query 15's window, [93, 100) all in the future of queries 0-8. Those partials must weigh nothing in the
+    combine, and the keys of split 5 before 45 never be read."""
     for dtype in (torch.float32, torch.float16):
-        check(1, 16, 4, 2, 100, 64, 40, dtype, num_splits=8)
+        check(1, 16, 4, 2, 100, 64, 40, dtype, split_len=8)
+
+
+def first_keys(kv, n):
+    """The cache `kv` (a (k, v) pair or a QuantizedKV) as it stood with its first n positions written."""
+    if isinstance(kv, tuple):
+        return tuple(x[:, :, :n] for x in kv)
+    cut = {name: getattr(kv, name)[:, :, :n] for name in ("k", "v", "v_scale", "v_min") if getattr(kv, name) is not None}
+    if kv.bits == 8:
+        cut["k_scale"] = kv.k_scale[:, :, :n]
+    return dataclasses.replace(kv, **cut)
+
+
+# (kv format, dtype, T, Hq, Hkv, S, window, split_len): blocks whose rows' keys cross split boundaries (a row that
+# has one split while its block has two; with a window, splits that only the block's early rows see), 1 to 3 row
+# blocks (G 3, 4, 7; up to 45 rows)
+INVARIANT_BLOCKS = [
+    ("fp32", torch.float32, 9, 6, 2, 100, None, 32),
+    ("fp32", torch.float32, 9, 6, 2, 260, None, None),
+    ("fp32", torch.float32, 5, 7, 1, 130, 40, 16),
+    ("fp16", torch.float16, 9, 12, 3, 100, 20, 32),
+    ("int8", torch.float32, 9, 6, 2, 100, None, 32),
+    ("int8", torch.float16, 15, 3, 1, 260, 100, None),
+    ("int4", torch.float32, 9, 6, 2, 100, None, 32),
+    ("int4", torch.float32, 5, 8, 2, 96, 30, 32),
+]
+
+
+@pytest.mark.parametrize("fmt, dtype, T, Hq, Hkv, S, window, split_len", INVARIANT_BLOCKS)
+def test_a_rows_bits_do_not_depend_on_its_block(fmt, dtype, T, Hq, Hkv, S, window, split_len, row_by_row_dot):
+    """Each row of a block of T queries (a speculative verification) gives bit for bit what the same query gives
+    alone, over the cache as it stood when its token came (a one-token decode step): what greedy speculative decoding
+    needs to emit exactly plain greedy's tokens. Under the interpreter here (`row_by_row_dot`), on a GPU when one
+    runs the suite."""
+    B, D = 1, 64
+    if fmt in ("fp32", "fp16"):
+        kv = cache_views(B, Hkv, S, D, dtype)
+    else:
+        n_quantized, first_exact = int4_state(S) if fmt == "int4" else (0, None)
+        kv = quantized_cache(int(fmt[3]), B, Hkv, S, D, n_quantized, dtype, first_exact)
+    attend = decode_attention if isinstance(kv, tuple) else quantized_decode_attention
+    args = kv if isinstance(kv, tuple) else (kv,)
+    q = torch.randn(B, T, Hq, D, device=DEVICE).to(dtype)
+    block = attend(q, *args, window, split_len=split_len)
+    for t in range(T):
+        alone = first_keys(kv, S - T + t + 1)
+        row = attend(q[:, t : t + 1], *(alone if isinstance(alone, tuple) else (alone,)), window, split_len=split_len)
+        assert torch.equal(block[:, t], row[:, 0]), t
 
 
 def test_autotuner_drops_configs_that_cannot_fit(monkeypatch):
@@ -148,9 +196,9 @@ def test_quantized_cache_matches_reference(B, T, Hq, Hkv, S, D, window, n_quanti
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_quantized_cache_split_count(bits, num_splits):
-    check_quantized(bits, 1, 4, 3, 1, 600, 64, None, 576, torch.float32, num_splits=num_splits)
+@pytest.mark.parametrize("split_len", [1024, 200])  # 1 and 3 splits
+def test_quantized_cache_split_length(bits, split_len):
+    check_quantized(bits, 1, 4, 3, 1, 600, 64, None, 576, torch.float32, split_len=split_len)
 
 
 def check_mass(got, before, q, k, window):
@@ -210,61 +258,60 @@ def test_int4_reference_reads_each_rows_own_keys(T, S, window, ring):
     assert rows_differ == ((all_codes - want).abs().max().item() > 1e-3)
 
 
-# (B, T, Hq, Hkv, S, D, window, num_splits, ring): GQA 1, 3, 4; D 64, 80, 128; the row blocks above; one or more
-# splits
+# (B, T, Hq, Hkv, S, D, window, split_len, ring): GQA 1, 3, 4; D 64, 80, 128; the row blocks above; one split
+# or more, splits of 32 keys putting a split boundary inside the two-version range
 INT4_ROW_SHAPES = [
-    (1, 1, 4, 4, 97, 64, None, None, ref.RECENT),
+    (1, 1, 4, 4, 97, 64, None, 32, ref.RECENT),
     (2, 4, 6, 2, 98, 80, None, None, ref.RECENT),
-    (1, 4, 4, 1, 100, 128, 20, None, ref.RECENT),
-    (1, 17, 3, 3, 130, 64, None, 2, ref.RECENT),
-    (1, 17, 4, 1, 1000, 80, 300, None, ref.RECENT),
-    (1, 33, 6, 2, 96, 128, None, None, ref.RECENT),  # 99 rows: two row blocks
-    (1, 33, 4, 1, 600, 64, 100, 3, ref.RECENT),
-    (1, 64, 2, 1, 200, 64, None, None, 64),
-    (1, 70, 2, 1, 700, 64, None, None, ref.RECENT),
+    (1, 4, 4, 1, 100, 128, 20, 32, ref.RECENT),
+    (1, 17, 3, 3, 130, 64, None, 96, ref.RECENT),
+    (1, 17, 4, 1, 1000, 80, 300, 32, ref.RECENT),
+    (1, 33, 6, 2, 96, 128, None, 32, ref.RECENT),  # 99 rows: 7 row blocks
+    (1, 33, 4, 1, 600, 64, 100, 224, ref.RECENT),
+    (1, 64, 2, 1, 200, 64, None, 32, 64),
+    (1, 70, 2, 1, 700, 64, None, 32, ref.RECENT),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B, T, Hq, Hkv, S, D, window, num_splits, ring", INT4_ROW_SHAPES)
-def test_int4_rows_read_their_own_keys(B, T, Hq, Hkv, S, D, window, num_splits, ring, dtype, monkeypatch):
-    monkeypatch.setattr(module, "SPLIT_ALIGN", 32)  # splits of 32 keys: a split boundary inside the two-version range
+@pytest.mark.parametrize("B, T, Hq, Hkv, S, D, window, split_len, ring", INT4_ROW_SHAPES)
+def test_int4_rows_read_their_own_keys(B, T, Hq, Hkv, S, D, window, split_len, ring, dtype):
     n_quantized, first_exact = int4_state(S, ring)
     check_quantized(4, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, first_exact, mass=dtype == torch.float32,
-                    ring=ring, num_splits=num_splits)
+                    ring=ring, split_len=split_len)
 
 
-# (B, T, Hq, Hkv, S, D, window, num_splits)
+# (B, T, Hq, Hkv, S, D, window, split_len)
 MASS_SHAPES = [
     (1, 1, 4, 4, 1, 64, None, None),
-    (2, 4, 6, 2, 33, 80, None, None),
-    (1, 16, 3, 1, 100, 64, 20, None),
-    (1, 4, 4, 1, 1000, 128, None, 1),
+    (2, 4, 6, 2, 33, 80, None, 16),
+    (1, 16, 3, 1, 100, 64, 20, 32),
+    (1, 4, 4, 1, 1000, 128, None, 1024),
     (1, 4, 4, 1, 1000, 128, None, None),
-    (1, 16, 8, 2, 1000, 64, 300, 3),
+    (1, 16, 8, 2, 1000, 64, 300, 96),
 ]
 
 
-@pytest.mark.parametrize("B, T, Hq, Hkv, S, D, window, num_splits", MASS_SHAPES)
-def test_mass_adds_the_reference_mass(B, T, Hq, Hkv, S, D, window, num_splits):
+@pytest.mark.parametrize("B, T, Hq, Hkv, S, D, window, split_len", MASS_SHAPES)
+def test_mass_adds_the_reference_mass(B, T, Hq, Hkv, S, D, window, split_len):
     k, v = cache_views(B, Hkv, S, D, torch.float32)
     q = torch.randn(B, T, Hq + 2 * Hkv, D, device=DEVICE)[:, :, :Hq]
     mass = mass_buffer(B, Hkv, S)
     before = mass.clone()
-    got = decode_attention(q, k, v, window, num_splits=num_splits, mass=mass)
+    got = decode_attention(q, k, v, window, split_len=split_len, mass=mass)
     assert (got - ref.attention(q, k, v, window)).abs().max().item() <= ATOL[torch.float32]
     check_mass(mass, before, q, k, window)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("num_splits", [1, None])
-def test_mass_over_a_quantized_cache(bits, num_splits):
+@pytest.mark.parametrize("split_len", [1024, None])
+def test_mass_over_a_quantized_cache(bits, split_len):
     B, T, Hq, Hkv, S, D, window = 2, 4, 3, 1, 600, 80, None
     kv = quantized_cache(bits, B, Hkv, S, D, 544, torch.float32)
     q = torch.randn(B, T, Hq, D, device=DEVICE)
     mass = mass_buffer(B, Hkv, S)
     before = mass.clone()
-    got = quantized_decode_attention(q, kv, window, num_splits=num_splits, mass=mass)
+    got = quantized_decode_attention(q, kv, window, split_len=split_len, mass=mass)
     assert (got - ref.quantized_attention(q, kv, window)).abs().max().item() <= ATOL[torch.float32]
     check_mass(mass, before, q, ref.dequantize_kv(kv)[0], window)
 

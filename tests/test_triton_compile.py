@@ -141,8 +141,7 @@ def _record(sm_count):
         mp.setattr(Autotuner, "run", tuned_run)
         # the CUDA branches: the wrappers ask tensor.is_cuda, then count SMs
         mp.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        for module in (decode_attention, triton_quant_matmul):
-            mp.setattr(module, "_sm_count", lambda index: sm_count)
+        mp.setattr(triton_quant_matmul, "_sm_count", lambda index: sm_count)
         mp.setattr(kernels, "_triton", lambda name, run, fallback: run())  # no silent fallback to PyTorch
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny tensors: threads only contend

@@ -71,3 +71,23 @@ def test_the_triton_path_matches_the_plain_pytorch_path(tmp_path, triton_everywh
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     attention = "decode_attention" if kv_format == "fp32" else "quantized_decode_attention"
     assert triton_everywhere == {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "quant_linear", attention}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4"])
+def test_a_verification_block_gives_each_row_a_one_token_steps_logits(tmp_path, triton_everywhere, row_by_row_dot,
+                                                                     monkeypatch, kv_format):
+    """On the Triton path, the logits of a block of 9 tokens (a speculative verification) equal, bit for bit, those of
+    the same 9 tokens fed one at a time: what lets greedy speculative decoding on a GPU emit exactly plain greedy's
+    tokens. Attention splits of 16 keys, so the block's rows cross split boundaries; under the interpreter, tl.dot
+    computes row by row (`row_by_row_dot`), as a GPU's MMA does."""
+    from llmrun.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "SPLIT_LEN", 16)
+    model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32))
+    path = write_gguf(tmp_path / "tiny-smollm2-Q4_1.gguf", model, qtype="Q4_1")
+    packed = load_model(str(path), DEVICE, "fp32", "auto").model
+    tokens = torch.randint(0, model.config.vocab_size, (1, 39), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    block = run(packed, tokens, [30, 9], kv_format)[30:]
+    steps = run(packed, tokens, [30] + [1] * 9, kv_format)[30:]
+    assert torch.equal(block, steps)
