@@ -188,8 +188,11 @@ class DraftLength:
     - the per-token acceptance rate a (exponentially forgetting counts), so that K draft tokens yield
       (1 - a^(K+1)) / (1 - a) tokens per step;
     - the target's step time for T tokens, measured per T; a T not yet measured is interpolated between its
-      measured neighbours, or, past the largest, taken as barely dearer than it (optimism: the only way to learn
-      that verifying more tokens is cheap, as it is while a step is memory-bound, is to try);
+      measured neighbours, or, one past the largest, taken as barely dearer than it (optimism: the only way to
+      learn that verifying more tokens is cheap, as it is while a step is memory-bound, is to try). K grows a
+      token at a time, each longer block tried before the next: a CPU's cost per token jumps where its kernels
+      change tiling (Qwen2.5-1.5B: 9 tokens cost half again as much as 8), and a line drawn from one such jump
+      would hide the cheaper lengths below it;
     - the drafter's time per proposed token, before any is measured `draft_cost` x a plain step (a model
       draft's share of the target's weight bytes; 0 for a lookup).
 
@@ -239,7 +242,7 @@ class DraftLength:
             self.k = min(room, max(1, self.max_k // 2))
             return self.k
         best_k, best = 0, plain
-        for k in range(1, room + 1):
+        for k in range(1, min(room, max(self.step_s)) + 1):  # blocks up to one token past the longest measured
             rate = self._expected_tokens(k) / self._cost(k)
             if rate > best:
                 best_k, best = k, rate
