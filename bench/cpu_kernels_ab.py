@@ -2,7 +2,7 @@
 `kernels/cpu_kernels.c` as committed at --old and as it is in the working tree, in one run:
 
     python bench/cpu_kernels_ab.py --old REV [--model smollm2] [--rounds 15] [--steps 8] [--threads 2]
-                                   [--cases 100:1,2000:1,300:8,2000:1:int4] [--out FILE.json]
+                                   [--cases 100:1,2000:1,300:8,2000:1:int4] [--march native] [--out FILE.json]
 
 Each case PROMPT:T[:KV] runs in a process of its own, which loads the model, builds (once, cached) and loads both
 kernel libraries, and prefills PROMPT random token ids into a KV cache of format KV (fp32, the default; int8;
@@ -11,6 +11,8 @@ one, in alternating order (old-new, new-old, ...); every forward's cache is roll
 sees the same context: T = 1 is a decoding step, T > 1 a speculative verification block. Swapping the library
 between short runs within one process puts the machine's drift (on a shared VM, tens of percent within a minute)
 on both sides alike, which separate processes did not. A side's figure is the median over rounds of steps/s.
+--march builds both libraries for another target than this CPU's own: `--march x86-64-v3` measures the AVX2
+kernels on a CPU that would otherwise build the AVX-512 VNNI ones.
 Only the C file differs between the two sides: the Python around it is the working tree's, so --old must name a
 commit whose kernels have the same entry points.
 
@@ -42,6 +44,7 @@ from llmrun.loading import load_model
 old, new, model = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 prompt_tokens, T, steps, rounds, threads = (int(a) for a in sys.argv[4:9])
 kv = None if sys.argv[9] == "fp32" else sys.argv[9]
+cpu.FLAGS = [f"-march={sys.argv[10]}" if f.startswith("-march=") else f for f in cpu.FLAGS]
 libs = {}
 for side, source in (("old", old), ("new", new)):
     cpu.SOURCE = source
@@ -75,9 +78,9 @@ print(json.dumps(rates))
 
 
 def measure(old: Path, new: Path, model: str, prompt_tokens: int, T: int, kv: str, steps: int, rounds: int,
-            threads: int) -> dict[str, list[float]]:
+            threads: int, march: str) -> dict[str, list[float]]:
     done = subprocess.run([sys.executable, "-c", CHILD, str(old), str(new), model, str(prompt_tokens), str(T),
-                           str(steps), str(rounds), str(threads), kv], capture_output=True, text=True)
+                           str(steps), str(rounds), str(threads), kv, march], capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout)
@@ -92,6 +95,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cases", default="100:1,2000:1,300:8",
                    help="PROMPT:T[:KV],... (T > 1: verification blocks; KV: fp32, int8 or int4)")
+    p.add_argument("--march", default="native", help="the -march both libraries are built for")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     sys.path.insert(0, str(HERE.parent))
@@ -116,7 +120,7 @@ def main() -> int:
              "|---|---|---|---|---|---|"]
     rows = []
     for n, T, kv in cases:
-        rates = measure(old, new, args.model, n, T, kv, args.steps, args.rounds, args.threads)
+        rates = measure(old, new, args.model, n, T, kv, args.steps, args.rounds, args.threads, args.march)
         o, w = statistics.median(rates["old"]), statistics.median(rates["new"])
         rows.append({"prompt_tokens": n, "T": T, "kv": kv, "old": rates["old"], "new": rates["new"],
                      "old_median": o, "new_median": w, "ratio": w / o})
@@ -124,7 +128,7 @@ def main() -> int:
         print(table[-1], file=sys.stderr)
     doc = {"command": " ".join(["python", "bench/cpu_kernels_ab.py", *sys.argv[1:]]), "old": old_rev,
            "environment": bench.environment("cpu"), "model": args.model, "steps": args.steps,
-           "rounds": args.rounds, "threads": args.threads, "rows": rows}
+           "rounds": args.rounds, "threads": args.threads, "march": args.march, "rows": rows}
     out = args.out or HERE / "runs" / f"{datetime.date.today().isoformat()}-cpu{args.threads}-kernels-ab.json"
     bench.write_run(out, doc, "\n".join(table) + "\n")
     return 0
