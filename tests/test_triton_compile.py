@@ -9,8 +9,8 @@ of numerics (the interpreter tests) or speed.
 Which launches: the ops of `llmrun.kernels` are called as `models/llama.py` calls them (q a slice of the fused qkv
 projection, K/V read back from a `KVCache` of each format, H2O's mass buffer, `QuantLinear`'s packed planes), for
 the named shapes of `llmrun.shapes` plus head_dim 80, 96 and 256, in bf16, fp16 and fp32, at first-forward,
-decode and verify lengths, on small CPU tensors. Meanwhile tensors report `is_cuda` and split counts read an
-H100's SM count, so the wrappers take their CUDA branches (autotuning, split-K, CUDA block sizes); each launch is
+decode and verify lengths, on small CPU tensors. Meanwhile tensors report `is_cuda` and the GEMV's split-K reads
+an H100's SM count, so the wrappers take their CUDA branches (autotuning, split-K, CUDA block sizes); each launch is
 recorded instead of run (once per autotune config) and bound by Triton's own launcher code as on the GPU (`*bf16`,
 `i32`, an int equal to 1 made a constant, 16-byte alignment).
 
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow  # recording takes seconds, compiling a minute
 
 # target -> (compute capability, shared memory one block may use: the opt-in maximum); A100, H100 and H200
 TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}
-H100_SMS = 132  # split counts follow the SM count; an A100's 108 make splits of the same kinds
+H100_SMS = 132  # the GEMV's split-K follows the SM count; an A100's 108 make splits of the same kinds
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Llama-family geometries beyond llmrun.shapes (whose heads are all 64 or 128 wide), for the other head sizes
@@ -54,8 +54,8 @@ EXTRA_SHAPES = {
     "head256-gqa8": (2048, 8, 1, 256, 16384, None, 32000),
 }
 # (S, T): the cache holds S positions after writing the T newest; T tokens attend. A first forward (S == T),
-# decode steps and speculative verification (T 3, 6, 16 make every row-block size with GQA) over caches cut into
-# 1 to 64 splits.
+# decode steps and speculative verification (T 3, 6, 16: one row block of 16 or several, with GQA) over caches of
+# 1 to 17 splits (one: the split kernel writes the output itself).
 ATTENTION_STATES = [(1, 1), (9, 9), (200, 1), (400, 3), (600, 1), (600, 6), (600, 16), (4200, 1)]
 
 
