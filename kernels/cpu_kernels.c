@@ -213,7 +213,6 @@ static inline __m256i block_totals(const __m256i p[8]) {
 #endif
 
 enum { TILE = 32 };  /* activation rows per pass over a weight row: its unpacked blocks are reused TILE times */
-enum { ROW_RUN = 16 };  /* weight rows a call of dot_tile (even: two a pass stay paired) */
 
 #ifdef USE_AVX2
 enum { PREFETCH = 4096 };  /* bytes of weight codes ahead of the ones being read */
@@ -336,15 +335,6 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
 #endif
 }
 
-/* y[t * N + r] = (with `accumulate`, +=) v[r * TILE + t], for R weight rows and T activation rows */
-static inline void store_tile(const float *v, int R, int T, float *y, int N, int accumulate) {
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) {
-            float *o = y + (size_t)t * N + r;
-            *o = accumulate ? *o + v[r * TILE + t] : v[r * TILE + t];
-        }
-}
-
 #ifdef USE_VNNI
 enum { VNNI_ROWS = 8, WEIGHT_ROWS = 2 };  /* at most, activation and weight rows a pass of dot_rows_vnni: their
                                           * 16 accumulators stay in registers */
@@ -424,42 +414,20 @@ static inline __attribute__((always_inline)) void dot_rows_vnni(int bits, int R,
         for (int t = 0; t < T; t++) out[r * TILE + t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* W rows n0..n1-1 (R a pass, then one alone if one is left) times the T <= VNNI_ROWS activation rows laid out as
- * dot_rows_vnni takes them, into y's columns n0.. (y: the first activation row's outputs, N apart) */
-static inline __attribute__((always_inline)) void vnni_run(int bits, int R, int T, const uint8_t *qs, const uint16_t *d,
-                                                          const uint16_t *m, int nb, const int8_t *aq, size_t q_step,
-                                                          const float *ad, size_t d_step, const float *as, int n0,
-                                                          int n1, float *y, int N, int accumulate) {
-    size_t row = (size_t)nb * (bits == 4 ? 16 : 32);
-    float v[WEIGHT_ROWS * TILE];
-    int n = n0;
-    for (; n + R <= n1; n += R) {
-        dot_rows_vnni(bits, R, qs + n * row, row, d + (size_t)n * nb, m ? m + (size_t)n * nb : NULL, nb, aq, q_step, ad,
-                      d_step, as, T, v);
-        store_tile(v, R, T, y + n, N, accumulate);
-    }
-    if (n < n1) {
-        dot_rows_vnni(bits, 1, qs + n * row, row, d + (size_t)n * nb, m ? m + (size_t)n * nb : NULL, nb, aq, q_step, ad,
-                      d_step, as, T, v);
-        store_tile(v, 1, T, y + n, N, accumulate);
-    }
-}
-
-/* y rows i0.. (the T <= TILE rows of the tile at i0), columns n0..n1-1: those activation rows times W rows n0..n1-1
- * (W's planes from row 0: qs, d, m), R <= 2 weight rows a pass; VNNI_ROWS activation rows a pass (the weight rows
- * stay in L1), each count compiled as a constant. One call serves a run of rows, so the dispatch is paid once. */
+/* out[r * TILE + i] = W row r . activation row i0 + i for R <= 2 weight rows and the T <= TILE rows of the tile at
+ * i0: VNNI_ROWS rows a pass (the weight rows stay in L1), each count compiled as a constant */
 static void dot_tile(int bits, int R, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int nb, const acts *a,
-                     int i0, int T, int n0, int n1, float *y, int N, int accumulate) {
+                     int i0, int T, float *out) {
     int abytes = bits == 4 ? 128 : 64;
+    size_t qs_row = (size_t)nb * (bits == 4 ? 16 : 32);
     for (int g = 0; g < T; g += VNNI_ROWS) {
         const int8_t *aq = a->q + (size_t)i0 * a->ldq + (size_t)abytes * g;
         const float *ad = a->d + (size_t)i0 * a->ldd + 16 * g, *as = a->s + (size_t)(i0 + g) * nb;
         size_t q_step = (size_t)abytes * T, d_step = 16 * (size_t)T;
-        float *yg = y + (size_t)(i0 + g) * N;
         switch ((T - g < VNNI_ROWS ? T - g : VNNI_ROWS) * 16 + (R - 1) * 8 + bits / 4) {
 #define CASE(k, r, bits) \
         case k * 16 + (r - 1) * 8 + bits / 4: \
-            vnni_run(bits, r, k, qs, d, m, nb, aq, q_step, ad, d_step, as, n0, n1, yg, N, accumulate); break;
+            dot_rows_vnni(bits, r, qs, qs_row, d, m, nb, aq, q_step, ad, d_step, as, k, out + g); break;
 #define ROWS(k) CASE(k, 1, 4) CASE(k, 1, 8) CASE(k, 2, 4) CASE(k, 2, 8)
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
@@ -471,20 +439,13 @@ static void dot_tile(int bits, int R, const uint8_t *qs, const uint16_t *d, cons
 enum { WEIGHT_ROWS = 1 };
 
 static void dot_tile(int bits, int R, const uint8_t *qs, const uint16_t *d, const uint16_t *m, int nb, const acts *a,
-                     int i0, int T, int n0, int n1, float *y, int N, int accumulate) {
+                     int i0, int T, float *out) {
     (void)R;  /* one weight row at a time */
-    size_t row = (size_t)nb * (bits == 4 ? 16 : 32);
-    float v[TILE];
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *qr = qs + n * row;
-        const uint16_t *dr = d + (size_t)n * nb, *mr = m ? m + (size_t)n * nb : NULL;
-        /* constant arguments let the compiler specialize the common cases (one token; 4 or 8 bits) */
-        if (T == 1 && bits == 4) dot_rows(4, qr, dr, mr, nb, a, i0, 1, v);
-        else if (T == 1) dot_rows(8, qr, dr, mr, nb, a, i0, 1, v);
-        else if (bits == 4) dot_rows(4, qr, dr, mr, nb, a, i0, T, v);
-        else dot_rows(8, qr, dr, mr, nb, a, i0, T, v);
-        store_tile(v, 1, T, y + (size_t)i0 * N + n, N, accumulate);
-    }
+    /* constant arguments let the compiler specialize the common cases (one token; 4 or 8 bits) */
+    if (T == 1 && bits == 4) dot_rows(4, qs, d, m, nb, a, i0, 1, out);
+    else if (T == 1) dot_rows(8, qs, d, m, nb, a, i0, 1, out);
+    else if (bits == 4) dot_rows(4, qs, d, m, nb, a, i0, T, out);
+    else dot_rows(8, qs, d, m, nb, a, i0, T, out);
 }
 #endif
 
@@ -509,6 +470,7 @@ int quant_matmul(int bits, const void *qs, const uint16_t *d, const uint16_t *m,
         free(a.q), free(a.d), free(a.s);
         return -2;
     }
+    size_t row = (size_t)nb * (bits == 4 ? 16 : 32);
     /* Weight rows a pass. Two share each activation load once a tile's activations outgrow L1 (long rows, many
      * tokens); otherwise one, so that the weights stream from memory in one sequential run. */
     int R = (size_t)(M < TILE ? M : TILE) * ((size_t)a.ldq + a.ldd * sizeof(float)) > 48 * 1024 ? WEIGHT_ROWS : 1;
@@ -528,9 +490,17 @@ int quant_matmul(int bits, const void *qs, const uint16_t *d, const uint16_t *m,
         /* each thread streams its share of W's rows once, unpacking each block once per TILE tokens */
 #pragma omp for schedule(static) collapse(2)
         for (int i0 = 0; i0 < (M + TILE - 1) / TILE * TILE; i0 += TILE) {
-            for (int n = 0; n < N; n += ROW_RUN) {
-                int T = M - i0 < TILE ? M - i0 : TILE;
-                dot_tile(bits, R, qs, d, m, nb, &a, i0, T, n, N - n < ROW_RUN ? N : n + ROW_RUN, y, N, accumulate);
+            for (int n = 0; n < N; n += R) {
+                int T = M - i0 < TILE ? M - i0 : TILE, rows = N - n < R ? N - n : R;
+                float v[WEIGHT_ROWS * TILE];
+                const uint8_t *qr = (const uint8_t *)qs + n * row;
+                const uint16_t *dr = d + (size_t)n * nb, *mr = m ? m + (size_t)n * nb : NULL;
+                dot_tile(bits, rows, qr, dr, mr, nb, &a, i0, T, v);
+                for (int r = 0; r < rows; r++)
+                    for (int t = 0; t < T; t++) {
+                        float *out = y + (size_t)(i0 + t) * N + n + r;
+                        *out = accumulate ? *out + v[r * TILE + t] : v[r * TILE + t];
+                    }
             }
         }
     }
