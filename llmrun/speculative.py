@@ -190,9 +190,9 @@ class DraftLength:
     - the target's step time for T tokens, measured per T; a T not yet measured is interpolated between its
       measured neighbours, or, one past the largest, taken as barely dearer than it (optimism: the only way to
       learn that verifying more tokens is cheap, as it is while a step is memory-bound, is to try). K grows a
-      token at a time, each longer block tried before the next: a CPU's cost per token jumps where its kernels
-      change tiling (Qwen2.5-1.5B: 9 tokens cost half again as much as 8), and a line drawn from one such jump
-      would hide the cheaper lengths below it;
+      token at a time, each longer block tried before the next: a CPU's cost is no straight line in the block's
+      length (Qwen2.5-1.5B on 2 cores: 5 tokens cost 2.4 one-token steps, 8 cost 2.9, and one timing put 9 well
+      above 8), and a line drawn through one dear length would hide the cheaper ones below it;
     - the drafter's time per proposed token, before any is measured `draft_cost` x a plain step (a model
       draft's share of the target's weight bytes; 0 for a lookup).
 

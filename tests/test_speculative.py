@@ -381,9 +381,9 @@ def test_draft_length_learns_that_long_verifications_are_cheap():
 
 
 def test_draft_length_finds_the_best_block_past_a_jump_in_cost():
-    """A CPU's verification cost (Qwen2.5-Coder-1.5B on 2 cores, roughly): dearer per token from 5 tokens on, then
-    cheap again up to 8, and 9 costs half again as much as 8. With every draft accepted, 8 tokens a step (K = 7)
-    is best; a policy that measured only 5 and 9 and drew a line between them would settle at K = 4."""
+    """A verification cost that is no straight line in the block's length, as on a CPU: a jump at 5 tokens, cheap
+    again up to 8, a jump at 9. With every draft accepted, 8 tokens a step (K = 7) is best; a policy that measured
+    only 5 and 9 and drew a line between them would settle at K = 4."""
     cost = {1: 0.022, 2: 0.027, 3: 0.030, 4: 0.033, 5: 0.048, 6: 0.053, 7: 0.057, 8: 0.061, 9: 0.090}
     length = DraftLength(8)
     ks = _simulate(length, 30, accept=lambda k: k, target_s=lambda k: cost[k + 1], draft_s=lambda k: 0.0)
