@@ -124,14 +124,16 @@ def test_a_rows_bits_do_not_depend_on_its_block(fmt, dtype, T, Hq, Hkv, S, windo
     else:
         n_quantized, first_exact = int4_state(S) if fmt == "int4" else (0, None)
         kv = quantized_cache(int(fmt[3]), B, Hkv, S, D, n_quantized, dtype, first_exact)
-    attend = decode_attention if isinstance(kv, tuple) else quantized_decode_attention
-    args = kv if isinstance(kv, tuple) else (kv,)
+
+    def attend(q, kv):
+        if isinstance(kv, tuple):
+            return decode_attention(q, *kv, window, split_len=split_len)
+        return quantized_decode_attention(q, kv, window, split_len=split_len)
+
     q = torch.randn(B, T, Hq, D, device=DEVICE).to(dtype)
-    block = attend(q, *args, window, split_len=split_len)
+    block = attend(q, kv)
     for t in range(T):
-        alone = first_keys(kv, S - T + t + 1)
-        row = attend(q[:, t : t + 1], *(alone if isinstance(alone, tuple) else (alone,)), window, split_len=split_len)
-        assert torch.equal(block[:, t], row[:, 0]), t
+        assert torch.equal(block[:, t], attend(q[:, t : t + 1], first_keys(kv, S - T + t + 1))[:, 0]), t
 
 
 def test_autotuner_drops_configs_that_cannot_fit(monkeypatch):
