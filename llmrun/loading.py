@@ -70,6 +70,15 @@ def _check_weights(path: Path) -> None:
                 f"{path} holds only pickle checkpoints (*.bin/*.pt), which llmrun never loads; use a safetensors copy"
             )
         raise ModelFormatError(f"{path}: no *.safetensors weights")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelFormatError(f"{index}: cannot read its weight_map ({e})") from e
+        absent = sorted(str(name) for name in shards if not (path / str(name)).is_file())
+        if absent:
+            raise ModelFormatError(f"{path}: missing shard {', '.join(absent)} (listed in {index.name})")
 
 
 def _resolve_hub(spec: str, bars: dict) -> ModelSource:
@@ -81,6 +90,10 @@ def _resolve_hub(spec: str, bars: dict) -> ModelSource:
         bars = {}
     try:
         if filename:
+            try:  # the cache first: offline, hf_hub_download would retry the hub for half a minute
+                return ModelSource(spec, Path(hf_hub_download(repo, filename, local_files_only=True)), "gguf")
+            except LocalEntryNotFoundError:
+                _reach_hub(repo)
             return ModelSource(spec, Path(hf_hub_download(repo, filename, **bars)), "gguf")
         path = Path(snapshot_download(repo, allow_patterns=_HF_FILES, **bars))
         if not (path / "config.json").is_file():
@@ -93,6 +106,22 @@ def _resolve_hub(spec: str, bars: dict) -> ModelSource:
         ) from e
     except (HfHubHTTPError, OSError) as e:
         raise ModelNotFoundError(f"{spec}: cannot fetch from the Hugging Face hub ({str(e).splitlines()[0]})") from e
+
+
+def _reach_hub(repo: str) -> None:
+    """One quick request to the hub about `repo` (as snapshot_download starts with); LocalEntryNotFoundError when
+    it cannot be reached, so that the caller says so at once."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        raise LocalEntryNotFoundError("HF_HUB_OFFLINE is set")
+    try:
+        HfApi().repo_info(repo, timeout=10)
+    except HfHubHTTPError:
+        raise  # the hub answered: no such repository, gated, ...
+    except Exception as e:  # no connection: requests', httpx' or the OS's own error, depending on versions
+        raise LocalEntryNotFoundError(str(e)) from e
 
 
 # --- reading configs, tensors and tokenizers -----------------------------------------------------------------
@@ -178,7 +207,7 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
         from llmrun.gguf_file import GGUFFile
 
         g = GGUFFile(source.path)
-        config = config_from_gguf(g.metadata, set(g.tensors))
+        config = _config(source, config_from_gguf, g.metadata, set(g.tensors))
         stored: dict[str, int] = {}
         for t in g.tensors.values():
             stored[t.type_name] = stored.get(t.type_name, 0) + t.data.nbytes
@@ -187,7 +216,9 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
         hf_config = json.loads((source.path / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ModelFormatError(f"{source.path / 'config.json'}: cannot parse ({e})") from e
-    config = config_from_hf(hf_config)
+    if not isinstance(hf_config, dict):
+        raise ModelFormatError(f"{source.path / 'config.json'}: not a JSON object")
+    config = _config(source, config_from_hf, hf_config)
     quant = checkpoint_quant(hf_config)
     _check_weights(source.path)
     stored = {}
@@ -195,6 +226,14 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
         kind = f"{quant.method.upper()} INT{quant.bits}" if quant and name.endswith(quant.tensors) else t["dtype"]
         stored[kind] = stored.get(kind, 0) + t["data_offsets"][1] - t["data_offsets"][0]
     return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored, quant=quant)
+
+
+def _config(source: ModelSource, build, *args):
+    """`build(*args)`, with the model's path in front of an invalid value's error."""
+    try:
+        return build(*args)
+    except ModelFormatError as e:
+        raise ModelFormatError(f"{source.path}: {e}") from None
 
 
 def _safetensors_headers(path: Path):
@@ -433,6 +472,7 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
             continue
         name, index, count = _fused_name(name)
         if count > 1:  # one of q/k/v or gate/up: wait for the others, then concatenate their rows
+            _check_part(files, cfg, name, index, w)
             got = parts.setdefault(name, [None] * count)
             got[index] = w
             if any(p is None for p in got):
@@ -446,12 +486,15 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
             raise ModelFormatError(f"{files.source.path}: tensor {name} does not belong to a {cfg.architecture}")
         if tuple(w.shape) != tuple(expected[name].shape):
             raise ModelFormatError(
-                f"{files.source.path}: tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(expected[name].shape)}"
+                f"{files.source.path}: tensor {_file_name(files, name)} has shape {tuple(w.shape)}, the config implies"
+                f" {tuple(expected[name].shape)}"
             )
         state[name] = w.to(device=dev, dtype=dt)
-    missing = sorted(set(expected) - set(state)) + sorted(parts)
+    missing = sorted(set(expected) - set(state) - set(parts))
+    missing += [_part_name(name, i) for name in sorted(parts) for i, w in enumerate(parts[name]) if w is None]
     if missing:
-        raise ModelFormatError(f"{files.source.path}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        names = ", ".join(_file_name(files, name) for name in missing[:4])
+        raise ModelFormatError(f"{files.source.path}: missing tensors {names}{' ...' if len(missing) > 4 else ''}")
     model.load_state_dict(state, assign=True)
     model.eval().requires_grad_(False)
     model.reference_ops = weights == "dequant"  # the plain-PyTorch path, every op from kernels.ref
@@ -472,6 +515,36 @@ def _fused_name(name: str) -> tuple[str, int, int]:
         return name, 0, 1
     target, index, count = _FUSED[m.group(2)]
     return f"{m.group(1)}.{target}.{m.group(3)}", index, count
+
+
+def _part_name(fused: str, index: int) -> str:
+    """The checkpoint part `index` of fused tensor `fused`: (`layers.3.attn.qkv.weight`, 1) -> `layers.3.attn.k.weight`."""
+    layer, module, kind = _LAYER_TENSOR.match(fused).groups()
+    part = next(p for p, (target, i, _) in _FUSED.items() if target == module and i == index)
+    return f"{layer}.{part}.{kind}"
+
+
+def _check_part(files: ModelFiles, cfg, fused: str, index: int, w) -> None:
+    """A float part of a fused tensor must have the shape the config gives it before rows are concatenated
+    (quantized planes are checked by their reader)."""
+    if isinstance(w, tuple):
+        return
+    module, kind = _LAYER_TENSOR.match(fused).group(2, 3)
+    width, outs = cfg.linear_widths()[module]
+    shape = (outs[index], width) if kind == "weight" else (outs[index],)
+    if tuple(w.shape) != shape:
+        raise ModelFormatError(f"{files.source.path}: tensor {_file_name(files, _part_name(fused, index))} has shape "
+                               f"{tuple(w.shape)}, the config implies {shape}")
+
+
+def _file_name(files: ModelFiles, ours: str) -> str:
+    """Our tensor name as the checkpoint names it, for errors (an HF directory's; a GGUF's are read as ours)."""
+    if files.source.format == "gguf":
+        return ours
+    try:
+        return hf_tensor_name(ours)
+    except (ValueError, StopIteration):
+        return ours
 
 
 def _concat_rows(parts: list):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llmrun.errors import UnsupportedModelError
+from llmrun.errors import ModelFormatError, UnsupportedModelError
 
 # HF `architectures` names this package implements; every one is a Llama-style decoder.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -52,6 +52,18 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ModelFormatError(f"invalid config: {_LABELS[name]} is {value!r}, not a positive integer")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ModelFormatError(f"invalid config: {_LABELS[name]} is {value!r}, not a positive number")
+        if self.head_dim % 2:
+            raise ModelFormatError(f"invalid config: head size {self.head_dim} is odd (RoPE rotates pairs)")
+        if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
+            raise ModelFormatError(f"invalid config: sliding window {self.sliding_window!r}, not a positive integer")
         if self.n_heads % self.n_kv_heads:
             raise UnsupportedModelError(
                 f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} key/value heads"
@@ -76,6 +88,29 @@ class ModelConfig:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
 
 
+# Each field as the two formats name it, for errors.
+_LABELS = {
+    "vocab_size": "vocabulary size (vocab_size)", "dim": "hidden size (hidden_size / embedding_length)",
+    "n_layers": "layer count (num_hidden_layers / block_count)",
+    "n_heads": "attention heads (num_attention_heads / attention.head_count)",
+    "n_kv_heads": "key/value heads (num_key_value_heads / attention.head_count_kv)",
+    "head_dim": "head size (head_dim / attention.key_length)",
+    "ffn_dim": "feed-forward width (intermediate_size / feed_forward_length)",
+    "max_seq_len": "context length (max_position_embeddings / context_length)",
+    "norm_eps": "RMSNorm epsilon (rms_norm_eps / attention.layer_norm_rms_epsilon)",
+    "rope_theta": "RoPE base (rope_theta / rope.freq_base)",
+}
+
+
+def _number(value, what: str, kind=int):
+    """A config value as `kind` (int or float), or a ModelFormatError naming it: JSON and GGUF metadata hold
+    whatever their writer put there."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not integral):
+        raise ModelFormatError(f"invalid config: {what} is {value!r}, not {'an integer' if kind is int else 'a number'}")
+    return kind(value)
+
+
 def _unsupported_architecture(name: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"unsupported architecture {name!r}; llmrun runs {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -84,6 +119,13 @@ def _unsupported_architecture(name: str) -> UnsupportedModelError:
 
 
 def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling | None:
+    try:
+        return _rope_scaling_fields(rs)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFormatError(f"config.json: invalid rope_scaling {rs!r} ({type(e).__name__}: {e})") from e
+
+
+def _rope_scaling_fields(rs: dict | None) -> RopeScaling | None:
     if not rs:
         return None
     kind = rs.get("rope_type", rs.get("type"))
@@ -102,9 +144,13 @@ def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling | None:
     raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r}; llmrun implements 'linear' and 'llama3'")
 
 
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_ARCHITECTURES = {v: k for k, v in _MODEL_TYPES.items()}  # a config without `architectures` still has a model_type
+
+
 def config_from_hf(cfg: dict) -> ModelConfig:
     """Build the config from a parsed HF `config.json`."""
-    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    archs = cfg.get("architectures") or [_ARCHITECTURES.get(cfg.get("model_type"), cfg.get("model_type", "?"))]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise _unsupported_architecture(arch)
@@ -113,23 +159,33 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         raise UnsupportedModelError(f"unsupported activation {act!r}; llmrun implements SwiGLU with 'silu'")
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("MLP biases (mlp_bias=true) are not supported")
-    n_heads = cfg["num_attention_heads"]
+
+    def need(key, default=None, kind=int):  # null counts as absent, as transformers reads it
+        value = default if cfg.get(key) is None else cfg[key]
+        if value is None:
+            raise ModelFormatError(f"config.json lacks {key}")
+        return _number(value, key, kind)
+
+    n_heads = need("num_attention_heads")
+    dim = need("hidden_size")
     qwen2 = arch == "Qwen2ForCausalLM"
     sliding = cfg.get("sliding_window")
     if qwen2 and not cfg.get("use_sliding_window", False):
         sliding = None  # Qwen2 configs list a window they do not use
+    if sliding is not None:
+        sliding = _number(sliding, "sliding_window")
     return ModelConfig(
         architecture=arch,
-        vocab_size=cfg["vocab_size"],
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
+        vocab_size=need("vocab_size"),
+        dim=dim,
+        n_layers=need("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-        ffn_dim=cfg["intermediate_size"],
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        n_kv_heads=need("num_key_value_heads", n_heads),
+        head_dim=need("head_dim", dim // max(n_heads, 1)),
+        ffn_dim=need("intermediate_size"),
+        norm_eps=need("rms_norm_eps", 1e-6, float),
+        rope_theta=need("rope_theta", 10000.0, float),
+        max_seq_len=need("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=qwen2 or bool(cfg.get("attention_bias", False)),
         sliding_window=sliding,
@@ -137,7 +193,6 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     )
 
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -171,11 +226,11 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         raise _unsupported_architecture(gguf_arch)
     arch = GGUF_ARCHITECTURES[gguf_arch]
 
-    def get(key, default=None):
+    def get(key, default=None, kind=int):
         value = meta.get(f"{gguf_arch}.{key}", default)
         if value is None:
             raise UnsupportedModelError(f"GGUF metadata lacks {gguf_arch}.{key}")
-        return value
+        return _number(value, f"{gguf_arch}.{key}", kind)
 
     n_heads = get("attention.head_count")
     dim = get("embedding_length")
@@ -184,8 +239,8 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         kind = meta[f"{gguf_arch}.rope.scaling.type"]
         if kind != "linear":
             raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF; llmrun implements 'linear'")
-        scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
-    vocab = meta.get(f"{gguf_arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        scaling = RopeScaling("linear", get("rope.scaling.factor", kind=float))
+    vocab = get("vocab_size", len(meta.get("tokenizer.ggml.tokens") or ()))
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -193,14 +248,14 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         n_layers=get("block_count"),
         n_heads=n_heads,
         n_kv_heads=get("attention.head_count_kv", n_heads),
-        head_dim=get("attention.key_length", dim // n_heads),
+        head_dim=get("attention.key_length", dim // max(n_heads, 1)),
         ffn_dim=get("feed_forward_length"),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
+        rope_theta=get("rope.freq_base", 10000.0, kind=float),
         max_seq_len=get("context_length"),
         tie_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        sliding_window=meta.get(f"{gguf_arch}.attention.sliding_window"),
+        sliding_window=get("attention.sliding_window", 0) or None,
         rope_scaling=scaling,
     )
 

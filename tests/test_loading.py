@@ -9,7 +9,7 @@ import torch
 
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from llmrun.loading import load_model, open_model, resolve
-from llmrun.models import config_from_hf
+from llmrun.models import config_from_gguf, config_from_hf
 
 from .tiny import CONFIGS, hf_config_json, random_model, write_gguf, write_hf_dir
 
@@ -100,6 +100,68 @@ def test_unsupported_architecture_and_options():
         config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(UnsupportedModelError, match="multiple"):
         config_from_hf({**base, "num_key_value_heads": 3})
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_hidden_layers": 0}, ["layer count", "0"]),
+    ({"num_hidden_layers": -1}, ["layer count", "-1"]),
+    ({"num_hidden_layers": None}, ["lacks num_hidden_layers"]),
+    ({"vocab_size": "abc"}, ["vocab_size", "'abc'"]),
+    ({"hidden_size": 64.5}, ["hidden_size", "64.5"]),
+    ({"max_position_embeddings": 0}, ["context length"]),
+    ({"rms_norm_eps": float("nan")}, ["rms_norm_eps", "nan"]),
+    ({"rope_theta": -1.0}, ["RoPE base"]),
+    ({"head_dim": 15}, ["head size 15", "odd"]),
+    ({"rope_scaling": {"rope_type": "linear"}}, ["rope_scaling", "factor"]),
+])
+def test_invalid_config_values(change, words):
+    """Whatever a config.json holds, a bad value is named, not a KeyError or TypeError from deep inside."""
+    cfg = {**hf_config_json(CONFIGS["llama"]), **change}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    with pytest.raises(ModelFormatError) as e:
+        config_from_hf(cfg)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_invalid_gguf_metadata():
+    meta = {"general.architecture": "llama", "llama.block_count": 2, "llama.context_length": 256,
+            "llama.embedding_length": 64, "llama.feed_forward_length": 96, "llama.attention.head_count": 4,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "tokenizer.ggml.tokens": ["a"] * 128}
+    assert config_from_gguf(meta, set()).n_layers == 2
+    for key, value, words in [("llama.block_count", 0, "layer count"), ("llama.context_length", 0, "context length"),
+                              ("llama.attention.head_count", "x", "head_count")]:
+        with pytest.raises(ModelFormatError, match=words):
+            config_from_gguf({**meta, key: value}, set())
+
+
+def test_model_type_without_architectures():
+    cfg = {**hf_config_json(CONFIGS["qwen2"]), "model_type": "qwen2"}
+    del cfg["architectures"]
+    assert config_from_hf(cfg).architecture == "Qwen2ForCausalLM"
+
+
+def test_wrong_shape_of_a_fused_part_and_a_missing_part(tmp_path):
+    """q/k/v and gate/up are checked one by one before their rows are concatenated, and named as the file names them."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_hf_dir(tmp_path / "m", random_model(CONFIGS["llama"]))
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({**tensors, name: torch.zeros(7, 7)}, str(path / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match=rf"tensor {name} has shape \(7, 7\), the config implies \(96, 64\)"):
+        load_model(str(path), device="cpu", dtype="fp32")
+    save_file({k: v for k, v in tensors.items() if k != name}, str(path / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match=rf"missing tensors {name}$"):
+        load_model(str(path), device="cpu", dtype="fp32")
+
+
+def test_missing_shard(tmp_path):
+    path = write_hf_dir(tmp_path / "m", random_model(CONFIGS["llama"]))
+    weight_map = {"model.norm.weight": "model.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelFormatError, match="missing shard model-00002-of-00002.safetensors"):
+        open_model(str(path))
 
 
 def test_shape_mismatch_and_missing_tensors(tmp_path):
