@@ -16,7 +16,7 @@ from llmrun import cuda_graphs
 from llmrun.errors import ContextOverflowError, LlmrunError
 from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
-from llmrun.sampling import SamplingParams, make_generator, sample
+from llmrun.sampling import Randomness, SamplingParams, sample
 from llmrun.speculative import Proposal, verify
 from llmrun.tokenizer import StreamDecoder
 
@@ -194,6 +194,9 @@ class Engine:
         common = len(self.tokens)  # 0 if an evicting cache had to start over
         for i in range(common, len(prompt), self.prefill_chunk):
             logits = self.forward(prompt[i : i + self.prefill_chunk])
+        if not bool(torch.isfinite(logits).all()):  # once a prompt: corrupt weights show here, not as a token
+            hint = "" if self.loaded.dtype == torch.float32 else f", or {self.loaded.dtype} overflowed: try --dtype fp32"
+            raise LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")
         return logits, common
 
     def decode(self, token: int) -> torch.Tensor:
@@ -221,6 +224,7 @@ class Generation:
                                      finish_reason="interrupted")
         self.token_ids: list[int] = []
         self.text = ""
+        self._last_step = None  # (drafting, tokens proposed, accepted) of the latest _step
 
     def __iter__(self):
         engine, params, stats = self.engine, self.params, self.stats
@@ -230,7 +234,7 @@ class Generation:
         self._stops = StopMatcher(params.stop)
         self._constraint = None if engine.grammar is None else engine.grammar.start()
         self.stats.constrained = self._constraint is not None
-        generator = make_generator(params.seed, engine.device)
+        rng = Randomness(params.seed, engine.device)
         t0 = time.perf_counter()
         logits, stats.reused_tokens = engine.prefill(self.prompt)
         if spec is not None:
@@ -242,22 +246,23 @@ class Generation:
         try:
             if self._constraint is not None:
                 logits = self._constraint.constrain(logits)
-            tokens = [sample(logits, params, generator, self._history())]
+            tokens = [sample(logits, params, rng.at(len(engine.tokens)), self._history())]
             t_first = time.perf_counter()
             stats.ttft_s = t_first - t0
             while True:
-                for token in tokens:
+                for used, token in enumerate(tokens, 1):
                     piece = self._take(token)
                     if piece:
                         self.text += piece
                         yield piece
                     if stats.finish_reason != "interrupted":
+                        self._uncount(len(tokens) - used)
                         break
                 else:
                     if len(engine.tokens) >= engine.max_len:
                         stats.finish_reason = "context"
                     else:
-                        tokens = self._step(tokens[-1], generator)
+                        tokens = self._step(tokens[-1], rng)
                         continue
                 break
             if not self._stops.stopped:
@@ -299,7 +304,21 @@ class Generation:
             stats.finish_reason = "length"
         return piece
 
-    def _step(self, token: int, generator) -> list[int]:
+    def _uncount(self, unused: int) -> None:
+        """The reply ended `unused` tokens before the end of the last step's (an end token or a stop string inside
+        an accepted block): the figures count what the reply used, so those tokens, and the drafts after them,
+        come out of them."""
+        if not unused or self._last_step is None:
+            return
+        stats, (drafting, proposed, accepted) = self.stats, self._last_step
+        past = unused - 1 + proposed - accepted  # proposals after the reply's last token: accepted or not
+        stats.decode_tokens -= unused
+        if drafting:
+            stats.drafted, stats.accepted = stats.drafted - past, stats.accepted - (unused - 1)
+        else:
+            stats.forced_proposed, stats.forced = stats.forced_proposed - past, stats.forced - (unused - 1)
+
+    def _step(self, token: int, rng: Randomness) -> list[int]:
         """Feed `token`, the latest sampled one, to the target (with draft tokens after it when speculating);
         return the next tokens: the accepted drafts and the target's own token after them."""
         engine, params, stats, constraint = self.engine, self.params, self.stats, self._constraint
@@ -314,7 +333,7 @@ class Generation:
             k = spec.length.choose(room)
             stats.draft_k = k
             if k:
-                proposal = spec.drafter.propose(engine.tokens + [token], k, params, generator, constraint)
+                proposal = spec.drafter.propose(engine.tokens + [token], k, params, rng, constraint)
         t1 = time.perf_counter()
         drafts = proposal.tokens
         logits = engine.forward([token, *drafts], last_only=not drafts)  # (V,), or (1 + K, V) to verify
@@ -328,9 +347,9 @@ class Generation:
             logits = constraint.apply(logits, bitmask)
         history = self._history(start + 1)
         if drafts:
-            accepted, nxt = verify(logits, proposal, params, generator, history)
+            accepted, nxt = verify(logits, proposal, params, rng, history, position=start + 1)
         else:
-            accepted, nxt = 0, sample(logits, params, generator, history)
+            accepted, nxt = 0, sample(logits, params, rng.at(start + 1), history)
         engine.rollback(start + 1 + accepted)  # rejected drafts (and any cut off above) leave the cache
         if drafting:
             if cuda_graphs.captures() == captured:  # a step that captured a CUDA graph is no step's typical time
@@ -342,4 +361,5 @@ class Generation:
             stats.forced += accepted
         stats.decode_steps += 1
         stats.decode_tokens += accepted + 1
+        self._last_step = (drafting, len(drafts), accepted)
         return [*drafts[:accepted], nxt]

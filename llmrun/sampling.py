@@ -6,9 +6,12 @@ filters to target and draft alike. Order (as in HF transformers): penalty, tempe
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
+
+from llmrun.errors import LlmrunError
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,38 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     Only the tokens with positive weight take part (after top-k / top-p / min-p, a few dozen), so the draw costs
     one pass to find them rather than torch.multinomial's work over the whole vocabulary; same distribution."""
     support = probs.nonzero().squeeze(1)
-    return int(support[torch.multinomial(probs[support], 1, generator=generator)])
+    try:
+        return int(support[torch.multinomial(probs[support], 1, generator=generator)])
+    except RuntimeError as e:  # NaN or inf: the logits were not finite (checked once a prompt, not every step)
+        raise LlmrunError(f"cannot sample the next token: the model's output is not finite ({e})") from None
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(*values: int) -> int:
+    """64 well-mixed bits from a few integers (splitmix64's finalizer over their sum under odd multipliers)."""
+    x = sum(v * m for v, m in zip(values, (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class Randomness:
+    """The random numbers of a reply, keyed by position: the token that goes to context position j is drawn from a
+    stream of its own, seeded from (seed, j, stream). So what a position draws does not depend on how the steps
+    before it were cut into speculative blocks, and with a drafter whose proposals are not sampled (prompt
+    lookup, a grammar's forced text) sampled speculation gives the plain sampler's very tokens for the same
+    seed, whatever K. Stream 0 is the target's; stream 1 a draft model's, which must be independent of it."""
+
+    def __init__(self, seed: int | None, device):
+        self.seed = secrets.randbits(64) if seed is None else seed
+        self._generator = torch.Generator(device=device)
+
+    def at(self, position: int, stream: int = 0) -> torch.Generator:
+        """The generator for `position`, at the start of its stream (one generator, reseeded: use it before
+        asking for another position)."""
+        return self._generator.manual_seed(_mix(self.seed, position, stream))
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:

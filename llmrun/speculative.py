@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.sampling import SamplingParams, draw, sample, token_probs
+from llmrun.sampling import Randomness, SamplingParams, draw, sample, token_probs
 
 
 @dataclass
@@ -37,13 +37,19 @@ class Proposal:
         return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.setup_s)
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, generator: torch.Generator | None,
-           history: torch.Tensor | None = None) -> tuple[int, int]:
+def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng: Randomness | None = None,
+           history: torch.Tensor | None = None, position: int = 0) -> tuple[int, int]:
     """Check a proposal against the target.
 
     logits (K+1, V): the target's logits after the context and after each draft token; history (N,): the
-    context's token ids (for the repetition penalty, which also counts the accepted draft tokens).
+    context's token ids (for the repetition penalty, which also counts the accepted draft tokens); `position`:
+    the context position of the first draft token (row i's draws come from `rng.at(position + i)`).
     Returns (how many draft tokens are accepted, the target's token that follows them).
+
+    A proposal chosen outright (q one-hot at draft x) is checked by drawing the position's token from p, as plain
+    sampling would, and accepting x when it comes out: that is the rejection rule for such a q (accepted with
+    probability p(x); otherwise a draw from p without x, which is norm(max(0, p - q))), and it emits exactly
+    the tokens plain sampling draws with the same seed.
     """
     drafts = proposal.tokens
     k = len(drafts)
@@ -66,11 +72,13 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, gen
     vocab = logits.shape[-1]
     for i, x in enumerate(drafts):
         p = token_probs(logits[i], params, seen(i))  # (V,)
+        generator = rng.at(position + i)
         if proposal.probs is None:
-            q = torch.zeros_like(p)
-            q[x] = 1.0
-        else:
-            q = _fit(proposal.probs[i].to(p.device, torch.float32), vocab)
+            token = draw(p, generator)
+            if token == x:
+                continue
+            return i, token
+        q = _fit(proposal.probs[i].to(p.device, torch.float32), vocab)
         qx, px = float(q[x]), float(p[x])
         if torch.rand((), generator=generator, device=p.device).item() * qx < px:  # r < p(x)/q(x), qx > 0
             continue
@@ -78,7 +86,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, gen
         if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q up to rounding
             residual = p
         return i, draw(residual, generator)
-    return k, draw(token_probs(logits[k], params, seen(k)), generator)
+    return k, draw(token_probs(logits[k], params, seen(k)), rng.at(position + k))
 
 
 def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -108,7 +116,7 @@ class NgramDrafter:
     def start(self, context: list[int]) -> None:
         self._sync(context)
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator, constraint=None) -> Proposal:
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng, constraint=None) -> Proposal:
         """Up to k tokens; a `constraint` (structured output) is left to the caller, which cuts the proposal
         where it leaves the grammar: the draft is deterministic, so that is exact."""
         self._sync(context)
@@ -144,8 +152,9 @@ class ModelDrafter:
         if len(context) < self.engine.max_len:  # a draft with a shorter context just proposes nothing
             self.engine.prefill(context)
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator, constraint=None) -> Proposal:
-        """k tokens drafted autoregressively. Under a `constraint` (`llmrun.grammar.Constraint`, left as it was
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng, constraint=None) -> Proposal:
+        """k tokens drafted autoregressively (draft i, for context position len(context) + i, from that
+        position's draft stream of `rng`). Under a `constraint` (`llmrun.grammar.Constraint`, left as it was
         found) the draft samples from its grammar-masked distribution, which is then its q for verification."""
         engine = self.engine
         k = int(min(k, engine.max_len - len(context), engine.max_block - 1))
@@ -168,7 +177,7 @@ class ModelDrafter:
                 token = sample(logits, params, None, history)
             else:
                 q = token_probs(logits, params, history)
-                token = draw(q, generator)
+                token = draw(q, rng.at(len(context) + i, stream=1))
                 probs.append(q)
             tokens.append(token)
             if constraint is not None:
@@ -329,18 +338,18 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
     load with `load(spec) -> LoadedModel` (same device, dtype and weight mode as the target); `ngram`: the
     longest n-gram to look up.
     """
-    from llmrun.errors import LlmrunError
+    from llmrun.errors import UsageError
 
     if draft is not None and ngram is not None:
-        raise LlmrunError("--draft and --ngram both choose the drafter; pass one of them")
+        raise UsageError("--draft and --ngram both choose the drafter; pass one of them")
     if draft is None and ngram is None:
         return None
     if not 1 <= draft_tokens <= 32:
-        raise LlmrunError(f"--draft-tokens {draft_tokens}: choose 1 to 32 tokens per step")
+        raise UsageError(f"--draft-tokens {draft_tokens}: choose 1 to 32 tokens per step")
     length = DraftLength(draft_tokens, adaptive)
     if ngram is not None:
         if not 1 <= ngram <= 8:
-            raise LlmrunError(f"--ngram {ngram}: choose an n-gram length from 1 to 8")
+            raise UsageError(f"--ngram {ngram}: choose an n-gram length from 1 to 8")
         return Speculator(NgramDrafter(ngram), length)
     if draft in ("self", "self:int4"):
         sub, name = engine.model.with_int4_weights(), "self (int4 copy)"

@@ -6,7 +6,7 @@ import torch
 
 from llmrun.errors import LlmrunError
 from llmrun.generate import Engine
-from llmrun.sampling import SamplingParams, token_probs
+from llmrun.sampling import Randomness, SamplingParams, token_probs
 from llmrun.speculative import (
     DraftLength, ModelDrafter, NgramDrafter, Proposal, Speculator, check_same_vocabulary, make_speculator, verify,
 )
@@ -104,6 +104,11 @@ def test_greedy_identity_holds_across_stop_strings_and_the_token_budget(engine, 
         spec, spec_text = _generate(engine, ids, params, Speculator(oracle, DraftLength(8, adaptive=False)))
         assert (spec.token_ids, spec_text, spec.stats.finish_reason) == (plain.token_ids, plain_text, plain.stats.finish_reason)
         assert spec.stats.decode_steps <= max(1, len(plain.token_ids) // 3)  # whole blocks were accepted
+        # the figures count only what the reply used, not the accepted tokens past a stop inside the last block
+        s = spec.stats
+        # (a step gives its accepted drafts and the target's token; a last step cut short, only drafts)
+        assert s.decode_tokens == plain.stats.decode_tokens
+        assert s.decode_tokens - s.decode_steps <= s.accepted <= s.decode_tokens - s.decode_steps + 1 <= s.drafted + 1
     engine.speculator = None
 
 
@@ -224,10 +229,10 @@ def test_verification_samples_the_target_distribution(draft_kind):
     p = token_probs(target[0], params)
     q = token_probs(draft, params)
     counts = torch.zeros(V)
-    for _ in range(trials):
+    for trial in range(trials):
         x = int(torch.multinomial(q, 1, generator=gen)) if draft_kind == "model" else 2
         proposal = Proposal([x], q[None] if draft_kind == "model" else None)
-        accepted, nxt = verify(target, proposal, params, gen)
+        accepted, nxt = verify(target, proposal, params, Randomness(trial, "cpu"))
         counts[x if accepted else nxt] += 1
     assert _chi_square_p_value(counts, p) > 1e-3
     # The test can fail: the draft's own distribution is far from the target's.
@@ -300,6 +305,23 @@ def test_a_draft_with_a_shorter_context_falls_back_to_plain_steps(tiny_pair):
     reply = engine.generate(list(range(1, 12)), SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
     list(reply)
     assert reply.stats.new_tokens == 6 and reply.stats.drafted == 0
+
+
+def test_sampled_lookup_speculation_draws_the_plain_samplers_tokens(engine, smollm2):
+    """Each position draws from a stream of its own and a lookup's draft is checked by drawing that position's
+    token: for a seed, sampled speculation gives exactly the plain sampled reply, whatever K, fixed or adaptive
+    (which chooses K from timings, so that runs differ in their blocks)."""
+    ids = smollm2.tokenizer.encode(PROMPTS[0], special=True)
+    for seed in (1, 2, 3):
+        params = SamplingParams(temperature=0.8, seed=seed, max_new_tokens=40)
+        plain, plain_text = _generate(engine, ids, params)
+        for drafter, length in [(NgramDrafter(3), DraftLength(8, adaptive=True)),
+                                (NgramDrafter(2), DraftLength(3, adaptive=False)),
+                                (OracleDrafter(ids, plain.token_ids, wrong=5), DraftLength(6, adaptive=False))]:
+            spec, spec_text = _generate(engine, ids, params, Speculator(drafter, length))
+            assert (spec.token_ids, spec_text) == (plain.token_ids, plain_text), (seed, drafter.name, length.max_k)
+        assert 0 < spec.stats.accepted < spec.stats.drafted  # the oracle's blocks were taken, up to its wrong tokens
+    engine.speculator = None
 
 
 def test_same_seed_same_speculative_sample(tiny_pair):
