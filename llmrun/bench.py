@@ -18,9 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+MAX_THREADS = 1024  # far past any one machine's cores; OpenMP fails to create tens of thousands (or crashes)
 
 
 @dataclass(frozen=True)
@@ -472,7 +473,7 @@ def benchmark(files, settings: Settings, workload, *, model: str, compare: bool 
         from llmrun.bench_speculative import measure_speculative_settings
 
         if compare or sweep_axes is not None:
-            raise LlmrunError("speculative decoding is measured against plain decoding on its own; run --compare"
+            raise UsageError("speculative decoding is measured against plain decoding on its own; run --compare"
                               " or --sweep without --ngram/--draft")
         point(f"measuring {model} ({describe(settings)}), plain and {drafting.flags()}")
         figures = measure_speculative_settings(files, settings, workload, drafting)

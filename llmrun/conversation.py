@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.errors import ContextOverflowError, LlmrunError
+from llmrun.errors import ContextOverflowError, LlmrunError, check_utf8
 from llmrun.generate import Engine, Generation
 from llmrun.sampling import SamplingParams
 
@@ -30,6 +30,7 @@ class Conversation:
 
     def send(self, text: str) -> Generation:
         """Start the assistant's reply to `text`; iterate the result to stream it, then `finish` it."""
+        check_utf8(text)  # here, so that an error points into the message rather than the rendered template
         messages = self.messages + [{"role": "user", "content": text}]
         prompt = self.engine.tokenizer.encode_chat(self._with_system(messages))
         room = self.engine.max_len - len(prompt)

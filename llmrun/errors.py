@@ -1,8 +1,13 @@
-"""One exception family for everything a user can cause: the CLI prints `error: <message>` and exits 1."""
+"""One exception family for everything a user can cause: the CLI prints `error: <message>` and exits 1 (2 for a
+`UsageError`)."""
 
 
 class LlmrunError(Exception):
     """A problem the user can fix; the message says what happened and what to do."""
+
+
+class UsageError(LlmrunError):
+    """Options that cannot go together, or a value an option cannot take: exit code 2, as for the parser's own."""
 
 
 class ModelNotFoundError(LlmrunError):
@@ -19,3 +24,14 @@ class UnsupportedModelError(LlmrunError):
 
 class ContextOverflowError(LlmrunError):
     pass
+
+
+def check_utf8(text: str) -> None:
+    """Text from argv or a pipe that was not UTF-8 reaches us with its bad bytes as lone surrogates (Python's
+    surrogateescape); say so rather than let the tokenizer fail on them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"lone surrogate U+{code:04X}"
+        raise LlmrunError(f"the text is not UTF-8 ({what} at character {e.start})") from None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
     inline JSON (starting with '{') or ANY_JSON; `grammar`: an EBNF/GBNF file or '-'."""
     given = [name for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if value is not None]
     if len(given) > 1:
-        raise LlmrunError(f"{' and '.join(given)} each constrain the output; pass one of them")
+        raise UsageError(f"{' and '.join(given)} each constrain the output; pass one of them")
     if json_schema is not None:
         if json_schema == ANY_JSON:
             return GrammarSpec("json", ANY_JSON, "any")
@@ -63,7 +63,7 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
         return GrammarSpec("json", text, origin)
     if regex is not None:
         if not regex:
-            raise LlmrunError("--regex is empty; give a pattern the whole output must match")
+            raise UsageError("--regex is empty; give a pattern the whole output must match")
         return GrammarSpec("regex", regex, "--regex")
     if grammar is not None:
         return GrammarSpec("ebnf", _read("--grammar", grammar), grammar)

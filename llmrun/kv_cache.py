@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrun import kernels
-from llmrun.errors import ContextOverflowError, LlmrunError
+from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
 from llmrun.kernels import ref
 
 KV_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
@@ -300,9 +300,9 @@ class Eviction:
         if self.policy not in EVICTION_POLICIES:
             raise LlmrunError(f"unknown eviction policy {self.policy!r}; choose {' or '.join(EVICTION_POLICIES)}")
         if self.sinks < 0:
-            raise LlmrunError(f"--kv-sinks must be >= 0, not {self.sinks}")
+            raise UsageError(f"--kv-sinks must be >= 0, not {self.sinks}")
         if self.budget < max(64, 4 * self.sinks):
-            raise LlmrunError(f"--kv-budget {self.budget} is too small; give at least {max(64, 4 * self.sinks)} "
+            raise UsageError(f"--kv-budget {self.budget} is too small; give at least {max(64, 4 * self.sinks)} "
                               f"tokens (4 x --kv-sinks, and at least 64)")
 
     @property

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 
 METHODS = ("awq", "rtn", "int8")
 GROUP_SIZES = (128, 64, 32)  # the default is the first that divides every layer's input width
@@ -71,10 +71,12 @@ def choose_group_size(cfg, asked: int | None, blocks_of_32: bool = False) -> int
             raise LlmrunError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides this model's input "
                               f"widths ({', '.join(map(str, inputs))}); it cannot be quantized group-wise")
         return fits[0]
-    if asked <= 0 or asked % 32 or any(w % asked for w in inputs):
-        bad = next((w for w in inputs if asked <= 0 or w % asked), inputs[0])
-        sizes = ", ".join(map(str, fits)) or "none"
-        raise LlmrunError(f"--group-size {asked} does not split this model's layers: it must be a multiple of 32 "
+    sizes = ", ".join(map(str, fits)) or "none"
+    if asked <= 0 or asked % 32:
+        raise UsageError(f"--group-size {asked}: it must be a positive multiple of 32; sizes that fit this model: {sizes}")
+    if any(w % asked for w in inputs):
+        bad = next(w for w in inputs if w % asked)
+        raise UsageError(f"--group-size {asked} does not split this model's layers: it must be a multiple of 32 "
                           f"dividing every input width ({', '.join(map(str, inputs))}; {bad} is not); "
                           f"sizes that fit: {sizes}")
     return asked
@@ -136,6 +138,7 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise LlmrunError(f"{out_dir} exists and is not an empty directory; choose another -o or remove it")
+    _check_writable(out_dir)  # before the work, not after it
     t0 = time.perf_counter()
     files = open_model(spec)
     _check_source(files)
@@ -143,7 +146,7 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
     bits = 8 if options.method == "int8" else 4
     if options.method == "int8":
         if options.group_size is not None:
-            raise LlmrunError("--int8 quantizes per output channel; --group-size applies to --awq and --rtn")
+            raise UsageError("--int8 quantizes per output channel; --group-size applies to --awq and --rtn")
         group = -1
     else:
         group = choose_group_size(cfg, options.group_size, blocks_of_32=_stored_in_blocks(files))
@@ -153,7 +156,7 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
         if options.seq_len is None:
             options = replace(options, seq_len=min(512, cfg.max_seq_len))
         elif options.seq_len > cfg.max_seq_len:
-            raise LlmrunError(f"--seq-len {options.seq_len} exceeds the {cfg.max_seq_len} tokens the model was trained for")
+            raise UsageError(f"--seq-len {options.seq_len} exceeds the {cfg.max_seq_len} tokens the model was trained for")
         windows, note = calibration_windows(files.tokenizer, read_calibration(options.calib), options.samples,
                                             options.seq_len, options.seed)
         result.calibration_tokens = windows.numel()
@@ -293,6 +296,15 @@ def _quantization_config(method: str, bits: int, group: int) -> dict:
             "modules_to_not_convert": None}
 
 
+def _check_writable(out_dir: Path) -> None:
+    """`out_dir`'s parent exists (made if need be) and takes a new directory, as `_write` will need."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent).cleanup()
+    except OSError as e:
+        raise LlmrunError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
+
+
 def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, options: QuantizeOptions) -> None:
     """config.json, model.safetensors and the tokenizer files, written beside `out_dir` and renamed into place."""
     from safetensors.torch import save_file
@@ -327,6 +339,9 @@ def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, optio
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked before starting
         os.replace(tmp, out_dir)
+    except OSError as e:  # a disk that filled up, say
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LlmrunError(f"-o {out_dir}: writing failed ({e.strerror or e})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 
 _LLAMA3 = dict(architecture="LlamaForCausalLM", vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0)
 _LLAMA3_1_ROPE = ("llama3", 8.0, 1.0, 4.0, 8192)  # kind, factor, low_freq_factor, high_freq_factor, original max
@@ -63,7 +63,7 @@ def shape_config(name: str):
     from llmrun.models.config import RopeScaling
 
     if name not in SHAPES:
-        raise LlmrunError(f"--random-weights: unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+        raise UsageError(f"--random-weights: unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
     fields = dict(SHAPES[name])
     if "rope_scaling" in fields:
         fields["rope_scaling"] = RopeScaling(*fields["rope_scaling"])

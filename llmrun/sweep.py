@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from llmrun.errors import LlmrunError
+from llmrun.bench import MAX_THREADS
+from llmrun.errors import LlmrunError, UsageError
 
 GOALS = ("latency", "memory", "quality")
 REFERENCE = {"dtype": "fp32", "weights": "dequant"}
@@ -49,16 +50,16 @@ def parse_axes(specs: list[str]) -> dict[str, tuple]:
         name, sep, values = spec.partition("=")
         name = name.strip()
         if not sep or not values.strip():
-            raise LlmrunError(f"--axis {spec!r}: write NAME=VALUE[,VALUE...], e.g. --axis dtype=fp32,bf16")
+            raise UsageError(f"--axis {spec!r}: write NAME=VALUE[,VALUE...], e.g. --axis dtype=fp32,bf16")
         if name not in AXES:
-            raise LlmrunError(f"--axis {spec!r}: unknown axis {name!r}; axes: {', '.join(AXES)}")
+            raise UsageError(f"--axis {spec!r}: unknown axis {name!r}; axes: {', '.join(AXES)}")
         axis, parsed = AXES[name], []
         for value in (v.strip() for v in values.split(",")):
             if axis.choices is not None and value not in axis.choices:
-                raise LlmrunError(f"--axis {name}: {value!r} is not one of {', '.join(axis.choices)}")
+                raise UsageError(f"--axis {name}: {value!r} is not one of {', '.join(axis.choices)}")
             if axis.choices is None:
-                if not value.isdigit() or int(value) < 1:
-                    raise LlmrunError(f"--axis {name}: {value!r} is not a positive integer")
+                if not value.isdigit() or not 1 <= int(value) <= MAX_THREADS:
+                    raise UsageError(f"--axis {name}: {value!r} is not a positive integer up to {MAX_THREADS}")
                 value = int(value)
             if value not in parsed:
                 parsed.append(value)

@@ -17,7 +17,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from llmrun.chat_template import ChatTemplate
-from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedModelError
+from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedModelError, check_utf8
 
 # GGUF `tokenizer.ggml.token_type` values.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -70,6 +70,7 @@ class Tokenizer:
     def encode(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
         """special=True turns control tokens written in `text` (e.g. "<|im_start|>") into their ids;
         special=False tokenizes them as plain text, so user input cannot forge a turn boundary."""
+        check_utf8(text)
         # A flag on the shared object: not safe to encode from several threads at once.
         self._tok.encode_special_tokens = not special
         ids = self._tok.encode(text, add_special_tokens=False).ids

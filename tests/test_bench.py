@@ -234,8 +234,9 @@ def test_bad_speculative_options(cli, args, words):
 
 
 def test_bad_drafter_is_one_line(cli, tiny_gguf):
-    assert_one_error_line(cli(tiny_gguf, *FAST, "--ngram", "9"), "--ngram 9", code=1)
-    assert_one_error_line(cli(tiny_gguf, *FAST, "--ngram", "2", "--draft", "self"), "--draft", "--ngram", code=1)
+    assert_one_error_line(cli(tiny_gguf, *FAST, "--ngram", "9"), "--ngram 9", code=2)
+    assert_one_error_line(cli(tiny_gguf, *FAST, "--ngram", "2", "--draft", "self"), "--draft", "--ngram", code=2)
+    assert_one_error_line(cli(tiny_gguf, *FAST, "--draft", "missing-draft.gguf"), "missing-draft.gguf", code=1)
 
 
 def test_speculative_library_refuses_compare():

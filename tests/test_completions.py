@@ -35,10 +35,11 @@ def test_completion_command_prints_a_script_or_writes_all_three(tmp_path):
     assert result.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FILES.values())
     assert (tmp_path / "llmrun.fish").read_text() == completion_script("fish")
-    for args, message in ((["completion"], "error: give a SHELL"),
-                          (["completion", "--write", str(tmp_path / "nowhere")], "no such directory")):
+    for args, message, code in ((["completion"], "error: give a SHELL", 2),
+                                (["completion", "zsh", "--write", str(tmp_path)], "without a SHELL", 2),
+                                (["completion", "--write", str(tmp_path / "nowhere")], "no such directory", 1)):
         result = runner.invoke(app, args)
-        assert result.exit_code == 1 and message in result.stderr
+        assert result.exit_code == code and message in result.stderr, result.stderr
 
 
 @pytest.fixture(scope="module")

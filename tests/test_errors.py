@@ -217,14 +217,29 @@ def test_corrupt_safetensors(cli, hf_dir, weights, names):
         (["--dtype", "int3"], ["--dtype", "int3"]),
         (["--device", "tpu"], ["--device", "tpu"]),
         (["--frobnicate"], ["--frobnicate"]),
+        (["--temperature", "inf"], ["--temperature", "finite"]),
+        (["--repetition-penalty", "nan"], ["--repetition-penalty", "finite"]),
+        (["--top-p", "nan"], ["--top-p"]),
+        (["--seed", str(2**64)], ["--seed"]),
+        (["--seed", "-1"], ["--seed"]),
+        (["--threads", "100000"], ["--threads"]),
+        (["--ngram", "0"], ["--ngram 0"]),
+        (["--ngram", "3", "--draft", "self"], ["--draft and --ngram"]),
+        (["--draft-tokens", "0", "--ngram", "3"], ["--draft-tokens"]),
+        (["--kv-evict", "window", "--kv-budget", "64", "--kv-sinks", "100"], ["--kv-budget 64"]),
+        (["--regex", "a+", "--json-schema", "{}"], ["--regex"]),
     ],
 )
 def test_usage_error(cli, options, names):
     assert_one_error_line(cli("generate", *options, "Hello"), *names, "llmrun generate --help", code=2)
 
 
-def test_usage_errors_of_the_other_commands(cli):
+def test_usage_errors_of_the_other_commands(cli, tmp_path):
     assert_one_error_line(cli("chat", "--top-p", "7", "-p", "Hi"), "--top-p", code=2)
+    assert_one_error_line(cli("completion"), "SHELL", code=2)
+    assert_one_error_line(cli("completion", "bash", "--write", str(tmp_path)), "--write", "without a SHELL", code=2)
+    assert_one_error_line(cli("bench", "--axis", "threads=5000", "--sweep"), "threads", "1024", code=2)
+    assert_one_error_line(cli("quantize", "--rtn", "--int8", "-o", str(tmp_path / "q")), "--awq, --rtn", code=2)
     assert_one_error_line(cli("info", "--frobnicate"), "--frobnicate", code=2)
     assert_one_error_line(cli("frobnicate"), "frobnicate", code=2)
 
@@ -247,6 +262,21 @@ def test_too_many_arguments(cli):
 @pytest.mark.parametrize("text", [[], ["-"], [""]], ids=["no-text", "dash", "empty-string"])
 def test_generate_without_text_and_empty_stdin(cli, text):
     assert_one_error_line(cli("generate", *text), "empty")
+
+
+def test_chat_with_an_empty_prompt(cli):
+    assert_one_error_line(cli("chat", "-p", ""), "prompt is empty")
+    assert_one_error_line(cli("chat", "-p", "  \n"), "prompt is empty")
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "ab\udcff"],  # how Python hands over argv bytes that are not UTF-8
+    ["chat", "-p", "\udcffabc"],
+    ["chat", "-p", "Hi", "--system", "\udcff"],
+], ids=["generate", "chat", "system"])
+def test_text_that_is_not_utf8(cli, args):
+    line = assert_one_error_line(cli(*args), "not UTF-8", "0xff", code=1)
+    assert "character 2" in line if args[0] == "generate" else "character 0" in line
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])

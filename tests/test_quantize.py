@@ -271,8 +271,9 @@ def test_choose_group_size():
     assert choose_group_size(smol, 32) == 32
     with pytest.raises(LlmrunError, match=r"--group-size 128 .*576.*sizes that fit: 64, 32"):
         choose_group_size(smol, 128)
-    with pytest.raises(LlmrunError, match="multiple of 32"):
-        choose_group_size(smol, 48)
+    for bad in (48, 0, -32):  # named as what they are: 576 is a multiple of 48
+        with pytest.raises(LlmrunError, match=rf"--group-size {bad}: it must be a positive multiple of 32; .* 64, 32$"):
+            choose_group_size(smol, bad)
 
 
 def test_calibration_windows(tiny_tokenizer):
@@ -564,3 +565,14 @@ def test_awq_on_a_gpu_and_its_checkpoint_packed_there(tiny_source, tmp_path):
         packed.model.reference_ops = True  # the same planes through kernels.ref: dequantized in fp32, then matmul
         exact = packed.model(ids.cuda()).float().cpu()
     torch.testing.assert_close(got, exact, rtol=0, atol=1e-3 * exact.abs().max().item())
+
+
+def test_an_output_that_cannot_be_written_fails_before_the_work(tmp_path, monkeypatch):
+    import llmrun.quantize as q
+
+    monkeypatch.setattr(q, "_check_source", lambda files: pytest.fail("the model was opened before -o was checked"))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(LlmrunError, match="afile/sub: cannot write there"):
+        quantize("smollm2", tmp_path / "afile" / "sub", QuantizeOptions("rtn"))
+    with pytest.raises(LlmrunError, match="exists and is not an empty directory"):
+        quantize("smollm2", tmp_path / "afile", QuantizeOptions("rtn"))

@@ -314,11 +314,12 @@ def test_cli_json_schema_end_to_end(monkeypatch, capsys, tmp_path):
     assert code == 0 and re.fullmatch(r"[0-9]+\n", out), (out, err)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--json-schema", '{"type": "objec"}'], 'error: JSON schema (inline): Unsupported type "objec"'),
-    (["--regex", "(", "--grammar", "g.gbnf"], "error: --regex and --grammar each constrain the output; pass one of them"),
+@pytest.mark.parametrize("args,message,exit_code", [
+    (["--json-schema", '{"type": "objec"}'], 'error: JSON schema (inline): Unsupported type "objec"', 1),
+    (["--regex", "(", "--grammar", "g.gbnf"],
+     "error: --regex and --grammar each constrain the output; pass one of them (see: llmrun chat --help)", 2),
 ])
-def test_cli_bad_constraints_give_one_line_errors(monkeypatch, capsys, args, message):
+def test_cli_bad_constraints_give_one_line_errors(monkeypatch, capsys, args, message, exit_code):
     code, out, err = run_main(["chat", "-p", "hi", *args], monkeypatch, capsys)
-    assert code == 1 and out == ""
+    assert code == exit_code and out == ""
     assert err.strip() == message

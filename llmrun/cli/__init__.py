@@ -44,7 +44,7 @@ def main() -> None:
     from .options import expand_bare_options
 
     try:
-        code = app(args=expand_bare_options(sys.argv[1:]), standalone_mode=False)
+        code = app(args=expand_bare_options(sys.argv[1:]), prog_name="llmrun", standalone_mode=False)
     except _click_errors.NoArgsIsHelpError:
         code = 0  # bare `llmrun`: the help was the answer
     except _click_errors.UsageError as e:

@@ -1,7 +1,7 @@
 """`llmrun chat`: interactive multi-turn chat, or one turn with -p / piped stdin."""
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError, check_utf8
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
@@ -49,8 +49,13 @@ def chat(
         prompt = sys.stdin.read().strip()  # `echo Q |` adds a newline that -p Q does not have
         if not prompt:
             raise LlmrunError("stdin was empty; give a prompt with -p or type one interactively")
+    if prompt is not None and not prompt.strip():
+        raise LlmrunError("the prompt is empty")
     if json_out and prompt is None:
-        raise LlmrunError("--json needs a prompt (-p TEXT or stdin)")
+        raise UsageError("--json needs a prompt (-p TEXT or stdin)")
+    for text in (prompt, system):  # before the model loads
+        if text is not None:
+            check_utf8(text)
     saved = _check_files(save, load)  # before the model loads
     if saved is not None:
         if click_context.get_parameter_source("model").name == "DEFAULT":
@@ -76,6 +81,8 @@ def _check_files(save: Path | None, load: Path | None):
 
     saved = load_conversation(load) if load is not None else None
     if save is not None:
+        if save.is_dir():
+            raise LlmrunError(f"--save {save}: a directory; give a file name")
         if save.exists() and (load is None or save.resolve() != load.resolve()):
             raise LlmrunError(f"--save {save}: the file exists; continue it with --load {save} --save {save}, or choose another file")
         if not save.parent.is_dir():
@@ -96,6 +103,17 @@ class _Saving:
     model: str  # recorded in the file
     every_turn: Path | None = None  # --save: written after every turn
     last: Path | None = None  # where a bare /save writes: the last /save or /load FILE, else --save's or --load's
+    ours: set = field(default_factory=set)  # files this session loaded or wrote: /save may overwrite only these
+
+    def __post_init__(self):
+        self.ours.update(p.resolve() for p in (self.every_turn, self.last) if p is not None)
+
+    def claim(self, path: Path) -> None:
+        """`path` is a file /save may write: one this session loaded or wrote, or none at all yet."""
+        if path.is_dir():
+            raise LlmrunError(f"/save {path}: a directory; give a file name")
+        if path.exists() and path.resolve() not in self.ours:
+            raise LlmrunError(f"/save {path}: the file exists and is not this conversation's; /load it first, or choose another file")
 
     def write(self, conversation, path: Path) -> None:
         from llmrun.conversation import SavedConversation, save_conversation
@@ -196,6 +214,7 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
         conversation.reset()
         err.print(Text("conversation cleared", style="dim"))
     elif command == "/system":
+        check_utf8(arg)
         conversation.system = arg.strip() or None
         err.print(Text("system prompt " + ("set" if arg.strip() else "cleared"), style="dim"))
     elif command == "/stats":
@@ -205,8 +224,10 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
         if path is None:
             err.print(Text("/save FILE: no file saved or loaded yet to write to", style="yellow"))
         else:
+            saving.claim(path)
             saving.write(conversation, path)
             saving.last = path
+            saving.ours.add(path.resolve())
             err.print(Text(f"saved {_turns_text(conversation)} to {path}", style="dim"))
     elif command == "/load":
         if not arg.strip():
@@ -216,6 +237,7 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
         saved = load_conversation(path)
         conversation.messages, conversation.system = list(saved.messages), saved.system
         saving.last = path
+        saving.ours.add(path.resolve())
         held = "" if saved.model == saving.model else f" (saved with {saved.model}; continuing with {saving.model})"
         err.print(Text(f"loaded {_turns_text(conversation)} from {path}{held}", style="dim"))
     elif command == "/help":

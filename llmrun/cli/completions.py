@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 
 from . import app
 from .console import err, user_errors
@@ -50,8 +50,10 @@ def completion(
     write: Annotated[Optional[Path], typer.Option(metavar="DIR", file_okay=False, help=f"Write the three scripts into DIR instead ({', '.join(FILES.values())}).", show_default=False)] = None,
 ):
     """Print the shell completion script for SHELL (bash, zsh or fish); the README says where each goes."""
-    if (shell is None) == (write is None):
-        raise LlmrunError("give a SHELL (bash, zsh, fish) to print its script, or --write DIR for all three")
+    if shell is None and write is None:
+        raise UsageError("give a SHELL (bash, zsh, fish) to print its script, or --write DIR for all three")
+    if shell is not None and write is not None:
+        raise UsageError(f"--write {write} writes all three scripts; give it without a SHELL, or SHELL alone to print one")
     if shell is not None:
         sys.stdout.write(completion_script(shell.value))
         return

@@ -2,6 +2,7 @@
 status line."""
 
 import functools
+import importlib
 import io
 import os
 import sys
@@ -11,7 +12,10 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
+
+# click's context, or that of Typer's vendored copy of click (Typer >= 0.26)
+_current_context = importlib.import_module(sys.modules[typer.BadParameter.__module__].__package__ + ".globals").get_current_context
 
 # stdout carries only generated text and --json; everything else goes here.
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -38,6 +42,9 @@ def user_errors(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except UsageError as e:  # as the parser's own usage errors read
+            ctx = _current_context(silent=True)
+            fail(f"{e} (see: {ctx.command_path} --help)" if ctx else str(e), 2)
         except LlmrunError as e:
             fail(str(e))
         except KeyboardInterrupt:

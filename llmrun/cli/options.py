@@ -7,12 +7,14 @@ same flags, help and validation.
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
+from llmrun.bench import MAX_THREADS
 from llmrun.catalog import complete_model
 from llmrun.grammar import ANY_JSON, grammar_spec
 from llmrun.loading import DEFAULT_MODEL
@@ -93,7 +95,7 @@ _SAMPLING = [
     ("top_p", float, 0.95, typer.Option(max=1.0, help="Nucleus sampling: keep the smallest set reaching this probability (1: off).", rich_help_panel=SAMPLING)),
     ("min_p", float, 0.05, typer.Option(min=0.0, max=1.0, help="Drop tokens below MIN_P x the top token's probability (0: off).", rich_help_panel=SAMPLING)),
     ("repetition_penalty", float, 1.0, typer.Option(help="Penalty > 1 for tokens already in the context (1: off).", rich_help_panel=SAMPLING)),
-    ("seed", Optional[int], None, typer.Option(help="Random seed: the same seed gives the same output.", rich_help_panel=SAMPLING)),
+    ("seed", Optional[int], None, typer.Option(min=0, max=2**64 - 1, help="Random seed: the same seed gives the same output.", rich_help_panel=SAMPLING)),
     ("max_new_tokens", int, 512, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply.", rich_help_panel=SAMPLING)),
     ("stop", Optional[list[str]], None, typer.Option(help="Stop before this string (repeatable).", rich_help_panel=SAMPLING)),
 ]
@@ -107,7 +109,7 @@ _RUNTIME = [
     ("device", Device, Device.auto, typer.Option(help="Where to run: cuda when available, else cpu.", rich_help_panel=RUNTIME)),
     ("dtype", DType, DType.auto, typer.Option(help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).", rich_help_panel=RUNTIME)),
     ("weights", Weights, Weights.auto, typer.Option(help="auto: keep a quantized file packed and run it with llmrun's kernels where they exist; dequant: expand the weights to --dtype and run plain PyTorch; int4: also round the float matrices to 4-bit blocks of 32 at load (Q4_1's scheme; W4A16 on CUDA).", rich_help_panel=RUNTIME)),
-    ("threads", Optional[int], None, typer.Option(min=1, help="CPU threads (default: PyTorch's choice, one per core).", rich_help_panel=RUNTIME)),
+    ("threads", Optional[int], None, typer.Option(min=1, max=MAX_THREADS, help="CPU threads (default: PyTorch's choice, one per core).", rich_help_panel=RUNTIME)),
     ("ctx", Optional[int], None, typer.Option(min=16, help="Context length in tokens (default: the model's, at most 8192; for eval, the window: 512).", rich_help_panel=RUNTIME)),
     ("kv", KVFormat, KVFormat.auto, typer.Option(help="KV cache format: auto (the compute dtype), fp32/bf16/fp16, int8 (per token, 8.5 bits), int4 (KIVI: keys per channel, values per token, ~4.6 bits). Attention reads the quantized cache directly.", rich_help_panel=KV)),
     ("kv_evict", Optional[KVEvict], None, typer.Option(help="Bound the KV cache to --kv-budget tokens: window keeps --kv-sinks first tokens and the most recent (StreamingLLM); h2o also keeps the tokens that got the most attention (H2O). The conversation may then grow past the context.", rich_help_panel=KV)),
@@ -131,6 +133,9 @@ def _build(values: dict) -> RunOptions:
     if "temperature" not in values:  # a command without sampling options
         return RunOptions(None, values["device"].value, values["dtype"].value, values["ctx"],
                           values["weights"].value, values["threads"], **speculative)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if not math.isfinite(values[name]):
+            raise typer.BadParameter("must be a finite number", param_hint=f"'--{name.replace('_', '-')}'")
     if not 0.0 < values["top_p"] <= 1.0:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
     if values["repetition_penalty"] <= 0:

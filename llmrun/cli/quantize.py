@@ -6,12 +6,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import UsageError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
 from .console import err, model_source, progress_bar, user_errors
-from .options import Device, JsonFlag, ModelArg
+from .options import MAX_THREADS, Device, JsonFlag, ModelArg
 
 METHOD = "Method"
 CALIBRATION = "Calibration (--awq)"
@@ -47,7 +47,7 @@ def quantize_(
     seq_len: Annotated[Optional[int], typer.Option(min=16, help="Tokens per calibration window (default: 512, or the model's context if shorter).", rich_help_panel=CALIBRATION, show_default=False)] = None,
     seed: Annotated[int, typer.Option(help="Seed of the calibration windows and sampled rows.", rich_help_panel=CALIBRATION)] = 0,
     device: Annotated[Device, typer.Option(help="Where AWQ's search runs: cuda when available, else cpu.")] = Device.auto,
-    threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads (default: one per core).", show_default=False)] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, max=MAX_THREADS, help="CPU threads (default: one per core).", show_default=False)] = None,
     json_out: JsonFlag = False,
 ):
     """Quantize a model into an HF checkpoint: INT4 in AutoAWQ's GEMM layout (--awq, --rtn) or INT8 in GPTQ's (--int8), with config.json and the tokenizer files, loadable by llmrun, transformers and vLLM.
@@ -57,15 +57,15 @@ def quantize_(
     from llmrun.quantize import QuantizeOptions, quantize
 
     if awq + rtn + int8 > 1:
-        raise LlmrunError("choose one of --awq, --rtn and --int8")
+        raise UsageError("choose one of --awq, --rtn and --int8")
     method = "rtn" if rtn else "int8" if int8 else "awq"
     if bits is not None and bits != (8 if int8 else 4):
-        raise LlmrunError(f"--bits {bits}: --int8 writes 8-bit weights" if int8 else
+        raise UsageError(f"--bits {bits}: --int8 writes 8-bit weights" if int8 else
                           f"--bits {bits}: --{method} writes 4-bit weights (AWQ's layout); for 8 bits use --int8")
     calibration = {"--calib": calib, "--samples": samples, "--seq-len": seq_len}
     given = [flag for flag, value in calibration.items() if value is not None]
     if method != "awq" and given:
-        raise LlmrunError(f"{', '.join(given)}: calibration applies to --awq only")
+        raise UsageError(f"{', '.join(given)}: calibration applies to --awq only")
     if threads:
         import torch
 
@@ -81,7 +81,8 @@ def quantize_(
         err.print(f"note: {note}")
     stored = sum(f.stat().st_size for f in Path(result.out_dir).glob("*.safetensors"))
     grouping = "per channel" if result.group_size == -1 else f"group {result.group_size}"
-    err.print(f"wrote {result.out_dir}: {method.upper()} INT{result.bits}, {grouping} · {_mib(stored)} of weights · "
+    kind = "INT8" if method == "int8" else f"{method.upper()} INT{result.bits}"
+    err.print(f"wrote {result.out_dir}: {kind}, {grouping} · {_mib(stored)} of weights · "
               f"{result.seconds:.1f} s · peak memory {_mib(result.peak_memory_bytes)}")
     if result.awq_error_vs_rtn:
         ratios = ", ".join(f"{name} {ratio:.2f}" for name, ratio in result.awq_error_vs_rtn.items())
