@@ -160,6 +160,10 @@ def test_repl_saves_every_turn_and_runs_save_and_load(tmp_path):
         t.expect(PROMPT_MARK)
         t.send("/save")  # no FILE: the last file loaded
         assert f"saved 2 turns to {copy}" in t.expect(PROMPT_MARK)
+        t.send(f"/save {bad}")  # a file this session neither loaded nor wrote is left alone
+        assert "not this conversation's" in t.expect(PROMPT_MARK) and bad.read_text() == "not json"
+        t.send(f"/save {tmp_path}")
+        assert "a directory" in t.expect(PROMPT_MARK)
         t.proc.kill()  # even killed, it has lost nothing: each turn was on disk before the next prompt
         assert t.wait() == -signal.SIGKILL
         assert "Traceback" not in t.text()

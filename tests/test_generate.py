@@ -148,3 +148,18 @@ def test_sampling_is_seeded(engine, smollm2):
     b = "".join(engine.generate(prompt, params))
     c = "".join(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=16, seed=4)))
     assert a == b and a != c
+
+
+def test_a_model_whose_output_is_not_finite_is_one_error(tmp_path):
+    """Corrupt weights (here a NaN in the final norm) show in the prompt's logits: one error, not empty output."""
+    from llmrun.errors import LlmrunError
+    from llmrun.loading import load_model
+
+    from .tiny import CONFIGS, random_model, write_hf_dir
+
+    model = random_model(CONFIGS["llama"])
+    model.norm.weight.data[3] = float("nan")
+    engine = Engine(load_model(str(write_hf_dir(tmp_path / "m", model)), "cpu", "fp32"), 64)
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8)):
+        with pytest.raises(LlmrunError, match="not finite"):
+            list(engine.generate([1, 2, 3], params))
