@@ -380,7 +380,7 @@ def compare_rows(files, settings: Settings, figures: dict, workload, progress) -
     eager = dataclasses.replace(settings, weights="dequant")
     config = f"{eager.dtype} --weights dequant (plain PyTorch)"
     progress("compare: llmrun eager (--weights dequant)")
-    if eager == settings:
+    if eager == settings or (settings.weights == "auto" and figures.get("weights_loaded") == "dequant"):
         rows.append(peers.row("llmrun eager", config, version=__version__,
                               skipped="skipped: the configured run is already the eager path (--weights dequant)"))
     else:

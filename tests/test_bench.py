@@ -444,6 +444,8 @@ def test_compare_measures_the_compiled_baseline(cli, tiny_gguf, monkeypatch, fai
 
 def test_compare_table_and_eager_skip(cli, tiny_hf, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
+    # a float model under --weights auto runs the eager path too: not measured twice
+    assert "already the eager path" in ok(cli(tiny_hf, *FAST, "--compare")).stderr
     result = ok(cli(tiny_hf, *FAST, "--compare", "--weights", "dequant"))
     assert "already the eager path" in result.stderr
     assert "llama.cpp reads GGUF files" in result.stderr  # installed or not: this model is safetensors

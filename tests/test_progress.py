@@ -1,4 +1,5 @@
-"""Progress on long waits: a transient Rich bar on a terminal, nothing when stderr is a pipe or a file;
+"""Progress on long waits: a transient Rich bar on a terminal; when stderr is a pipe or a file, nothing for a short
+wait and a line every 30 s for a long one;
 huggingface_hub's download bars likewise; `llmrun bench` counts its measurement points."""
 
 import io
@@ -46,6 +47,13 @@ def test_the_bar_draws_on_a_terminal_and_vanishes(monkeypatch):
 
 def test_no_bar_when_stderr_is_not_a_terminal(monkeypatch):
     assert _drawn(monkeypatch, terminal=False) == ""
+
+
+def test_a_long_wait_reports_on_a_line_when_stderr_is_not_a_terminal(monkeypatch):
+    """A log gets a line every LOG_EVERY_S seconds of a wait (here 0: every update), never a bar."""
+    monkeypatch.setattr(console, "LOG_EVERY_S", 0.0)
+    assert _drawn(monkeypatch, terminal=False).splitlines() == [
+        "loading tiny: 0/4 after 0 s", "loading tiny: 3/4 after 0 s (layers.1.attn.q.weight)"]
 
 
 def test_hub_bars_only_for_a_person_watching(monkeypatch):

@@ -44,7 +44,7 @@ def bench(
     sweep: Annotated[bool, typer.Option("--sweep", help="Measure a grid of configurations (dtype x weights by default) and recommend one for --goal.", rich_help_panel=MODES)] = False,
     axis: Annotated[Optional[list[str]], typer.Option(metavar="NAME=V1,V2", help="Sweep these values of an axis (dtype, weights, threads); repeatable.", rich_help_panel=MODES, show_default=False)] = None,
     goal: Annotated[Optional[Goal], typer.Option(help="What the sweep ranks by: latency (decode tok/s), memory (peak), quality (KL to fp32). Default: latency.", rich_help_panel=MODES, show_default=False)] = None,
-    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Draw the sweep (needs matplotlib: pip install 'llmrun[plot]').", rich_help_panel=MODES, show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Draw the sweep (needs matplotlib: pip install 'llmrun\\[plot]').", rich_help_panel=MODES, show_default=False)] = None,
     temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature of the runs with --ngram/--draft (0: greedy; above 0: the default top-k, top-p and min-p, timed run i with seed i).", rich_help_panel=SPECULATIVE)] = 0.0,
     json_out: JsonFlag = False,
     *,

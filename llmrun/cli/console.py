@@ -19,6 +19,9 @@ _current_context = importlib.import_module(sys.modules[typer.BadParameter.__modu
 
 # stdout carries only generated text and --json; everything else goes here.
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+if not err.is_terminal and "COLUMNS" not in os.environ:
+    err.width = 200  # a log or a pipe: tables as wide as their cells, not cut at 80 columns
+LOG_EVERY_S = 30.0  # with stderr not a terminal, a long wait reports its progress on a line this often
 
 
 def fail(message: str, code: int = 1):
@@ -70,7 +73,7 @@ def progress_bar(description: str):
     None while unknown, `what` the step under way (shown after the times). When stderr is not a terminal, nothing
     is drawn and `update` does nothing."""
     if not err.is_terminal:
-        yield lambda done, total, what="": None
+        yield _progress_lines(description)
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -79,6 +82,24 @@ def progress_bar(description: str):
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(description, total=None, what="")
         yield lambda done, total, what="": bar.update(task, completed=done, total=total, what=what)
+
+
+def _progress_lines(description: str):
+    """`progress_bar`'s `update` for a log: nothing for a short wait; a line every LOG_EVERY_S seconds for a long
+    one (an AWQ search runs for an hour)."""
+    import time
+
+    start = last = time.monotonic()
+
+    def update(done, total, what=""):
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= LOG_EVERY_S:
+            last = now
+            count = f"{done}/{total}" if total else str(done)
+            err.print(f"{description}: {count} after {now - start:.0f} s" + (f" ({what})" if what else ""))
+
+    return update
 
 
 def hub_bars(watched: bool) -> None:
