@@ -228,6 +228,9 @@ def test_corrupt_safetensors(cli, hf_dir, weights, names):
         (["--draft-tokens", "0", "--ngram", "3"], ["--draft-tokens"]),
         (["--kv-evict", "window", "--kv-budget", "64", "--kv-sinks", "100"], ["--kv-budget 64"]),
         (["--regex", "a+", "--json-schema", "{}"], ["--regex"]),
+        (["--draft-tokens", "4"], ["--draft-tokens", "add --ngram or --draft"]),
+        (["--fixed-k"], ["--fixed-k", "add --ngram or --draft"]),
+        (["--draft", ""], ["--draft", "empty"]),
     ],
 )
 def test_usage_error(cli, options, names):

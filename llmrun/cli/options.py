@@ -122,6 +122,7 @@ _SPECULATIVE = [
     ("draft_tokens", int, 8, typer.Option(min=1, max=32, help="Most draft tokens verified per step (K).", rich_help_panel=SPECULATIVE)),
     ("adaptive", bool, True, typer.Option("--adaptive/--fixed-k", help="Choose K each step from the measured acceptance and costs, drafting nothing when it does not pay; --fixed-k always drafts --draft-tokens.", rich_help_panel=SPECULATIVE)),
 ]
+_DEFAULTS = {name: default for name, _, default, _ in _SPECULATIVE}
 DEFAULT_CTX_CAP = 8192  # a 128k-context model would otherwise preallocate gigabytes of KV cache
 
 
@@ -129,6 +130,13 @@ def _build(values: dict) -> RunOptions:
     from llmrun.sampling import SamplingParams
 
     speculative = {name: values[name] for name, *_ in _SPECULATIVE if name in values}
+    if "draft" in values:
+        if values["draft"] is not None and not values["draft"].strip():
+            raise typer.BadParameter("is empty; give a model, or 'self'", param_hint="'--draft'")
+        if values["draft"] is None and values["ngram"] is None:  # tuning options of a drafter that is not there
+            for name, flag in (("draft_tokens", "--draft-tokens"), ("adaptive", "--fixed-k")):
+                if values[name] != _DEFAULTS[name]:
+                    raise typer.BadParameter("has no effect without a drafter: add --ngram or --draft", param_hint=f"'{flag}'")
     speculative.update(kv=None if values["kv"] is KVFormat.auto else values["kv"].value, eviction=_eviction(values))
     if "temperature" not in values:  # a command without sampling options
         return RunOptions(None, values["device"].value, values["dtype"].value, values["ctx"],
