@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.catalog import complete_model
-from llmrun.errors import LlmrunError, UsageError
+from llmrun.errors import LlmrunError
 from llmrun.loading import DEFAULT_MODEL
 from llmrun.shapes import SHAPES
 from llmrun.workloads import KINDS
