@@ -221,7 +221,7 @@ class Generation:
         self.engine, self.prompt, self.params = engine, prompt, params
         # "interrupted" until the loop ends on its own (also when it is closed before it starts)
         self.stats = GenerationStats(prompt_tokens=len(prompt), context_max=engine.cache.max_len,
-                                     finish_reason="interrupted")
+                                     context_used=engine.cache.length, finish_reason="interrupted")
         self.token_ids: list[int] = []
         self.text = ""
         self._last_step = None  # (drafting, tokens proposed, accepted) of the latest _step

@@ -400,7 +400,8 @@ def test_random_weights_run(cli):
 def test_compare_with_peers_missing(cli, tiny_gguf, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
     monkeypatch.setitem(sys.modules, "transformers", None)
-    doc = ok(cli(tiny_gguf, *FAST, "--compare", "--json")).json()
+    # --weights int4: packed, so that the eager row is another configuration (an F32 GGUF under auto already is it)
+    doc = ok(cli(tiny_gguf, *FAST, "--weights", "int4", "--compare", "--json")).json()
     check_schema(doc)
     rows = {r["name"]: r for r in doc["compare"]}
     assert list(rows) == ["llmrun", "llmrun eager", "llama.cpp", "transformers"]

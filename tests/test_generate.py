@@ -163,3 +163,11 @@ def test_a_model_whose_output_is_not_finite_is_one_error(tmp_path):
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8)):
         with pytest.raises(LlmrunError, match="not finite"):
             list(engine.generate([1, 2, 3], params))
+
+
+def test_a_reply_interrupted_before_it_starts_reports_the_context_it_found(smollm2):
+    """Ctrl-C can land before the reply's first step: its status line still shows the earlier turns' context."""
+    engine = Engine(smollm2, 64)
+    list(engine.generate([1, 2, 3, 4], SamplingParams(temperature=0, max_new_tokens=3)))
+    reply = engine.generate([1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_new_tokens=3))
+    assert reply.stats.context_used == len(engine.tokens) > 0 and reply.stats.finish_reason == "interrupted"
