@@ -231,6 +231,7 @@ def test_corrupt_safetensors(cli, hf_dir, weights, names):
         (["--draft-tokens", "4"], ["--draft-tokens", "add --ngram or --draft"]),
         (["--fixed-k"], ["--fixed-k", "add --ngram or --draft"]),
         (["--draft", ""], ["--draft", "empty"]),
+        (["--kv-evict", "window", "--kv-budget", "200", "--ctx", "128"], ["--ctx 128", "--kv-budget"]),
     ],
 )
 def test_usage_error(cli, options, names):

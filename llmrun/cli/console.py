@@ -188,6 +188,9 @@ def open_engine(model: str, opts):
         import torch
 
         torch.set_num_threads(opts.threads)
+    if opts.eviction is not None and opts.ctx is not None:
+        raise UsageError(f"--ctx {opts.ctx} with --kv-evict: an evicting cache holds --kv-budget tokens and the"
+                         " conversation has no length limit; drop --ctx")
 
     def check_ctx(files):
         trained = files.config.max_seq_len
