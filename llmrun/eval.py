@@ -96,7 +96,7 @@ def read_text(spec: str) -> str:
     if "\x00" in text:
         raise LlmrunError(f"{path} looks binary (it holds NUL bytes); give a plain text file")
     if not text:
-        raise LlmrunError(f"{path} is empty; give a text to evaluate")
+        raise LlmrunError(f"{path} is empty; give a file with some text in it")
     return text.replace("\r\n", "\n")
 
 

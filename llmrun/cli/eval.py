@@ -134,7 +134,7 @@ def _table(doc: dict) -> Table:
     table = Table(title=f"{doc['model']} on {doc['text']['source']}", show_header=False)
     table.add_row("config", config(doc["config"]))
     table.add_row("tokens", f"{doc['text']['evaluated']:,} evaluated (of {doc['text']['tokens']:,} in the text)")
-    table.add_row("windows", f"{doc['windows']} of {doc['ctx']} tokens, stride {doc['stride']}")
+    table.add_row("windows", f"{doc['windows']} of up to {doc['ctx']} tokens, stride {doc['stride']}")
     table.add_row("perplexity", f"{doc['ppl']:.4f} (mean NLL {doc['nll']:.4f} nats)")
     table.add_row("time", f"{doc['seconds']:.1f} s · {doc['tok_s']:.0f} tok/s")
     if doc["kl"] is not None:
