@@ -71,7 +71,7 @@ def spinner(message: str):
 def progress_bar(description: str):
     """A transient progress bar on stderr while a person watches it. Yields `update(done, total, what="")`: `total`
     None while unknown, `what` the step under way (shown after the times). When stderr is not a terminal, nothing
-    is drawn and `update` does nothing."""
+    is drawn: a long wait writes a line now and then (`_progress_lines`)."""
     if not err.is_terminal:
         yield _progress_lines(description)
         return
