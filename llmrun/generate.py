@@ -194,9 +194,6 @@ class Engine:
         common = len(self.tokens)  # 0 if an evicting cache had to start over
         for i in range(common, len(prompt), self.prefill_chunk):
             logits = self.forward(prompt[i : i + self.prefill_chunk])
-        if not bool(torch.isfinite(logits).all()):  # once a prompt: corrupt weights show here, not as a token
-            hint = "" if self.loaded.dtype == torch.float32 else f", or {self.loaded.dtype} overflowed: try --dtype fp32"
-            raise LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")
         return logits, common
 
     def decode(self, token: int) -> torch.Tensor:
@@ -237,6 +234,10 @@ class Generation:
         rng = Randomness(params.seed, engine.device)
         t0 = time.perf_counter()
         logits, stats.reused_tokens = engine.prefill(self.prompt)
+        if not bool(torch.isfinite(logits).all()):  # once a reply: corrupt weights show here, not as a token
+            dtype = engine.loaded.dtype
+            hint = "" if dtype == torch.float32 else f", or {dtype} overflowed: try --dtype fp32"
+            raise LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")
         if spec is not None:
             spec.length.begin_reply()
             if not spec.length.hopeless:
