@@ -520,8 +520,7 @@ def _fused_name(name: str) -> tuple[str, int, int]:
 def _part_name(fused: str, index: int) -> str:
     """The checkpoint part `index` of fused tensor `fused`: (`layers.3.attn.qkv.weight`, 1) -> `layers.3.attn.k.weight`."""
     layer, module, kind = _LAYER_TENSOR.match(fused).groups()
-    part = next(p for p, (target, i, _) in _FUSED.items() if target == module and i == index)
-    return f"{layer}.{part}.{kind}"
+    return f"{layer}.{fused_parts(module)[index]}.{kind}"
 
 
 def _check_part(files: ModelFiles, cfg, fused: str, index: int, w) -> None:

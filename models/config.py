@@ -193,8 +193,6 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     )
 
 
-
-
 def config_to_hf(cfg: ModelConfig) -> dict:
     """The HF `config.json` fields of `cfg` (what `config_from_hf` reads back to an equal config)."""
     out = {
