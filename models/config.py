@@ -118,11 +118,22 @@ def _unsupported_architecture(name: str) -> UnsupportedModelError:
     )
 
 
-def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling | None:
+def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None]:
+    """RoPE's base and scaling: from `rope_parameters` (transformers >= 5 writes both there), else from
+    `rope_theta` and `rope_scaling`."""
+    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    rs = cfg.get(key)
+    if key == "rope_parameters":
+        if not isinstance(rs, dict) or any(isinstance(v, dict) for v in rs.values()):
+            raise UnsupportedModelError(f"config.json: unsupported rope_parameters {rs!r} (one set for every layer)")
+        theta = rs.get("rope_theta", cfg.get("rope_theta"))
+    else:
+        theta = cfg.get("rope_theta")
+    theta = 10000.0 if theta is None else _number(theta, "rope_theta", float)
     try:
-        return _rope_scaling_fields(rs)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelFormatError(f"config.json: invalid rope_scaling {rs!r} ({type(e).__name__}: {e})") from e
+        return theta, _rope_scaling_fields(rs)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ModelFormatError(f"config.json: invalid {key} {rs!r} ({type(e).__name__}: {e})") from e
 
 
 def _rope_scaling_fields(rs: dict | None) -> RopeScaling | None:
@@ -174,6 +185,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         sliding = None  # Qwen2 configs list a window they do not use
     if sliding is not None:
         sliding = _number(sliding, "sliding_window")
+    rope_theta, rope_scaling = _rope_from_hf(cfg)
     return ModelConfig(
         architecture=arch,
         vocab_size=need("vocab_size"),
@@ -184,12 +196,12 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         head_dim=need("head_dim", dim // max(n_heads, 1)),
         ffn_dim=need("intermediate_size"),
         norm_eps=need("rms_norm_eps", 1e-6, float),
-        rope_theta=need("rope_theta", 10000.0, float),
+        rope_theta=rope_theta,
         max_seq_len=need("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=qwen2 or bool(cfg.get("attention_bias", False)),
         sliding_window=sliding,
-        rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling")),
+        rope_scaling=rope_scaling,
     )
 
 

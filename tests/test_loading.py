@@ -2,6 +2,7 @@
 block dequantization, and config validation."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -102,6 +103,35 @@ def test_unsupported_architecture_and_options():
         config_from_hf({**base, "num_key_value_heads": 3})
 
 
+def test_rope_parameters_as_transformers_5_writes_them():
+    """transformers >= 5 writes RoPE's base and scaling into one `rope_parameters` block, with no `rope_theta` or
+    `rope_scaling` beside it."""
+    cfg = CONFIGS["llama3.1"]  # llama3 scaling
+    legacy = hf_config_json(cfg)
+    rope = {"rope_theta": 500000.0, **legacy.pop("rope_scaling")}
+    del legacy["rope_theta"]
+    read = config_from_hf({**legacy, "rope_parameters": rope})
+    assert read == replace(cfg, rope_theta=500000.0)
+    plain = {**legacy, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+    assert (config_from_hf(plain).rope_theta, config_from_hf(plain).rope_scaling) == (100000.0, None)
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn'"):
+        config_from_hf({**legacy, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="rope_parameters"):  # one set per attention type
+        config_from_hf({**legacy, "rope_parameters": {"full_attention": {"rope_theta": 1e6}}})
+    with pytest.raises(ModelFormatError, match="rope_parameters.*factor"):
+        config_from_hf({**legacy, "rope_parameters": {"rope_type": "linear"}})
+
+
+def test_rope_parameters_from_transformers_itself():
+    transformers = pytest.importorskip("transformers")  # installed locally for comparisons, not in CI
+    if not hasattr(transformers.LlamaConfig(), "rope_parameters"):
+        pytest.skip("transformers < 5 writes rope_theta and rope_scaling")
+    cfg = replace(CONFIGS["llama3.1"], n_heads=4)  # transformers wants hidden_size = heads x head_dim
+    written = transformers.LlamaConfig(**hf_config_json(cfg)).to_dict()
+    assert "rope_parameters" in written and "rope_theta" not in written
+    assert config_from_hf(written) == cfg
+
+
 @pytest.mark.parametrize("change, words", [
     ({"num_hidden_layers": 0}, ["layer count", "0"]),
     ({"num_hidden_layers": -1}, ["layer count", "-1"]),
@@ -113,6 +143,8 @@ def test_unsupported_architecture_and_options():
     ({"rope_theta": -1.0}, ["RoPE base"]),
     ({"head_dim": 15}, ["head size 15", "odd"]),
     ({"rope_scaling": {"rope_type": "linear"}}, ["rope_scaling", "factor"]),
+    ({"rope_scaling": "linear"}, ["rope_scaling", "'linear'"]),
+    ({"rope_parameters": {"rope_theta": "big"}}, ["rope_theta", "'big'"]),
 ])
 def test_invalid_config_values(change, words):
     """Whatever a config.json holds, a bad value is named, not a KeyError or TypeError from deep inside."""
