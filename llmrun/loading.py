@@ -456,6 +456,7 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = files.config
+    _check_layer_count(files)
     keep, notes = _packed_weights(files, weights, dev, dt)  # our tensor name -> planes' (bits, offsets)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -500,6 +501,18 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     model.eval().requires_grad_(False)
     model.reference_ops = weights == "dequant"  # the plain-PyTorch path, every op from kernels.ref
     return LoadedModel(files, model, dev, dt, "packed" if keep else "dequant", notes)
+
+
+def _check_layer_count(files: ModelFiles) -> None:
+    """A config whose layer count is not the weights' is said to be so, rather than a stray or missing tensor."""
+    if files.gguf is not None:
+        names, key = files.gguf.tensors, f"{files.gguf.metadata.get('general.architecture')}.block_count"
+    else:
+        names, key = [name for name, _ in _safetensors_headers(files.source.path)], "num_hidden_layers"
+    found = {int(m.group(1)) for name in names if (m := re.match(r"(?:model\.)?(?:layers|blk)\.(\d+)\.", name))}
+    if found and max(found) + 1 != files.config.n_layers:
+        raise ModelFormatError(f"{files.source.path}: {key} says {files.config.n_layers} layers, the weights have "
+                               f"{max(found) + 1}")
 
 
 # Checkpoints store these projections apart; the model holds each group as one matrix, rows concatenated.

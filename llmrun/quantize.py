@@ -326,6 +326,8 @@ def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, optio
             config.update({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})
             tok.save(tmp)
         config["torch_dtype"] = "float16"
+        if "dtype" in config:  # transformers >= 5 writes and reads this name
+            config["dtype"] = "float16"
         config["quantization_config"] = quantization_config
         config["llmrun"] = {"quantized_from": str(files.source.spec), "method": options.method,
                             **({"calibration": options.calib or "+".join(DEFAULT_CALIB), "samples": options.samples,

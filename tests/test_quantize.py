@@ -314,6 +314,17 @@ def tiny_tokenizer(tiny_source):
     return tokenizer_from_hf_dir(tiny_source[0])
 
 
+def test_the_output_config_names_one_dtype(tiny_source, tmp_path):
+    import shutil
+
+    source = shutil.copytree(tiny_source[0], tmp_path / "src")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))  # as transformers 5 writes it
+    quantize(str(source), tmp_path / "q", QuantizeOptions("rtn"), device="cpu")
+    written = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert (written["dtype"], written["torch_dtype"]) == ("float16", "float16")
+
+
 @pytest.mark.parametrize("method", ["awq", "rtn", "int8"])
 def test_a_checkpoint_reloads_close_to_the_float_model(tiny_source, tmp_path, method):
     from llmrun.loading import load_model
