@@ -312,7 +312,9 @@ def test_prompt_longer_than_the_context_with_json(cli):
 
 
 def test_ctx_beyond_what_the_model_was_trained_for(cli):
-    assert_one_error_line(cli("generate", "--ctx", "100000", "Hello"), "--ctx 100000", "8192")
+    assert_one_error_line(cli("generate", "--ctx", "100000", "Hello"), "--ctx 100000", "8192", code=2)
+    assert_one_error_line(cli("bench", "--ctx", "100000"), "--ctx 100000", "8192", code=2)
+    assert_one_error_line(cli("eval", "--ppl", "canterbury", "--ctx", "100000"), "--ctx 100000", "8192", code=2)
 
 
 # --- the error boundary itself ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.catalog import complete_model
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 from llmrun.loading import DEFAULT_MODEL
 from llmrun.shapes import SHAPES
 from llmrun.workloads import KINDS
@@ -70,7 +70,7 @@ def bench(
         err.print(Text(f"warning: {warning}", style="yellow"))
     trained = files.config.max_seq_len
     if opts.ctx is not None and opts.ctx > trained:
-        raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+        raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
     workload = make_workload(
         files.tokenizer, kind=(kind or Kind.open).value, text=text,
         prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeat=repeat, warmup=warmup,

@@ -195,7 +195,7 @@ def open_engine(model: str, opts):
     def check_ctx(files):
         trained = files.config.max_seq_len
         if opts.ctx is not None and opts.ctx > trained:
-            raise LlmrunError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+            raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
 
     loaded = load_with_progress(model, opts, f"loading {model}", check=check_ctx)
     trained = loaded.config.max_seq_len
