@@ -268,6 +268,30 @@ def test_ctrl_c_in_one_turn_mode_exits_130():
     assert b"interrupted" in err
 
 
+def test_sigterm_in_one_turn_mode_keeps_and_saves_the_partial_reply(tmp_path):
+    saved = tmp_path / "c.json"
+    proc = subprocess.Popen(
+        [*LLMRUN, "chat", "-p", "Write a long story about a dragon.", "--temperature", "0", "-n", "400",
+         "--save", str(saved)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+    )
+    try:
+        assert select.select([proc.stdout], [], [], LOAD_S)[0], "no reply before the deadline"
+        begun = os.read(proc.stdout.fileno(), 4096).decode()
+        assert begun.strip()  # the story has begun
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert b"Traceback" not in err
+    messages = json.loads(saved.read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["content"].startswith(begun.strip()) and messages[1]["content"] == (begun + out.decode()).strip()
+
+
 # --- the interactive chat, in a pseudo-terminal ------------------------------------------------------------
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
@@ -405,6 +429,32 @@ def test_repl_multi_turn_reuses_the_kv_cache_and_runs_slash_commands(terminal):
     t.send("/exit")
     assert t.wait() == 0
     assert "Traceback" not in t.text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_repl_sigterm_or_sighup_saves_the_reply_under_way_and_gives_the_cursor_back(terminal, tmp_path, sig):
+    saved = tmp_path / "c.json"
+    t = terminal("chat", "--temperature", "0", "-n", "400", "--ctx", "1024", "--save", str(saved))
+    t.expect(PROMPT_MARK, timeout=LOAD_S)
+    t.send("Write a long story about a dragon.")
+    t.expect(b"\x1b[?25h")  # the spinner is gone: the reply is under way
+    t.proc.send_signal(sig)
+    assert t.wait() == 128 + sig
+    assert "Traceback" not in t.text()
+    assert t.output.count(b"\x1b[?25l") == t.output.count(b"\x1b[?25h")  # every hidden cursor shown again
+    messages = json.loads(saved.read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["content"]
+
+
+def test_repl_sigterm_while_thinking_gives_the_cursor_back(terminal):
+    t = terminal("chat", "--temperature", "0", "-n", "4", "--ctx", "4096")
+    t.expect(PROMPT_MARK, timeout=LOAD_S)
+    t.send("The quick brown fox jumps over the lazy dog. " * 150)  # a long prefill: the spinner stays a while
+    t.expect(b"thinking")
+    t.proc.send_signal(signal.SIGTERM)
+    assert t.wait() == 128 + signal.SIGTERM
+    assert "Traceback" not in t.text()
+    assert t.output.count(b"\x1b[?25l") == t.output.count(b"\x1b[?25h")
 
 
 def test_repl_ctrl_d_at_the_prompt_exits_0(terminal):

@@ -3,6 +3,7 @@ commands so `llmrun --help` stays instant."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -39,10 +40,29 @@ from . import bench, chat, completions, eval, generate, info, models, quantize  
 _click_errors = sys.modules[typer.BadParameter.__module__]
 
 
+class Terminated(BaseException):
+    """SIGTERM, or SIGHUP (the terminal closed): unwinds like Ctrl-C, so that the reply under way is kept (and
+    saved, with --save), the spinner gives the cursor back and the process exits 128 + the signal's number,
+    instead of dying in the middle of a write."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
 def main() -> None:
     """Entry point: usage errors become one `error:` line (exit 2) instead of a help panel."""
     from .options import expand_bare_options
 
+    replaced = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        number = getattr(signal, name, None)  # (no SIGHUP on Windows)
+        if number is not None and signal.getsignal(number) is signal.SIG_DFL:  # an ignored one (nohup) stays so
+            replaced[number] = signal.signal(number, _terminate)
     try:
         code = app(args=expand_bare_options(sys.argv[1:]), prog_name="llmrun", standalone_mode=False)
     except _click_errors.NoArgsIsHelpError:
@@ -56,4 +76,9 @@ def main() -> None:
         code = e.exit_code
     except (typer.Abort, KeyboardInterrupt):
         code = 130
+    except Terminated as e:
+        code = 128 + e.signum
+    finally:
+        for number, handler in replaced.items():  # (for a caller that goes on: the tests)
+            signal.signal(number, handler)
     sys.exit(code if isinstance(code, int) else 0)

@@ -143,7 +143,7 @@ def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool
             print_json_when_done(reply, conversation.engine, model=model)
         else:
             stream_to_stdout(reply)
-    except KeyboardInterrupt:  # keep the partial reply, as the chat does
+    except BaseException:  # Ctrl-C, SIGTERM, a closed terminal, a crash: keep the partial reply, as the chat does
         conversation.finish(reply)
         saving.after_turn(conversation)
         raise
@@ -193,6 +193,10 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
             stream_to_stdout(reply)
         except KeyboardInterrupt:
             sys.stdout.write("\n")
+        except BaseException:  # SIGTERM, a closed terminal, a crash: keep and save what there is, then go
+            conversation.finish(reply)
+            saving.after_turn(conversation)
+            raise
         conversation.finish(reply)
         last = reply
         if not quiet:
