@@ -21,32 +21,53 @@ class Conversation:
         self.params = params
         self.system = system
         self.messages: list[dict] = []  # user/assistant turns, without the system message
+        # The rendered conversation up to the end of the last reply, and the token ids that spell it as they were
+        # generated (what the cache holds); the reply under way's rendered prompt and ids
+        self._held: tuple[str, list[int]] | None = None
+        self._asked: tuple[str, list[int]] = ("", [])
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + messages
 
     def reset(self) -> None:
-        self.messages = []
+        self.messages, self._held = [], None
 
     def send(self, text: str) -> Generation:
         """Start the assistant's reply to `text`; iterate the result to stream it, then `finish` it."""
         check_utf8(text)  # here, so that an error points into the message rather than the rendered template
         messages = self.messages + [{"role": "user", "content": text}]
-        prompt = self.engine.tokenizer.encode_chat(self._with_system(messages))
-        room = self.engine.max_len - len(prompt)
-        if room < 1:
+        rendered = self.engine.tokenizer.render_chat(self._with_system(messages))
+        prompt = self._encode(rendered)
+        if len(prompt) >= self.engine.max_len:
             raise ContextOverflowError(
-                f"the conversation needs {len(prompt)} tokens but the context holds {self.engine.max_len};"
-                " /reset it or restart with a larger --ctx"
+                f"the conversation takes {len(prompt)} tokens and the context holds {self.engine.max_len}, leaving"
+                " no room for a reply; raise --ctx, or start over (/reset)"
             )
         self.messages = messages
+        self._asked = (rendered, prompt)
         return self.engine.generate(prompt, self.params)
+
+    def _encode(self, rendered: str) -> list[int]:
+        """The ids of the rendered conversation. Up to the end of the last reply they are the ids that reply was
+        generated as, which the cache holds: tokenizing its text again need not give them back (a constrained or
+        sampled reply can take a split the tokenizer would not make), and the cache would then be reused only up
+        to the reply. The rest is tokenized on its own where it begins with a control token (the template's end
+        of turn), so that no token could have spanned the join."""
+        tokenizer = self.engine.tokenizer
+        if self._held is not None and rendered.startswith(self._held[0]):
+            rest = tokenizer.encode(rendered[len(self._held[0]):], special=True, add_bos=False)
+            if rest and rest[0] in tokenizer.special_ids():
+                return self._held[1] + rest
+        return tokenizer.encode_rendered(rendered)
 
     def finish(self, reply: Generation) -> None:
         """Record the reply (also a partial one, after Ctrl-C). A reply interrupted before its first token
         takes its question back with it, so the conversation stays a sequence of answered turns."""
         if reply.text or reply.stats.finish_reason != "interrupted":
             self.messages.append({"role": "assistant", "content": reply.text})
+            rendered, prompt = self._asked
+            spelled = self.engine.tokenizer.decode(reply.token_ids) == reply.text  # not so past a stop string
+            self._held = (rendered + reply.text, prompt + reply.token_ids) if spelled else None
         else:
             self.messages.pop()
 

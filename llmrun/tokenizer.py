@@ -113,7 +113,10 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """The ids of a rendered chat template: its control tokens parsed, BOS added unless the text has it."""
         # Many templates write {{ bos_token }} themselves; adding another would double it.
         bos_text = self._piece_or_empty(self.bos_id)
         add_bos = self.add_bos and bool(bos_text) and not text.startswith(bos_text)

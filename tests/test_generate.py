@@ -54,6 +54,31 @@ def test_chat_turns_reuse_the_cache_and_match_a_fresh_engine(smollm2):
     assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_new_tokens=12, seed=5),  # sampled splits need not be the tokenizer's
+    SamplingParams(temperature=0, max_new_tokens=24, stop=(",", ".")),  # replies cut inside a token's text
+], ids=["sampled", "stop-strings"])
+def test_chat_prompts_spell_the_rendered_conversation(smollm2, params):
+    """A turn's prompt reuses the ids the last reply was generated as, so all of the last turn is reused; whatever
+    the ids are, they spell the rendered conversation. Where a stop string cut the reply's text, they are not used."""
+    chat = Conversation(Engine(smollm2, max_len=1024), params)
+    held, spelled_replies = None, 0
+    for question in ("Name three fruits, with commas.", "And three vegetables?", "Now three trees, please.",
+                     "Which is the tallest?"):
+        reply = chat.send(question)
+        rendered = smollm2.tokenizer.render_chat(chat._with_system(chat.messages))
+        assert smollm2.tokenizer.decode(reply.prompt) == rendered
+        "".join(reply)
+        if held is not None:
+            assert reply.stats.reused_tokens == held
+        chat.finish(reply)
+        spelled = smollm2.tokenizer.decode(reply.token_ids) == reply.text
+        fed = len(reply.token_ids) - (reply.stats.finish_reason == "length")  # a last token cut off is never fed
+        held = len(reply.prompt) + fed if spelled else None
+        spelled_replies += spelled
+    assert spelled_replies >= 1 if params.stop else spelled_replies == 4
+
+
 def test_system_prompt_change_recomputes_from_the_difference(smollm2):
     chat = Conversation(Engine(smollm2, max_len=512), GREEDY)
     r = chat.send("Hi")
