@@ -232,19 +232,18 @@ class Generation:
         self._constraint = None if engine.grammar is None else engine.grammar.start()
         self.stats.constrained = self._constraint is not None
         rng = Randomness(params.seed, engine.device)
-        t0 = time.perf_counter()
-        logits, stats.reused_tokens = engine.prefill(self.prompt)
-        if not bool(torch.isfinite(logits).all()):  # once a reply: corrupt weights show here, not as a token
-            dtype = engine.loaded.dtype
-            hint = "" if dtype == torch.float32 else f", or {dtype} overflowed: try --dtype fp32"
-            raise LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")
-        if spec is not None:
-            spec.length.begin_reply()
-            if not spec.length.hopeless:
-                spec.drafter.start(engine.tokens)
-        stats.prefill_s = time.perf_counter() - t0
-        t_first = None
-        try:
+        t0, t_first = time.perf_counter(), None
+        try:  # the prefill too: after Ctrl-C during it, `finally` still records where the cache stands
+            logits, stats.reused_tokens = engine.prefill(self.prompt)
+            if not bool(torch.isfinite(logits).all()):  # once a reply: corrupt weights show here, not as a token
+                dtype = engine.loaded.dtype
+                hint = "" if dtype == torch.float32 else f", or {dtype} overflowed: try --dtype fp32"
+                raise LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")
+            if spec is not None:
+                spec.length.begin_reply()
+                if not spec.length.hopeless:
+                    spec.drafter.start(engine.tokens)
+            stats.prefill_s = time.perf_counter() - t0
             if self._constraint is not None:
                 logits = self._constraint.constrain(logits)
             tokens = [sample(logits, params, rng.at(len(engine.tokens)), self._history())]

@@ -108,6 +108,27 @@ def test_interrupted_reply_keeps_a_consistent_conversation(smollm2):
     assert follow.stats.reused_tokens > 30
 
 
+def test_interrupted_prefill_leaves_figures_that_say_so(smollm2, monkeypatch):
+    from llmrun.cli.console import status_line
+    from llmrun.memory import memory_report
+
+    engine = Engine(smollm2, max_len=512)
+    prompt = smollm2.tokenizer.encode("word " * 100)
+    prefill = engine.prefill
+
+    def interrupted(ids):  # Ctrl-C once part of the prompt is in the cache
+        prefill(ids[:40])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "prefill", interrupted)
+    reply = engine.generate(prompt, GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        "".join(reply)
+    assert reply.stats.context_used == engine.cache.length == len(engine.tokens) == 40
+    line = status_line(reply.stats, memory_report(engine)).plain
+    assert "prefill interrupted" in line and "ctx 40/512" in line and "interrupted" in line
+
+
 def test_interrupt_before_the_first_token_drops_the_question(smollm2):
     chat = Conversation(Engine(smollm2, max_len=512), GREEDY)
     reply = chat.send("Hello")

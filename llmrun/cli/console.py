@@ -228,11 +228,14 @@ def status_line(stats, memory: dict) -> Text:
     """One line: speed, tokens, context, memory."""
     from llmrun.memory import human_bytes
 
+    prefill = "prefill interrupted"  # (Ctrl-C before it ended)
+    if stats.prefill_s:
+        prefill = f"prefill {stats.prefilled_tokens} @ {stats.prefill_tok_s:.0f} tok/s"
+        prefill += f" (+{stats.reused_tokens} cached)" if stats.reused_tokens else ""
     parts = [
         f"{stats.new_tokens} tok",
         f"{stats.decode_tok_s:.1f} tok/s",
-        f"prefill {stats.prefilled_tokens} @ {stats.prefill_tok_s:.0f} tok/s"
-        + (f" (+{stats.reused_tokens} cached)" if stats.reused_tokens else ""),
+        prefill,
         f"ctx {stats.context_used}/{stats.context_max}",
     ]
     if stats.draft_k is not None:  # speculative decoding
