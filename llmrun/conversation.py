@@ -128,4 +128,7 @@ def load_conversation(path: str | Path) -> SavedConversation:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise LlmrunError(f"{path}: message {i} is not {{\"role\": \"user\" or \"assistant\", \"content\": text}}")
+        if m["role"] != ROLES[i % 2]:
+            raise LlmrunError(f"{path}: message {i} is the {m['role']}'s; a conversation's messages alternate, the"
+                              " user's first")
     return SavedConversation(model, system, [{"role": m["role"], "content": m["content"]} for m in messages])

@@ -67,6 +67,10 @@ BAD_FILES = [
     (json.dumps(_doc([{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}])).encode(),
      "message 1 is not"),
     (json.dumps(_doc([{"role": "user", "content": 3}])).encode(), "message 0 is not"),
+    (json.dumps(_doc([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}])).encode(),
+     "message 0 is the assistant's; a conversation's messages alternate, the user's first"),
+    (json.dumps(_doc([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])).encode(),
+     "message 1 is the user's"),
 ]
 
 
@@ -164,6 +168,8 @@ def test_repl_saves_every_turn_and_runs_save_and_load(tmp_path):
         assert "not this conversation's" in t.expect(PROMPT_MARK) and bad.read_text() == "not json"
         t.send(f"/save {tmp_path}")
         assert "a directory" in t.expect(PROMPT_MARK)
+        t.send(f'/save "{tmp_path / "my chat.json"}"')  # quoted as a shell would need it
+        assert f"saved 2 turns to {tmp_path / 'my chat.json'}" in t.expect(PROMPT_MARK)
         t.proc.kill()  # even killed, it has lost nothing: each turn was on disk before the next prompt
         assert t.wait() == -signal.SIGKILL
         assert "Traceback" not in t.text()
@@ -173,4 +179,12 @@ def test_repl_saves_every_turn_and_runs_save_and_load(tmp_path):
     assert second["messages"][:2] == first["messages"]
     assert [m["content"] for m in second["messages"][::2]] == [QUESTION, "And of Italy?"]
     assert json.loads(copy.read_text()) == second
-    assert sorted(os.listdir(tmp_path)) == ["auto.json", "bad.json", "copy.json"]
+    assert sorted(os.listdir(tmp_path)) == ["auto.json", "bad.json", "copy.json", "my chat.json"]
+
+
+def test_save_and_load_without_a_file_are_errors():
+    from llmrun.cli.chat import _Saving, _slash
+
+    for line, message in (("/save", "/save needs a FILE"), ("/load  ", "/load needs a FILE")):
+        with pytest.raises(LlmrunError, match=message):  # the chat prints it as an `error:` line and goes on
+            _slash(line, None, None, _Saving("smollm2"))

@@ -212,6 +212,7 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
     from llmrun.conversation import load_conversation
 
     command, _, arg = line.partition(" ")
+    arg = arg.strip()
     if command in ("/exit", "/quit", "/bye"):
         return True
     if command == "/reset":
@@ -219,14 +220,14 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
         err.print(Text("conversation cleared", style="dim"))
     elif command == "/system":
         check_utf8(arg)
-        conversation.system = arg.strip() or None
-        err.print(Text("system prompt " + ("set" if arg.strip() else "cleared"), style="dim"))
+        conversation.system = arg or None
+        err.print(Text("system prompt " + ("set" if arg else "cleared"), style="dim"))
     elif command == "/stats":
         _print_stats(conversation, last)
     elif command == "/save":
-        path = Path(arg.strip()).expanduser() if arg.strip() else saving.last
+        path = _path(arg) if arg else saving.last
         if path is None:
-            err.print(Text("/save FILE: no file saved or loaded yet to write to", style="yellow"))
+            raise LlmrunError("/save needs a FILE: no file was saved or loaded yet to write to again")
         else:
             saving.claim(path)
             saving.write(conversation, path)
@@ -234,10 +235,9 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
             saving.ours.add(path.resolve())
             err.print(Text(f"saved {_turns_text(conversation)} to {path}", style="dim"))
     elif command == "/load":
-        if not arg.strip():
-            err.print(Text("/load FILE: which file?", style="yellow"))
-            return False
-        path = Path(arg.strip()).expanduser()
+        if not arg:
+            raise LlmrunError("/load needs a FILE")
+        path = _path(arg)
         saved = load_conversation(path)
         conversation.messages, conversation.system = list(saved.messages), saved.system
         saving.last = path
@@ -249,6 +249,13 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
     else:
         err.print(Text(f"unknown command {command}. {HELP}", style="yellow"))
     return False
+
+
+def _path(arg: str) -> Path:
+    """A slash command's FILE, which may be quoted as a shell would need it: '/save "my chat.json"'."""
+    if len(arg) > 1 and arg[0] == arg[-1] and arg[0] in "'\"":
+        arg = arg[1:-1]
+    return Path(arg).expanduser()
 
 
 def _print_stats(conversation, last) -> None:
