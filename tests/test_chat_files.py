@@ -89,12 +89,18 @@ def test_a_bad_file_is_one_error_line_before_the_model_loads(tmp_path, content, 
 
 
 def test_save_refuses_to_overwrite_a_conversation_it_did_not_load(tmp_path):
-    (tmp_path / "old.json").write_text("{}")
+    save_conversation(tmp_path / "old.json", SavedConversation("smollm2", None, []))
+    (tmp_path / "notes.txt").write_text("{}")
+    old = (tmp_path / "old.json").read_text()
     runner = CliRunner()
     result = runner.invoke(app, ["chat", "--save", str(tmp_path / "old.json"), "-p", "hi"])
     assert result.exit_code == 1
     assert "the file exists; continue it with --load" in result.stderr
-    assert (tmp_path / "old.json").read_text() == "{}"
+    assert (tmp_path / "old.json").read_text() == old
+    result = runner.invoke(app, ["chat", "--save", str(tmp_path / "notes.txt"), "-p", "hi"])
+    assert result.exit_code == 1
+    assert "the file exists (and is not a conversation); choose another file" in result.stderr
+    assert (tmp_path / "notes.txt").read_text() == "{}"
     result = runner.invoke(app, ["chat", "--save", str(tmp_path / "no" / "c.json"), "-p", "hi"])
     assert result.exit_code == 1 and "no directory" in result.stderr
 

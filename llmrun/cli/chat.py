@@ -84,6 +84,10 @@ def _check_files(save: Path | None, load: Path | None):
         if save.is_dir():
             raise LlmrunError(f"--save {save}: a directory; give a file name")
         if save.exists() and (load is None or save.resolve() != load.resolve()):
+            try:
+                load_conversation(save)
+            except LlmrunError:
+                raise LlmrunError(f"--save {save}: the file exists (and is not a conversation); choose another file") from None
             raise LlmrunError(f"--save {save}: the file exists; continue it with --load {save} --save {save}, or choose another file")
         if not save.parent.is_dir():
             raise LlmrunError(f"--save {save}: no directory {save.parent}")
