@@ -496,7 +496,10 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     missing += [_part_name(name, i) for name in sorted(parts) for i, w in enumerate(parts[name]) if w is None]
     if missing:
         names = ", ".join(_file_name(files, name) for name in missing[:4])
-        raise ModelFormatError(f"{files.source.path}: missing tensors {names}{' ...' if len(missing) > 4 else ''}")
+        hint = ""
+        if missing == ["lm_head.weight"] and files.gguf is None:  # transformers reads an absent key as false too
+            hint = " (a model whose head is its embedding says so: tie_word_embeddings true in config.json)"
+        raise ModelFormatError(f"{files.source.path}: missing tensors {names}{' ...' if len(missing) > 4 else ''}{hint}")
     model.load_state_dict(state, assign=True)
     model.eval().requires_grad_(False)
     model.reference_ops = weights == "dequant"  # the plain-PyTorch path, every op from kernels.ref

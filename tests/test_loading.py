@@ -208,6 +208,15 @@ def test_gguf_block_count_against_its_tensors(tmp_path):
         load_model(str(path), device="cpu", dtype="fp32")
 
 
+def test_an_untied_config_without_a_head_says_what_ties_it(tmp_path):
+    path = write_hf_dir(tmp_path / "m", random_model(CONFIGS["smollm2"]))  # tied: no lm_head.weight in the file
+    config = json.loads((path / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFormatError, match="missing tensors lm_head.weight .*tie_word_embeddings true"):
+        load_model(str(path), device="cpu", dtype="fp32")
+
+
 def test_missing_shard(tmp_path):
     path = write_hf_dir(tmp_path / "m", random_model(CONFIGS["llama"]))
     weight_map = {"model.norm.weight": "model.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}
