@@ -342,7 +342,7 @@ def test_plot_without_matplotlib(cli, monkeypatch, tmp_path):
 def test_prompt_and_new_tokens_must_fit_the_context(cli, tiny_gguf):
     assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "260", "holds 256", "--ctx", code=1)
     assert_one_error_line(cli(tiny_gguf, "--ctx", "64", "--prompt-tokens", "60", "--new-tokens", "8"), "holds 64", code=1)
-    assert_one_error_line(cli(tiny_gguf, "--ctx", "4096"), "--ctx 4096", "256", code=1)
+    assert_one_error_line(cli(tiny_gguf, "--ctx", "4096"), "--ctx 4096", "256", code=2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="there is a CUDA device")

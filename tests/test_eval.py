@@ -245,7 +245,7 @@ def bad_inputs(tmp_path_factory, tiny):
     (["--ppl", "{text}", "--stride", "17", "--ctx", "16"], 2, ["17 is not between 1 and the window --ctx 16"]),
     (["--ppl", "{text}", "--stride", "300"], 2, ["300 is not between 1 and the window --ctx 256"]),  # the tiny model's
     (["--ppl", "{text}", "--ctx", "8"], 2, ["'--ctx'"]),
-    (["--ppl", "{text}", "--ctx", "1000"], 1, ["--ctx 1000 exceeds the 256 tokens"]),
+    (["--ppl", "{text}", "--ctx", "1000"], 2, ["--ctx 1000 exceeds the 256 tokens"]),
     (["--ppl", "{text}", "--kl-vs", ""], 2, ["'--kl-vs'", "'' is not key=value"]),
     (["--ppl", "{text}", "--kl-vs", "dtype"], 2, ["'dtype' is not key=value", "e.g. --kl-vs dtype=fp32"]),
     (["--ppl", "{text}", "--kl-vs", "dtype="], 2, ["'dtype=' is not key=value"]),
