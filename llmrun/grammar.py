@@ -15,9 +15,12 @@ distribution (temperature > 0), whatever the tokenizer does at the boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,12 +77,12 @@ def _read(option: str, name: str) -> str:
     if name == "-":
         if sys.stdin.isatty():
             raise LlmrunError(f"{option} - reads stdin, but stdin is a terminal; pipe the text in or name a file")
-        return sys.stdin.read()
+        return sys.stdin.read().removeprefix("\ufeff")
     path = Path(name)
     if not path.is_file():
         raise LlmrunError(f"{option} {name}: no such file")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not text)
     except (OSError, UnicodeDecodeError) as e:
         raise LlmrunError(f"{option} {name}: cannot read it ({e})") from None
 
@@ -87,9 +90,11 @@ def _read(option: str, name: str) -> str:
 class Grammar:
     """A grammar compiled for one tokenizer; `start()` gives the state for one reply."""
 
-    def __init__(self, spec: GrammarSpec, compiled, vocab_size: int, jump_forward: bool = True):
+    def __init__(self, spec: GrammarSpec, compiled, vocab_size: int, jump_forward: bool = True,
+                 warnings: tuple[str, ...] = ()):
         self.spec = spec
         self.compiled = compiled
+        self.warnings = warnings  # what xgrammar said it does not enforce (a keyword, an anchor), for the user
         self.vocab_size = vocab_size
         self.jump_forward = jump_forward
         self.luts: dict = {}  # device -> (256, 8) fp32 additive masks, shared by every reply (`Constraint.apply`)
@@ -108,17 +113,39 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     # One thread: a compile takes milliseconds, and a pool of xgrammar threads fighting the decode kernels' own
     # threads for the cores measured 100x slower decoding on a 2-core machine.
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1)
+    said: list[str] = []
     try:
-        if spec.kind == "json":
-            schema = "{}" if spec.source == ANY_JSON else spec.source
-            compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
-        elif spec.kind == "regex":
-            compiled = compiler.compile_regex(spec.source)
-        else:
-            compiled = compiler.compile_grammar(spec.source)
+        with _stderr_lines(said):
+            if spec.kind == "json":
+                schema = "{}" if spec.source == ANY_JSON else spec.source
+                compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.source)
+            else:
+                compiled = compiler.compile_grammar(spec.source)
     except RuntimeError as e:
         raise LlmrunError(f"{spec.describe()}: {_xgrammar_message(e)}") from None
-    return Grammar(spec, compiled, vocab_size, jump_forward)
+    except UnicodeDecodeError:  # xgrammar's message quoted part of a character
+        raise LlmrunError(f"{spec.describe()}: does not compile (xgrammar's message about it is not text)") from None
+    warnings = [m.group(1) for line in said if (m := re.search(r"Warning: (.*)", line))]
+    return Grammar(spec, compiled, vocab_size, jump_forward, tuple(dict.fromkeys(warnings)))
+
+
+@contextlib.contextmanager
+def _stderr_lines(lines: list[str]):
+    """Collect into `lines` what is written to file descriptor 2 meanwhile: xgrammar's C++ writes its warnings
+    there (a keyword or an anchor it ignores), as raw log lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines += f.read().decode("utf-8", "replace").splitlines()
 
 
 def _xgrammar():
@@ -189,6 +216,8 @@ class Constraint:
         t0 = time.perf_counter()
         bitmask = self._xgr.allocate_token_bitmask(len(drafts) + 1, self.grammar.vocab_size)
         self.matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask[0].any()):
+            raise LlmrunError(f"{self.grammar.spec.describe()} allows nothing to follow here (the reply took a branch that matches no text)")
         n = 0
         while n < len(drafts) and _allowed(bitmask[n], drafts[n]) and self.matcher.accept_token(drafts[n]):
             n += 1
@@ -196,6 +225,10 @@ class Constraint:
                 bitmask[n] = -1
                 break
             self.matcher.fill_next_token_bitmask(bitmask, n)
+            if not bool(bitmask[n].any()):  # a dead end (a branch that matches nothing): refuse the draft into it
+                self.matcher.rollback(1)
+                n -= 1
+                break
         self.matcher.rollback(n)
         self.seconds += time.perf_counter() - t0
         return bitmask[: n + 1], n
@@ -234,7 +267,10 @@ class Constraint:
         if not self.grammar.jump_forward or limit <= 0:
             return []
         t0 = time.perf_counter()
-        text = self.matcher.find_jump_forward_string()
+        try:
+            text = self.matcher.find_jump_forward_string()
+        except UnicodeDecodeError:  # the state is inside a character (its first bytes sampled): nothing to force
+            text = ""
         self.seconds += time.perf_counter() - t0
         return tokenizer.encode(text, special=False, add_bos=False)[:limit] if text else []
 

@@ -92,6 +92,37 @@ def test_sampled_replies_match_their_regex(engine, pattern):
         assert reply.stats.finish_reason == "stop" and re.fullmatch(pattern, text), text
 
 
+@pytest.mark.parametrize("spec, pattern", [
+    (grammar_spec(json_schema='{"const": "é"}'), '"é"'),  # forced text after a character's first bytes
+    (grammar_spec(json_schema='{"type": "object", "properties": {"ñandú": {"const": 100}}, "required": ["ñandú"]}'),
+     r'\{"ñandú": 100\}'),
+    (grammar_spec(regex="ñandú [0-9]"), "ñandú [0-9]"),
+    (grammar_spec(regex="[😀-😂]{2}"), "[😀-😂]{2}"),
+], ids=["const", "key", "regex", "emoji"])
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_non_ascii_constraints(engine, spec, pattern, jump_forward):
+    for seed in range(2):
+        reply, text = _reply(engine, "Is it?", spec, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=30),
+                             jump_forward=jump_forward)
+        assert reply.stats.finish_reason == "stop" and re.fullmatch(pattern, text), text
+
+
+@pytest.mark.parametrize("pattern", [r"[^\s\S]", r"ab[^\s\S]"])
+def test_a_constraint_with_nothing_to_follow_is_one_error(engine, pattern):
+    with pytest.raises(LlmrunError, match="allows nothing to follow here"):
+        _reply(engine, "Is it?", grammar_spec(regex=pattern), SamplingParams(temperature=0, max_new_tokens=10))
+    engine.grammar = None
+
+
+def test_what_xgrammar_does_not_enforce_is_a_warning(smollm2):
+    schema = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.25}}}
+    grammar = compile_grammar(_json_spec(schema), smollm2.tokenizer, smollm2.config.vocab_size)
+    assert any("multipleOf" in w for w in grammar.warnings), grammar.warnings
+    grammar = compile_grammar(grammar_spec(regex="(ab|cd)$x"), smollm2.tokenizer, smollm2.config.vocab_size)
+    assert any("'$'" in w and "ignored" in w for w in grammar.warnings), grammar.warnings
+    assert compile_grammar(_json_spec(PERSON), smollm2.tokenizer, smollm2.config.vocab_size).warnings == ()
+
+
 EBNF = r'''
 root ::= item (", " item)? (", " item)? (", " item)? "."
 item ::= quantity " " fruit
@@ -269,6 +300,13 @@ def test_a_raw_vocabulary_is_read_as_its_own_text(tmp_path):
 
 
 # --- options and errors ----------------------------------------------------------------------------------------
+
+
+def test_a_grammar_file_with_a_byte_order_mark(smollm2, tmp_path):
+    (tmp_path / "bom.gbnf").write_bytes(b'\xef\xbb\xbfroot ::= "yes" | "no"')
+    spec = grammar_spec(grammar=str(tmp_path / "bom.gbnf"))
+    assert spec.source == 'root ::= "yes" | "no"'
+    compile_grammar(spec, smollm2.tokenizer, smollm2.config.vocab_size)
 
 
 def test_grammar_spec_reads_inline_files_and_the_any_keyword(tmp_path):

@@ -208,6 +208,8 @@ def open_engine(model: str, opts):
         from llmrun.grammar import compile_grammar
 
         engine.grammar = compile_grammar(opts.grammar, engine.tokenizer, engine.model.config.vocab_size, opts.jump_forward)
+        for warning in engine.grammar.warnings:
+            err.print(Text(f"warning: {engine.grammar.spec.describe()}: {warning} (not enforced)", style="yellow"))
     return engine
 
 
