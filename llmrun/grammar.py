@@ -48,14 +48,16 @@ class GrammarSpec:
 
 def grammar_spec(json_schema: str | None = None, regex: str | None = None, grammar: str | None = None) -> GrammarSpec | None:
     """The constraint the CLI options ask for, with files and stdin read. `json_schema`: a file, '-' (stdin),
-    inline JSON (starting with '{') or ANY_JSON; `grammar`: an EBNF/GBNF file or '-'."""
+    inline JSON (`{...}`, or what is not a file and parses: `true`) or ANY_JSON; `grammar`: an EBNF/GBNF file or
+    '-'."""
     given = [name for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if value is not None]
     if len(given) > 1:
         raise UsageError(f"{' and '.join(given)} each constrain the output; pass one of them")
     if json_schema is not None:
         if json_schema == ANY_JSON:
             return GrammarSpec("json", ANY_JSON, "any")
-        if json_schema.lstrip().startswith("{"):
+        if json_schema.lstrip().startswith("{") or (json_schema != "-" and not Path(json_schema).is_file()
+                                                     and _is_json(json_schema)):
             text, origin = json_schema, "(inline)"
         else:
             text, origin = _read("--json-schema", json_schema), json_schema
@@ -71,6 +73,14 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
     if grammar is not None:
         return GrammarSpec("ebnf", _read("--grammar", grammar), grammar)
     return None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _read(option: str, name: str) -> str:

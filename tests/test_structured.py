@@ -309,11 +309,15 @@ def test_a_grammar_file_with_a_byte_order_mark(smollm2, tmp_path):
     compile_grammar(spec, smollm2.tokenizer, smollm2.config.vocab_size)
 
 
-def test_grammar_spec_reads_inline_files_and_the_any_keyword(tmp_path):
+def test_grammar_spec_reads_inline_files_and_the_any_keyword(tmp_path, monkeypatch):
     path = tmp_path / "s.json"
     path.write_text(json.dumps(PERSON))
     assert grammar_spec(json_schema=str(path)).source == json.dumps(PERSON)
     assert grammar_spec(json_schema='{"type": "integer"}').origin == "(inline)"
+    assert grammar_spec(json_schema="true").origin == "(inline)"  # JSON, though not an object
+    (tmp_path / "true").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert grammar_spec(json_schema="true").source == "{}"  # a file of that name wins
     assert grammar_spec(json_schema=ANY_JSON).describe() == "any JSON"
     assert grammar_spec() is None
 
