@@ -227,7 +227,8 @@ class Constraint:
         bitmask = self._xgr.allocate_token_bitmask(len(drafts) + 1, self.grammar.vocab_size)
         self.matcher.fill_next_token_bitmask(bitmask, 0)
         if not bool(bitmask[0].any()):
-            raise LlmrunError(f"{self.grammar.spec.describe()} allows nothing to follow here (the reply took a branch that matches no text)")
+            raise LlmrunError(f"{self.grammar.spec.describe()} allows nothing to follow here (the reply took a branch"
+                              " that matches no text)")
         n = 0
         while n < len(drafts) and _allowed(bitmask[n], drafts[n]) and self.matcher.accept_token(drafts[n]):
             n += 1
