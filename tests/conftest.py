@@ -80,8 +80,8 @@ def smollm2_dequant():
     return load_model("smollm2", device="cpu", dtype="fp32", weights="dequant")
 
 
-def run_main(args, monkeypatch, capsys, cwd=None) -> tuple[int, str, str]:
-    """`llmrun ARGS` through the entry point, in-process, with an empty stdin -> (exit code, stdout, stderr).
+def run_main(args, monkeypatch, capsys, cwd=None, stdin: str = "") -> tuple[int, str, str]:
+    """`llmrun ARGS` through the entry point, in-process, with `stdin` (a pipe) -> (exit code, stdout, stderr).
     An exception escaping `main()` is written to stderr as the interpreter would (a traceback, exit code 1)."""
     import io
     import sys
@@ -92,7 +92,7 @@ def run_main(args, monkeypatch, capsys, cwd=None) -> tuple[int, str, str]:
     if cwd is not None:
         monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", ["llmrun", *map(str, args)])
-    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     capsys.readouterr()
     code, escaped = 0, ""
     try:

@@ -212,6 +212,7 @@ def test_corrupt_safetensors(cli, hf_dir, weights, names):
     "options, names",
     [
         (["--temperature", "-1"], ["--temperature"]),
+        (["--stop", ""], ["--stop", "empty stop string"]),
         (["--top-p", "0"], ["--top-p"]),
         (["--top-p", "1.5"], ["--top-p"]),
         (["--top-k", "-3"], ["--top-k"]),

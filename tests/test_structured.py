@@ -383,3 +383,12 @@ def test_cli_bad_constraints_give_one_line_errors(monkeypatch, capsys, args, mes
     code, out, err = run_main(["chat", "-p", "hi", *args], monkeypatch, capsys)
     assert code == exit_code and out == ""
     assert err.strip() == message
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "-", "--json-schema", "-"], "the text and the constraint (-) both come from stdin"),
+    (["chat", "--grammar", "-"], "the prompt and the constraint (-) both come from stdin; give the prompt with -p"),
+])
+def test_stdin_read_for_both_the_text_and_the_constraint(monkeypatch, capsys, args, message):
+    code, out, err = run_main(args, monkeypatch, capsys, stdin='root ::= "a"' if "--grammar" in args else "{}")
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err

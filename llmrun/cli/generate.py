@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
@@ -40,6 +40,8 @@ def generate(
     model = args.pop(0) if len(args) == 2 else DEFAULT_MODEL
     text = args[0] if args else "-"
     if text == "-":
+        if opts.grammar is not None and opts.grammar.origin == "-":
+            raise UsageError("the text and the constraint (-) both come from stdin; name a file for one of them")
         if sys.stdin.isatty():
             raise LlmrunError("no TEXT given; pass it as an argument or on stdin")
         text = sys.stdin.read()

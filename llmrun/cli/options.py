@@ -148,6 +148,8 @@ def _build(values: dict) -> RunOptions:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
     if values["repetition_penalty"] <= 0:
         raise typer.BadParameter("must be > 0", param_hint="'--repetition-penalty'")
+    if "" in (values["stop"] or ()):
+        raise typer.BadParameter("an empty stop string would stop before the first token", param_hint="'--stop'")
     params = SamplingParams(
         temperature=values["temperature"], top_k=values["top_k"], top_p=values["top_p"], min_p=values["min_p"],
         repetition_penalty=values["repetition_penalty"], seed=values["seed"],
