@@ -209,6 +209,7 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
 
         g = GGUFFile(source.path)
         config = _config(source, config_from_gguf, g.metadata, set(g.tensors))
+        _check_layer_count(source, config, g.tensors, f"{g.metadata.get('general.architecture')}.block_count")
         stored: dict[str, int] = {}
         for t in g.tensors.values():
             stored[t.type_name] = stored.get(t.type_name, 0) + t.data.nbytes
@@ -222,11 +223,21 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
     config = _config(source, config_from_hf, hf_config)
     quant = checkpoint_quant(hf_config)
     _check_weights(source.path)
-    stored = {}
+    stored, names = {}, []
     for name, t in _safetensors_headers(source.path):
         kind = f"{quant.method.upper()} INT{quant.bits}" if quant and name.endswith(quant.tensors) else t["dtype"]
         stored[kind] = stored.get(kind, 0) + t["data_offsets"][1] - t["data_offsets"][0]
+        names.append(name)
+    _check_layer_count(source, config, names, "num_hidden_layers")
     return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored, quant=quant)
+
+
+def _check_layer_count(source: ModelSource, config, names, key: str) -> None:
+    """A config (`key`: its layer count's name) whose layer count is not the one the tensor `names` show is said
+    to be so, rather than left to surface as a stray or missing tensor."""
+    found = {int(m.group(1)) for name in names if (m := re.match(r"(?:model\.)?(?:layers|blk)\.(\d+)\.", name))}
+    if found and max(found) + 1 != config.n_layers:
+        raise ModelFormatError(f"{source.path}: {key} says {config.n_layers} layers, the weights have {max(found) + 1}")
 
 
 def _config(source: ModelSource, build, *args):
@@ -456,7 +467,6 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = files.config
-    _check_layer_count(files)
     keep, notes = _packed_weights(files, weights, dev, dt)  # our tensor name -> planes' (bits, offsets)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -504,18 +514,6 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     model.eval().requires_grad_(False)
     model.reference_ops = weights == "dequant"  # the plain-PyTorch path, every op from kernels.ref
     return LoadedModel(files, model, dev, dt, "packed" if keep else "dequant", notes)
-
-
-def _check_layer_count(files: ModelFiles) -> None:
-    """A config whose layer count is not the weights' is said to be so, rather than a stray or missing tensor."""
-    if files.gguf is not None:
-        names, key = files.gguf.tensors, f"{files.gguf.metadata.get('general.architecture')}.block_count"
-    else:
-        names, key = [name for name, _ in _safetensors_headers(files.source.path)], "num_hidden_layers"
-    found = {int(m.group(1)) for name in names if (m := re.match(r"(?:model\.)?(?:layers|blk)\.(\d+)\.", name))}
-    if found and max(found) + 1 != files.config.n_layers:
-        raise ModelFormatError(f"{files.source.path}: {key} says {files.config.n_layers} layers, the weights have "
-                               f"{max(found) + 1}")
 
 
 # Checkpoints store these projections apart; the model holds each group as one matrix, rows concatenated.

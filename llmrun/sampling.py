@@ -125,12 +125,3 @@ class Randomness:
         """The generator for `position`, at the start of its stream (one generator, reseeded: use it before
         asking for another position)."""
         return self._generator.manual_seed(_mix(self.seed, position, stream))
-
-
-def make_generator(seed: int | None, device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed)
-    return g

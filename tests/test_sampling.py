@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from llmrun.sampling import (SamplingParams, apply_repetition_penalty, draw, filter_logits, make_generator, sample,
+from llmrun.sampling import (SamplingParams, apply_repetition_penalty, draw, filter_logits, sample,
                             token_probs)
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05
@@ -68,7 +68,7 @@ def test_seeded_sampling_is_reproducible_and_matches_distribution():
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
     def draw(seed, n=4000):
-        g = make_generator(seed, "cpu")
+        g = torch.Generator().manual_seed(seed)
         return [sample(LOGITS, params, g) for _ in range(n)]
 
     a, b = draw(5), draw(5)
@@ -119,7 +119,7 @@ def test_a_tie_at_the_kth_token_keeps_every_tied_token():
 def test_draw_takes_only_tokens_with_weight_and_follows_the_weights():
     weights = torch.zeros(1000)
     weights[[3, 500, 999]] = torch.tensor([1.0, 2.0, 5.0])  # unnormalised
-    g = make_generator(0, "cpu")
+    g = torch.Generator().manual_seed(0)
     tokens = torch.tensor([draw(weights, g) for _ in range(4000)])
     assert set(tokens.tolist()) <= {3, 500, 999}
     counts = torch.stack([(tokens == t).sum() for t in (3, 500, 999)]).float()
