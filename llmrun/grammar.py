@@ -138,7 +138,17 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     except UnicodeDecodeError:  # xgrammar's message quoted part of a character
         raise LlmrunError(f"{spec.describe()}: does not compile (xgrammar's message about it is not text)") from None
     warnings = [m.group(1) for line in said if (m := re.search(r"Warning: (.*)", line))]
-    return Grammar(spec, compiled, vocab_size, jump_forward, tuple(dict.fromkeys(warnings)))
+    grammar = Grammar(spec, compiled, vocab_size, jump_forward, tuple(dict.fromkeys(warnings)))
+    if spec.kind == "json" and not _starts_with_text(grammar, tokenizer):  # `{"anyOf": []}`: only the empty reply
+        raise LlmrunError(f"{spec.describe()} matches no JSON value")
+    return grammar
+
+
+def _starts_with_text(grammar: Grammar, tokenizer) -> bool:
+    """Some token other than a stop token may begin the reply."""
+    bitmask, _ = grammar.start().masks([])
+    allowed = sum(bin(word & 0xFFFFFFFF).count("1") for word in bitmask[0].tolist())
+    return allowed > sum(_allowed(bitmask[0], i) for i in tokenizer.eos_ids if i < grammar.vocab_size)
 
 
 @contextlib.contextmanager

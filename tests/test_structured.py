@@ -337,6 +337,7 @@ def test_bad_constraint_options_are_one_line_errors(kwargs, message):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(json_schema='{"type": "objec"}'), 'JSON schema (inline): Unsupported type "objec"'),
     (dict(regex="[a-"), "regex '[a-': Regex parsing error at position 4: Unclosed '['"),
+    (dict(json_schema='{"anyOf": []}'), "JSON schema (inline) matches no JSON value"),
 ])
 def test_uncompilable_constraints_are_one_line_errors(smollm2, kwargs, message):
     with pytest.raises(LlmrunError) as e:
