@@ -33,7 +33,7 @@ DEFAULT_CALIB = ("canterbury:lcet10", "canterbury:plrabn12", "canterbury:asyouli
 class QuantizeOptions:
     method: str = "awq"
     group_size: int | None = None  # None: the largest of GROUP_SIZES that fits the model
-    calib: str | None = None  # a text file or canterbury[:NAME]; None: DEFAULT_CALIB
+    calib: str | None = None  # a text file or canterbury:NAME; None or canterbury: DEFAULT_CALIB
     samples: int = 128  # calibration windows
     seq_len: int | None = None  # tokens per window; None: 512, or the model's context if shorter
     search_rows: int = 4096  # token rows each layer's output error is measured on
@@ -71,7 +71,8 @@ def choose_group_size(cfg, asked: int | None, blocks_of_32: bool = False) -> int
             raise LlmrunError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides this model's input "
                               f"widths ({', '.join(map(str, inputs))}); it cannot be quantized group-wise")
         return fits[0]
-    sizes = ", ".join(map(str, fits)) or "none"
+    every = [g for g in range(min(inputs) // 32 * 32, 0, -32) if all(w % g == 0 for w in inputs)]
+    sizes = ", ".join(map(str, every)) or "none"
     if asked <= 0 or asked % 32:
         raise UsageError(f"--group-size {asked}: it must be a positive multiple of 32; sizes that fit this model: {sizes}")
     if any(w % asked for w in inputs):
@@ -119,9 +120,12 @@ def calibration_windows(tokenizer, text: str, samples: int, seq_len: int, seed: 
 
 
 def read_calibration(spec: str | None) -> str:
+    """The text of `--calib SPEC`: a file, `canterbury:NAME`, or DEFAULT_CALIB (None, or a bare `canterbury`:
+    the corpus less alice29, which eval scores)."""
+    from llmrun.corpus import CORPUS
     from llmrun.eval import read_text
 
-    return "\n\n".join(read_text(s) for s in (DEFAULT_CALIB if spec is None else (spec,)))
+    return "\n\n".join(read_text(s) for s in (DEFAULT_CALIB if spec in (None, CORPUS) else (spec,)))
 
 
 def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = "auto",

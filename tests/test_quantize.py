@@ -16,7 +16,8 @@ from llmrun.kernels import ref
 from llmrun.models import ModelConfig, config_from_hf, config_to_hf
 from llmrun.models.config import RopeScaling
 from llmrun.quant_formats import GroupQuant, checkpoint_quant, pack_awq, pack_gptq, unpack_awq, unpack_gptq
-from llmrun.quantize import QuantizeOptions, calibration_windows, capture_inputs, choose_group_size, quantize
+from llmrun.quantize import (DEFAULT_CALIB, QuantizeOptions, calibration_windows, capture_inputs, choose_group_size, quantize,
+                             read_calibration)
 
 from .conftest import run_main
 from .tiny import CONFIGS, TINY, random_model, write_gguf, write_hf_dir
@@ -269,10 +270,11 @@ def test_choose_group_size():
     assert choose_group_size(smol, None, blocks_of_32=True) == 32  # a GGUF's Q4_1 blocks: keep their grid
     assert choose_group_size(smol, 64, blocks_of_32=True) == 64
     assert choose_group_size(smol, 32) == 32
-    with pytest.raises(LlmrunError, match=r"--group-size 128 .*576.*sizes that fit: 64, 32"):
+    assert choose_group_size(smol, 96) == 96  # a fit outside the defaults
+    with pytest.raises(LlmrunError, match=r"--group-size 128 .*576.*sizes that fit: 192, 96, 64, 32$"):
         choose_group_size(smol, 128)
     for bad in (48, 0, -32):  # named as what they are: 576 is a multiple of 48
-        with pytest.raises(LlmrunError, match=rf"--group-size {bad}: it must be a positive multiple of 32; .* 64, 32$"):
+        with pytest.raises(LlmrunError, match=rf"--group-size {bad}: it must be a positive multiple of 32; .* 192, 96, 64, 32$"):
             choose_group_size(smol, bad)
 
 
@@ -286,6 +288,14 @@ def test_calibration_windows(tiny_tokenizer):
     assert windows.shape == (15, 64) and "fewer than --samples 100" in note
     with pytest.raises(LlmrunError, match="fewer than --seq-len"):
         calibration_windows(tok, "w1 w2", samples=8, seq_len=64, seed=0)
+
+
+def test_a_bare_canterbury_calibrates_on_the_default_texts(monkeypatch):
+    read = []
+    monkeypatch.setattr("llmrun.eval.read_text", lambda spec: read.append(spec) or spec)
+    assert read_calibration("canterbury") == read_calibration(None) == "\n\n".join(DEFAULT_CALIB)
+    assert "canterbury:alice29" not in read
+    assert read_calibration("canterbury:alice29") == "canterbury:alice29"  # named, it is the user's choice
 
 
 def test_config_to_hf_round_trips():
@@ -517,6 +527,7 @@ def test_the_exported_tokenizer_reads_back_the_same(embedded_path, tmp_path):
     (["--bits", "8"], "for 8 bits use --int8"),
     (["--int8", "--group-size", "32"], "per output channel"),
     (["--rtn", "--samples", "4"], "calibration applies to --awq only"),
+    (["--int8", "--seed", "5"], "--seed: calibration applies to --awq only"),
     (["--seq-len", "100000"], "exceeds the 256 tokens"),
     (["--calib", "SHORT", "--seq-len", "64"], "fewer than --seq-len"),
 ])

@@ -42,10 +42,10 @@ def quantize_(
     int8: Annotated[bool, typer.Option("--int8", help="Round-to-nearest symmetric INT8 per output channel (GPTQ layout).", rich_help_panel=METHOD)] = False,
     bits: Annotated[Optional[int], typer.Option(help="Weight bits: 4 with --awq/--rtn, 8 with --int8.", rich_help_panel=METHOD, show_default=False)] = None,
     group_size: Annotated[Optional[int], typer.Option(help="Input columns per scale and zero point, a multiple of 32 dividing every layer (default: 128, or the largest of 64, 32 that fits).", rich_help_panel=METHOD, show_default=False)] = None,
-    calib: Annotated[Optional[str], typer.Option(metavar="FILE|canterbury:NAME", help="Calibration text (default: the Canterbury corpus's lcet10, plrabn12 and asyoulik; alice29, which eval scores, is left out).", rich_help_panel=CALIBRATION, show_default=False)] = None,
+    calib: Annotated[Optional[str], typer.Option(metavar="FILE|canterbury[:NAME]", help="Calibration text (default, or a bare canterbury: the Canterbury corpus's lcet10, plrabn12 and asyoulik; alice29, which eval scores, is left out).", rich_help_panel=CALIBRATION, show_default=False)] = None,
     samples: Annotated[Optional[int], typer.Option(min=1, help="Calibration windows (default: 128).", rich_help_panel=CALIBRATION, show_default=False)] = None,
     seq_len: Annotated[Optional[int], typer.Option(min=16, help="Tokens per calibration window (default: 512, or the model's context if shorter).", rich_help_panel=CALIBRATION, show_default=False)] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the calibration windows and sampled rows.", rich_help_panel=CALIBRATION)] = 0,
+    seed: Annotated[Optional[int], typer.Option(min=0, max=2**64 - 1, help="Seed of the calibration windows and sampled rows (default: 0).", rich_help_panel=CALIBRATION, show_default=False)] = None,
     device: Annotated[Device, typer.Option(help="Where AWQ's search runs: cuda when available, else cpu.")] = Device.auto,
     threads: Annotated[Optional[int], typer.Option(min=1, max=MAX_THREADS, help="CPU threads (default: one per core).", show_default=False)] = None,
     json_out: JsonFlag = False,
@@ -62,7 +62,7 @@ def quantize_(
     if bits is not None and bits != (8 if int8 else 4):
         raise UsageError(f"--bits {bits}: --int8 writes 8-bit weights" if int8 else
                           f"--bits {bits}: --{method} writes 4-bit weights (AWQ's layout); for 8 bits use --int8")
-    calibration = {"--calib": calib, "--samples": samples, "--seq-len": seq_len}
+    calibration = {"--calib": calib, "--samples": samples, "--seq-len": seq_len, "--seed": seed}
     given = [flag for flag, value in calibration.items() if value is not None]
     if method != "awq" and given:
         raise UsageError(f"{', '.join(given)}: calibration applies to --awq only")
@@ -70,7 +70,7 @@ def quantize_(
         import torch
 
         torch.set_num_threads(threads)
-    options = QuantizeOptions(method, group_size, calib, samples or 128, seq_len, seed=seed)
+    options = QuantizeOptions(method, group_size, calib, samples or 128, seq_len, seed=seed or 0)
 
     source = model_source(model)  # a hub download first, with its own bar
     with progress_bar(f"quantize {model} ({method.upper()})") as update:
