@@ -345,7 +345,7 @@ def measure_settings(files, settings: Settings, workload, compiled: bool = False
 
 def check_fits_context(prompt_tokens: int, new_tokens: int, ctx: int) -> None:
     if prompt_tokens + new_tokens > ctx:
-        raise LlmrunError(
+        raise UsageError(
             f"the prompt ({prompt_tokens} tokens) and --new-tokens {new_tokens} need {prompt_tokens + new_tokens}"
             f" positions but the context holds {ctx}; raise --ctx or lower --prompt-tokens/--new-tokens"
         )

@@ -43,7 +43,7 @@ def is_corpus_spec(spec: str) -> bool:
 
 def corpus_path(spec: str) -> Path:
     """The cached file of `canterbury[:NAME]`, fetched first when the cache lacks it."""
-    name = spec.partition(":")[2] or DEFAULT_TEXT
+    name = spec.partition(":")[2] if ":" in spec else DEFAULT_TEXT
     if name not in TEXTS:
         raise LlmrunError(f"unknown {CORPUS} text {name!r}; choose one of {', '.join(TEXTS)}")
     path = cache_dir() / f"{name}.txt"

@@ -53,6 +53,8 @@ def parse_axes(specs: list[str]) -> dict[str, tuple]:
             raise UsageError(f"--axis {spec!r}: write NAME=VALUE[,VALUE...], e.g. --axis dtype=fp32,bf16")
         if name not in AXES:
             raise UsageError(f"--axis {spec!r}: unknown axis {name!r}; axes: {', '.join(AXES)}")
+        if name in out:
+            raise UsageError(f"--axis {name} is given twice; list its values in one: --axis {name}=V1,V2")
         axis, parsed = AXES[name], []
         for value in (v.strip() for v in values.split(",")):
             if axis.choices is not None and value not in axis.choices:
@@ -188,7 +190,8 @@ def run_sweep(files, base, workload, overrides: dict[str, tuple], known: dict | 
         notes += [note] if note else []
     rows = []
     for i, s in enumerate(settings, 1):
-        row = {"config": s.describe(), "flags": flags(s, axes), "error": None, "kl": None, "top1_agreement": None}
+        row = {"config": s.describe(), "flags": flags(s, axes), "error": None, "kl": None, "top1_agreement": None,
+               **dict.fromkeys(SWEEP_FIGURES)}  # figures stay None where the configuration failed
         progress(f"sweep {i}/{len(settings)}: {row['flags']}")
         try:
             with bench.torch_threads(s.threads):

@@ -112,6 +112,8 @@ def read_prompt_file(path: Path) -> str:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise LlmrunError(f"--prompt-file {path}: no such file") from None
+    except IsADirectoryError:
+        raise LlmrunError(f"--prompt-file {path} is a directory; give a text file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise LlmrunError(f"--prompt-file {path}: cannot read it as UTF-8 text ({e})") from None
     if not text.strip():

@@ -321,6 +321,8 @@ def test_prompt_kinds_and_exact_lengths():
     (["--sweep", "--axis", "dtype=fp8"], ["--axis", "fp8", "fp32, bf16, fp16"], 2),
     (["--sweep", "--axis", "threads=0"], ["--axis", "positive integer"], 2),
     (["--sweep", "--axis", "dtype"], ["--axis", "NAME=VALUE"], 2),
+    (["--sweep", "--axis", "dtype=fp32", "--axis", "dtype=bf16"], ["--axis", "dtype is given twice"], 2),
+    (["--ngram", "--temperature", "inf"], ["--temperature", "finite"], 2),
     (["--prompt-file", "missing.txt"], ["missing.txt", "no such file"], 1),
     (["./nope.gguf"], ["nope.gguf", "no such file"], 1),
 ])
@@ -331,6 +333,7 @@ def test_bad_options(cli, args, words, code):
 def test_empty_prompt_file(cli, tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     assert_one_error_line(cli("--prompt-file", tmp_path / "empty.txt"), "empty.txt", "empty", code=1)
+    assert_one_error_line(cli("--prompt-file", tmp_path), "is a directory", code=1)
 
 
 def test_plot_without_matplotlib(cli, monkeypatch, tmp_path):
@@ -340,8 +343,8 @@ def test_plot_without_matplotlib(cli, monkeypatch, tmp_path):
 
 
 def test_prompt_and_new_tokens_must_fit_the_context(cli, tiny_gguf):
-    assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "260", "holds 256", "--ctx", code=1)
-    assert_one_error_line(cli(tiny_gguf, "--ctx", "64", "--prompt-tokens", "60", "--new-tokens", "8"), "holds 64", code=1)
+    assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "260", "holds 256", "--ctx", code=2)
+    assert_one_error_line(cli(tiny_gguf, "--ctx", "64", "--prompt-tokens", "60", "--new-tokens", "8"), "holds 64", code=2)
     assert_one_error_line(cli(tiny_gguf, "--ctx", "4096"), "--ctx 4096", "256", code=2)
 
 
@@ -501,6 +504,16 @@ def test_sweep_axes_and_table(cli, tiny_gguf):
     result = ok(cli(tiny_gguf, *FAST, "--sweep", "--axis", "dtype=bf16", "--axis", "weights=dequant", "--goal", "quality"))
     assert "recommended for quality: --dtype bf16 --weights dequant" in result.stderr
     assert f"llmrun chat {tiny_gguf} --dtype bf16 --weights dequant" in result.stderr.replace("\n", " ")
+
+
+def test_a_failed_sweep_row_keeps_every_key(cli, tiny_gguf):
+    result = ok(cli(tiny_gguf, *FAST, "--sweep", "--axis", "dtype=fp16", "--axis", "weights=auto,int4", "--json"))
+    rows = result.json()["sweep"]
+    assert [set(r) for r in rows] == [SWEEP_KEYS] * 2
+    failed = rows[-1]
+    assert failed["flags"] == "--dtype fp16 --weights int4" and "fp32 activations" in failed["error"]
+    assert all(failed[key] is None for key in sweep.SWEEP_FIGURES)
+    assert f"#2 --dtype fp16 --weights int4 failed: {failed['error']}" in result.stderr.replace("\n", " ")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")

@@ -240,6 +240,7 @@ def bad_inputs(tmp_path_factory, tiny):
     (["--ppl", "{root}/nul.txt"], 1, ["looks binary"]),
     (["--ppl", "{root}/one.txt"], 1, ["too short: 1 token(s); at least 2"]),
     (["--ppl", "canterbury:nope"], 1, ["unknown canterbury text 'nope'; choose one of alice29, asyoulik, lcet10, plrabn12"]),
+    (["--ppl", "canterbury:"], 1, ["unknown canterbury text ''; choose one of"]),
     (["--ppl", "{text}", "--max-tokens", "0"], 2, ["'--max-tokens'"]),
     (["--ppl", "{text}", "--stride", "0", "--ctx", "16"], 2, ["'--stride'", "0 is not between 1 and the window --ctx 16"]),
     (["--ppl", "{text}", "--stride", "17", "--ctx", "16"], 2, ["17 is not between 1 and the window --ctx 16"]),

@@ -443,6 +443,7 @@ def test_cli_quantized_and_evicting_caches_report_their_bytes(monkeypatch, capsy
 @pytest.mark.parametrize("args, message", [
     (["--kv-evict", "h2o"], "--kv-budget"),
     (["--kv-budget", "100"], "--kv-evict"),
+    (["--kv-sinks", "2"], "'--kv-sinks': needs --kv-evict"),
     (["--kv-evict", "window", "--kv-budget", "10"], "too small"),
     (["--kv", "int3"], "int3"),
     (["--kv-evict", "window", "--kv-budget", "100000"], "more than the model's context"),

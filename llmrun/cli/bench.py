@@ -2,6 +2,7 @@
 of configurations (--sweep)."""
 
 import json
+import math
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -18,7 +19,7 @@ from llmrun.workloads import KINDS
 
 from . import app
 from .console import err, open_files, progress_bar, user_errors
-from .options import DEFAULT_CTX_CAP, SPECULATIVE, JsonFlag, RunOptions, run_options
+from .options import DEFAULT_CTX_CAP, SPECULATIVE, RunOptions, run_options
 
 WORKLOAD = "Workload"
 MODES = "Compare and sweep"
@@ -42,11 +43,11 @@ def bench(
     random_weights: Annotated[Optional[str], typer.Option(metavar="SHAPE", help=f"Random weights in a real model's shape instead of MODEL: {', '.join(SHAPES)}.", rich_help_panel=WORKLOAD, show_default=False)] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Also run llmrun's eager path (--weights dequant), llama.cpp and transformers (when installed) on the same model, prompt and threads.", rich_help_panel=MODES)] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="Measure a grid of configurations (dtype x weights by default) and recommend one for --goal.", rich_help_panel=MODES)] = False,
-    axis: Annotated[Optional[list[str]], typer.Option(metavar="NAME=V1,V2", help="Sweep these values of an axis (dtype, weights, threads); repeatable.", rich_help_panel=MODES, show_default=False)] = None,
+    axis: Annotated[Optional[list[str]], typer.Option(metavar="NAME=V1,V2", help="Sweep these values of an axis (dtype, weights, threads, kv); one --axis per axis.", rich_help_panel=MODES, show_default=False)] = None,
     goal: Annotated[Optional[Goal], typer.Option(help="What the sweep ranks by: latency (decode tok/s), memory (peak), quality (KL to fp32). Default: latency.", rich_help_panel=MODES, show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Draw the sweep (needs matplotlib: pip install 'llmrun\\[plot]').", rich_help_panel=MODES, show_default=False)] = None,
     temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature of the runs with --ngram/--draft (0: greedy; above 0: the default top-k, top-p and min-p, timed run i with seed i).", rich_help_panel=SPECULATIVE)] = 0.0,
-    json_out: JsonFlag = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Also print one JSON object on stdout (the table goes to stderr either way).")] = False,
     *,
     opts,
 ):
@@ -131,6 +132,8 @@ def _check_options(model, kind, prompt_file, batch, random_weights, compare, swe
 def _drafting(opts, temperature: float, random_weights, compare: bool, sweep: bool):
     """The speculative runs' settings (`bench_speculative.Drafting`), or None without --ngram/--draft; checks
     the options that only make sense with, or without, a drafter."""
+    if not math.isfinite(temperature):
+        raise _bad("--temperature", "must be a finite number")
     if opts.draft is None and opts.ngram is None:
         for option, given in (("--temperature", temperature > 0), ("--draft-tokens", opts.draft_tokens != RunOptions.draft_tokens),
                               ("--fixed-k", opts.adaptive != RunOptions.adaptive)):
@@ -206,6 +209,9 @@ def _render(doc: dict) -> None:
         err.print(_compare_table(doc["compare"], doc["config"]))
     if doc["sweep"] is not None:
         err.print(_sweep_table(doc["sweep"]))
+        for r in doc["sweep"]:
+            if r["error"]:
+                err.print(Text(f"#{r['rank']} {r['flags']} failed: {r['error']}", style="red"))
         best = doc["recommended"]
         if best is not None:
             err.print(Text(f"recommended for {best['goal']}: {best['flags']}", style="bold"))
@@ -262,7 +268,7 @@ def _sweep_table(rows: list[dict]) -> Table:
         table.add_column(header, justify="left" if header == "flags" else "right")
     for r in rows:
         if r["error"]:
-            table.add_row(str(r["rank"]), r["flags"], Text(f"failed: {r['error']}", style="red"), *[""] * 6)
+            table.add_row(str(r["rank"]), r["flags"], Text("failed", style="red"), *[""] * 6)  # why: below the table
             continue
         table.add_row(
             str(r["rank"]), r["flags"], _tok_s(r["decode_tok_s"]["median"]), f"{r['ttft_s'] * 1000:,.1f}",

@@ -114,7 +114,7 @@ _RUNTIME = [
     ("kv", KVFormat, KVFormat.auto, typer.Option(help="KV cache format: auto (the compute dtype), fp32/bf16/fp16, int8 (per token, 8.5 bits), int4 (KIVI: keys per channel, values per token, ~4.6 bits). Attention reads the quantized cache directly.", rich_help_panel=KV)),
     ("kv_evict", Optional[KVEvict], None, typer.Option(help="Bound the KV cache to --kv-budget tokens: window keeps --kv-sinks first tokens and the most recent (StreamingLLM); h2o also keeps the tokens that got the most attention (H2O). The conversation may then grow past the context.", rich_help_panel=KV)),
     ("kv_budget", Optional[int], None, typer.Option(min=1, help="Tokens an evicting cache holds (with --kv-evict).", rich_help_panel=KV)),
-    ("kv_sinks", int, 4, typer.Option(min=0, help="First tokens an evicting cache always keeps (attention sinks).", rich_help_panel=KV)),
+    ("kv_sinks", Optional[int], None, typer.Option(min=0, help="First tokens an evicting cache always keeps (attention sinks; default: 4).", rich_help_panel=KV, show_default=False)),
 ]
 _SPECULATIVE = [
     ("draft", Optional[str], None, typer.Option(help="Speculative decoding with a draft model that shares the target's tokenizer (a .gguf, HF directory or hub id), or 'self': a 4-bit copy of the target ('self:skip': the target with layers skipped).", rich_help_panel=SPECULATIVE)),
@@ -163,14 +163,17 @@ def _build(values: dict) -> RunOptions:
 
 def _eviction(values: dict):
     if values["kv_evict"] is None:
-        if values["kv_budget"] is not None:
-            raise typer.BadParameter("needs --kv-evict window or h2o (which tokens to drop)", param_hint="'--kv-budget'")
+        for flag in ("kv_budget", "kv_sinks"):
+            if values[flag] is not None:
+                raise typer.BadParameter("needs --kv-evict window or h2o (which tokens to drop)",
+                                         param_hint=f"'--{flag.replace('_', '-')}'")
         return None
     if values["kv_budget"] is None:
         raise typer.BadParameter("needs --kv-budget N (how many tokens the cache keeps)", param_hint="'--kv-evict'")
     from llmrun.kv_cache import Eviction
 
-    return Eviction(values["kv_evict"].value, values["kv_budget"], values["kv_sinks"])
+    sinks = {} if values["kv_sinks"] is None else {"sinks": values["kv_sinks"]}
+    return Eviction(values["kv_evict"].value, values["kv_budget"], **sinks)
 
 
 def expand_bare_options(argv: list[str]) -> list[str]:
