@@ -100,12 +100,12 @@ def read_text(spec: str) -> str:
     return text.replace("\r\n", "\n")
 
 
-def _window_logits(engine, ids: list[int], window: Window):
-    """Feed the window through the cache; yield (position of the first row, logits (T, V) fp32) per chunk."""
+def _window_logits(engine, ids: list[int], window: Window, chunk: int):
+    """Feed the window through the cache `chunk` tokens at a time; yield (position of the first row, logits (T, V)
+    fp32) per chunk."""
     engine.reset()
-    for pos in range(window.start, window.end, engine.prefill_chunk):
-        chunk = ids[pos : min(pos + engine.prefill_chunk, window.end)]
-        yield pos, engine.forward(chunk, last_only=False).float()
+    for pos in range(window.start, window.end, chunk):
+        yield pos, engine.forward(ids[pos : min(pos + chunk, window.end)], last_only=False).float()
 
 
 def evaluate(engine, ids: list[int], ctx: int, stride: int, reference=None,
@@ -122,11 +122,13 @@ def evaluate(engine, ids: list[int], ctx: int, stride: int, reference=None,
     if not windows:
         raise LlmrunError(f"the text has {len(ids)} token(s); at least 2 are needed to score one")
     targets = torch.tensor(ids, dtype=torch.long)
+    # One chunking for both, so their rows pair up (an evicting cache takes smaller pieces)
+    chunk = min(e.prefill_chunk for e in (engine, reference) if e is not None)
     nll, nll_ref, kl, same_top1 = [], [], [], []  # per chunk, (T,) each
     t0 = time.perf_counter()
     for done, window in enumerate(windows, 1):
-        theirs = _window_logits(reference, ids, window) if reference is not None else itertools.repeat((None, None))
-        for (pos, logits), (_, ref_logits) in zip(_window_logits(engine, ids, window), theirs):
+        theirs = _window_logits(reference, ids, window, chunk) if reference is not None else itertools.repeat((None, None))
+        for (pos, logits), (_, ref_logits) in zip(_window_logits(engine, ids, window, chunk), theirs):
             # row i predicts the token at pos + i + 1; keep the rows whose prediction this window scores
             skip = max(0, window.first_scored - 1 - pos)
             logp = F.log_softmax(logits[skip:], dim=-1)  # (T', V)

@@ -142,7 +142,8 @@ def test_json_document(cli, tiny):
     doc = cli("eval", path, *CPU, "--ppl", text, "--ctx", 16, "--json").json
     assert list(doc) == ["model", "config", "text", "ctx", "stride", "windows", "nll", "ppl", "seconds", "tok_s", "kl"]
     assert doc["model"] == str(path)
-    assert doc["config"] == {"device": "cpu", "dtype": "fp32", "weights": "auto", "weights_loaded": "dequant"}
+    assert doc["config"] == {"device": "cpu", "dtype": "fp32", "weights": "auto", "weights_loaded": "dequant",
+                             "kv": "fp32", "kv_eviction": None}
     assert (doc["ctx"], doc["stride"], doc["windows"]) == (16, 8, 6)  # windows start at 0, 8, ..., 40; the last scores token 49 alone
     assert doc["seconds"] > 0 and doc["tok_s"] > 0 and doc["kl"] is None
 
@@ -166,7 +167,7 @@ def test_kl_of_a_configuration_against_itself_is_zero(cli, tiny):
         assert kl["mean"] == kl["max"] == kl["p99"] == 0.0
         assert kl["top1_agreement"] == 1.0 and kl["ppl_reference"] == doc["ppl"]
     assert kl["reference"] == {"model": str(path), "device": "cpu", "dtype": "fp32", "weights": "auto",
-                               "weights_loaded": "dequant"}  # float weights: nothing to pack
+                               "weights_loaded": "dequant", "kv": "fp32", "kv_eviction": None}  # float weights: nothing to pack
 
 
 def test_kl_against_another_model_equals_a_hand_computation(cli, tiny, tmp_path):
@@ -191,6 +192,24 @@ def test_kl_against_another_model_equals_a_hand_computation(cli, tiny, tmp_path)
     other_nll = np.mean(hand_nlls(other, WORDS, 16, 6))
     assert kl["ppl_reference"] == pytest.approx(math.exp(other_nll), rel=1e-5)
     assert kl["mean"] > 0.1  # two unrelated models really differ
+
+
+def test_kl_of_kv_cache_options(cli, tiny, tmp_path):
+    """The cache is what differs: an int8 cache against the fp32 one; an evicting cache against one that keeps
+    every token, exactly equal while the budget holds the whole window, apart once tokens are dropped."""
+    path, _, _ = tiny
+    (tmp_path / "long.txt").write_text(text_of(WORDS * 4))  # 200 tokens
+    base = ("eval", path, *CPU, "--ppl", tmp_path / "long.txt", "--json")
+    doc = cli(*base, "--ctx", 64, "--kv", "int8", "--kl-vs", "kv=auto").json
+    assert (doc["config"]["kv"], doc["kl"]["reference"]["kv"]) == ("int8", "fp32")
+    assert 0 < doc["kl"]["mean"] < 0.01
+    window = {"policy": "window", "budget": 64, "sinks": 4}
+    for ctx, exact in ((64, True), (128, False)):
+        doc = cli(*base, "--ctx", ctx, "--kv-evict", "window", "--kv-budget", 64, "--kl-vs", "kv-evict=none").json
+        assert (doc["config"]["kv_eviction"], doc["kl"]["reference"]["kv_eviction"]) == (window, None)
+        assert (doc["kl"]["max"] == 0.0) == exact, doc["kl"]
+    doc = cli(*base, "--ctx", 128, "--kv-evict", "window", "--kv-budget", 64, "--kl-vs", "kv-evict=h2o").json
+    assert doc["kl"]["reference"]["kv_eviction"] == {**window, "policy": "h2o"} and doc["kl"]["mean"] > 0
 
 
 def test_kl_against_bf16_is_small_but_not_zero(cli, tiny):
@@ -251,7 +270,9 @@ def bad_inputs(tmp_path_factory, tiny):
     (["--ppl", "{text}", "--kl-vs", "dtype"], 2, ["'dtype' is not key=value", "e.g. --kl-vs dtype=fp32"]),
     (["--ppl", "{text}", "--kl-vs", "dtype="], 2, ["'dtype=' is not key=value"]),
     (["--ppl", "{text}", "--kl-vs", "dtype=bf16,"], 2, ["'' is not key=value"]),
-    (["--ppl", "{text}", "--kl-vs", "ctx=16"], 2, ["unknown key 'ctx'; valid keys: model, device, dtype, weights"]),
+    (["--ppl", "{text}", "--kl-vs", "ctx=16"], 2, ["unknown key 'ctx'; valid keys: model, device, dtype, weights, kv, kv-evict"]),
+    (["--ppl", "{text}", "--kl-vs", "kv=int3"], 2, ["kv=int3: choose kv from auto, fp32, bf16, fp16, int8, int4"]),
+    (["--ppl", "{text}", "--kl-vs", "kv-evict=h2o"], 2, ["kv-evict=h2o takes this run's --kv-budget"]),
     (["--ppl", "{text}", "--kl-vs", "dtype=fp8"], 2, ["dtype=fp8: choose dtype from auto, bf16, fp16, fp32"]),
     (["--ppl", "{text}", "--kl-vs", "weights=int3"], 2, ["weights=int3: choose weights from auto, dequant, int4"]),
     (["--ppl", "{text}", "--kl-vs", "dtype=bf16,dtype=fp32"], 2, ["dtype is given twice"]),

