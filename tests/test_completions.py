@@ -61,7 +61,11 @@ def model_dir(tmp_path) -> Path:
 
 
 def _env(model_dir: Path, **extra) -> dict:
-    return {**os.environ, "HF_HUB_CACHE": str(model_dir / ".no-hub-cache"), **extra}
+    """A hub cache holding acme/tiny-GGUF with one GGUF file (its path is all completion looks at)."""
+    snapshot = model_dir / ".hub" / "models--acme--tiny-GGUF" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (snapshot / "tiny.Q4_0.gguf").write_bytes(b"")
+    return {**os.environ, "HF_HUB_CACHE": str(model_dir / ".hub"), **extra}
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -74,6 +78,15 @@ def _env(model_dir: Path, **extra) -> dict:
     ("llmrun chat --dev", ["--device"]),
     ("llmrun generate -n 4 sm", ["smollm2"]),  # [MODEL] TEXT: the first word may be a model
     ("llmrun generate smollm2 ti", []),  # ... the second is the text
+    ("llmrun chat ac", ["acme/tiny-GGUF:tiny.Q4_0.gguf"]),
+    # bash splits a word at ':', and replaces only what follows the colon
+    ("llmrun chat acme/tiny-GGUF : ti", ["tiny.Q4_0.gguf"]),
+    ("llmrun chat acme/tiny-GGUF :", ["tiny.Q4_0.gguf"]),
+    ("llmrun chat --draft acme/tiny-GGUF : ti", ["tiny.Q4_0.gguf"]),
+    ("llmrun chat --draft se", ["self", "self:skip"]),
+    ("llmrun chat --draft self :", ["skip"]),
+    ("llmrun bench --random-weights qwen2.5-1", ["qwen2.5-1.5b"]),
+    ("llmrun --ins", []),  # Typer's --install-completion is not ours: `llmrun completion SHELL`
 ])
 def test_bash_completes_through_the_committed_script(llmrun_bin, model_dir, words, expected):
     """What bash does on Tab: source completions/llmrun.bash, fill COMP_WORDS and COMP_CWORD, call the function
@@ -102,13 +115,25 @@ def test_zsh_and_fish_protocols(llmrun_bin, model_dir):
     assert fish.returncode == 0 and fish.stdout.split() == ["tiny.gguf"], fish.stderr
 
 
+@pytest.mark.parametrize("shell", ["zsh", "fish"])
+def test_descriptions_are_one_line_each(llmrun_bin, model_dir, shell):
+    """Typer renders help texts wrapped at 80 columns; fish would read each line as a candidate."""
+    out = subprocess.run([str(llmrun_bin)], capture_output=True, text=True, cwd=model_dir, timeout=60, env=_env(
+        model_dir, _LLMRUN_COMPLETE=f"complete_{shell}", _TYPER_COMPLETE_FISH_ACTION="get-args",
+        _TYPER_COMPLETE_ARGS="llmrun bench --")).stdout
+    lines = out.removeprefix("_arguments '*: :((").removesuffix("))'\n").splitlines()
+    assert len(lines) > 20 and all(line.startswith(('"--', "--")) for line in lines), out
+    kind = next(line for line in lines if "--kind" in line)
+    assert "summarize (~390-token passage)" in kind and "  " not in kind
+
+
 def test_completion_does_not_import_torch(model_dir):
     """Every Tab runs `llmrun`: it must answer from the parameters alone."""
     script = """
 import os, sys
 from llmrun.cli import main
 sys.argv = ["llmrun"]
-for words in ("llmrun ch", "llmrun chat sm", "llmrun eval ", "llmrun generate sm"):
+for words in ("llmrun ch", "llmrun chat sm", "llmrun eval ", "llmrun generate sm", "llmrun bench --random-weights llama3.2"):
     os.environ.update(_LLMRUN_COMPLETE="complete_bash", COMP_WORDS=words, COMP_CWORD=str(len(words.split()) - (not words.endswith(" "))))
     try:
         main()
@@ -120,4 +145,5 @@ print("torch" in sys.modules, file=sys.stderr)
                             env=_env(model_dir), timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stderr.split() == ["False"]
-    assert result.stdout.split() == ["chat", "smollm2", "smollm2", "tiny.gguf", "smollm2"]
+    assert result.stdout.split() == ["chat", "smollm2", "smollm2", "tiny.gguf", "acme/tiny-GGUF:tiny.Q4_0.gguf", "smollm2",
+                                     "llama3.2-1b", "llama3.2-3b"]

@@ -14,6 +14,7 @@ app = typer.Typer(
     name="llmrun",
     help="Fast local LLM inference on one machine.",
     no_args_is_help=True,
+    add_completion=False,  # `llmrun completion SHELL` instead; `completions.install_responders` answers the scripts
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -34,6 +35,8 @@ def _root(
 
 
 from . import bench, chat, completions, eval, generate, info, models, quantize  # noqa: E402  (they register their commands on `app`)
+
+completions.install_responders()
 
 
 # Typer >= 0.26 vendors click; find its exception classes where BadParameter is defined, whichever it is.

@@ -40,7 +40,7 @@ def bench(
     repeat: Annotated[int, typer.Option(min=1, help="Timed runs; figures are their median (decode also min and max).", rich_help_panel=WORKLOAD)] = 3,
     warmup: Annotated[bool, typer.Option(help="One untimed run first.", rich_help_panel=WORKLOAD)] = True,
     batch: Annotated[int, typer.Option(min=1, help="Sequences decoded together (only 1 today).", rich_help_panel=WORKLOAD)] = 1,
-    random_weights: Annotated[Optional[str], typer.Option(metavar="SHAPE", help=f"Random weights in a real model's shape instead of MODEL: {', '.join(SHAPES)}.", rich_help_panel=WORKLOAD, show_default=False)] = None,
+    random_weights: Annotated[Optional[str], typer.Option(metavar="SHAPE", help=f"Random weights in a real model's shape instead of MODEL: {', '.join(SHAPES)}.", rich_help_panel=WORKLOAD, show_default=False, autocompletion=lambda incomplete: [s for s in SHAPES if s.startswith(incomplete)])] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Also run llmrun's eager path (--weights dequant), llama.cpp and transformers (when installed) on the same model, prompt and threads.", rich_help_panel=MODES)] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="Measure a grid of configurations (dtype x weights by default) and recommend one for --goal.", rich_help_panel=MODES)] = False,
     axis: Annotated[Optional[list[str]], typer.Option(metavar="NAME=V1,V2", help="Sweep these values of an axis (dtype, weights, threads, kv); one --axis per axis.", rich_help_panel=MODES, show_default=False)] = None,

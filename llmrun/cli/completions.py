@@ -1,16 +1,19 @@
 """`llmrun completion SHELL`: the shell completion script, made by Typer's completion machinery.
 
 The scripts call `llmrun` back with `_LLMRUN_COMPLETE` set; Typer answers from the commands' parameters (and the
-MODEL argument's `autocompletion`, `llmrun.catalog.complete_model`) before any command runs, so torch is never
-imported on that path. `llmrun completion --write completions` rewrites the repository's copies.
+options' `autocompletion`, e.g. MODEL's `llmrun.catalog.complete_model`) before any command runs, so torch is
+never imported on that path; the responders below mend Typer's for bash's colons and multi-line descriptions.
+`llmrun completion --write completions` rewrites the repository's copies.
 """
 
+import os
 import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer import _completion_classes as typer_classes
 
 from llmrun.errors import LlmrunError, UsageError
 
@@ -26,6 +29,60 @@ class Shell(str, Enum):
     bash = "bash"
     zsh = "zsh"
     fish = "fish"
+
+
+def install_responders() -> None:
+    """Register the responders below for the scripts' callbacks, in place of Typer's own (and of its
+    --install-completion and --show-completion, which the `completion` command replaces: the app has
+    add_completion=False)."""
+    typer_classes.completion_init()
+    for cls in (BashResponder, ZshResponder, FishResponder):
+        typer_classes.add_completion_class(cls, cls.name)
+
+
+class BashResponder(typer_classes.BashComplete):
+    """bash splits words at ':' (COMP_WORDBREAKS), so `org/name:FILE.gguf` arrives as `org/name`, `:`, `FILE`:
+    join them back, and answer with what follows the word's last colon, the part bash replaces."""
+
+    colon_prefix = ""
+
+    def get_completion_args(self) -> tuple[list[str], str]:
+        words = typer_classes.click_split_arg_string(os.environ["COMP_WORDS"])
+        cword = int(os.environ["COMP_CWORD"])
+        joined: list[str] = []
+        for i, word in enumerate(words[: cword + 1]):
+            if i > 1 and (word == ":" or joined[-1].endswith(":")):
+                joined[-1] += word
+            else:
+                joined.append(word)
+        if cword >= len(words):  # the cursor after a space: an empty word, which the split drops
+            joined.append("")
+        incomplete = joined[-1]
+        self.colon_prefix = incomplete[: incomplete.rfind(":") + 1]
+        return joined[1:-1], incomplete
+
+    def format_completion(self, item) -> str:
+        return item.value.removeprefix(self.colon_prefix)
+
+
+class ZshResponder(typer_classes.ZshComplete):
+    """A description on one line: Typer renders help texts wrapped at 80 columns."""
+
+    def format_completion(self, item) -> str:
+        value, sep, description = super().format_completion(item).partition('":"')  # (a value's colons are escaped)
+        return value + sep + _one_line(description)
+
+
+class FishResponder(typer_classes.FishComplete):
+    """A description on one line: fish reads every line as a candidate."""
+
+    def format_completion(self, item) -> str:
+        value, tab, description = super().format_completion(item).partition("\t")
+        return value + tab + _one_line(description)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def completion_script(shell: str) -> str:

@@ -89,6 +89,11 @@ class RunOptions:
     eviction: object = None  # a llmrun.kv_cache.Eviction: a bounded KV cache
 
 
+def _complete_draft(incomplete: str) -> list[tuple[str, str] | str]:
+    drafts = [("self", "a 4-bit copy of the target"), ("self:skip", "the target with layers skipped")]
+    return [d for d in drafts if d[0].startswith(incomplete)] + complete_model(incomplete)
+
+
 _SAMPLING = [
     ("temperature", float, 0.8, typer.Option(min=0.0, help="Sampling temperature; 0 means greedy.", rich_help_panel=SAMPLING)),
     ("top_k", int, 40, typer.Option(min=0, help="Keep only the K most likely tokens (0: off).", rich_help_panel=SAMPLING)),
@@ -117,7 +122,7 @@ _RUNTIME = [
     ("kv_sinks", Optional[int], None, typer.Option(min=0, help="First tokens an evicting cache always keeps (attention sinks; default: 4).", rich_help_panel=KV, show_default=False)),
 ]
 _SPECULATIVE = [
-    ("draft", Optional[str], None, typer.Option(help="Speculative decoding with a draft model that shares the target's tokenizer (a .gguf, HF directory or hub id), or 'self': a 4-bit copy of the target ('self:skip': the target with layers skipped).", rich_help_panel=SPECULATIVE)),
+    ("draft", Optional[str], None, typer.Option(help="Speculative decoding with a draft model that shares the target's tokenizer (a .gguf, HF directory or hub id), or 'self': a 4-bit copy of the target ('self:skip': the target with layers skipped).", rich_help_panel=SPECULATIVE, autocompletion=_complete_draft)),
     ("ngram", Optional[int], None, typer.Option(help=f"Speculative decoding by prompt lookup: propose what followed the latest earlier match of the last N tokens (bare --ngram: {NGRAM_DEFAULT}). No extra model; best when the reply copies from the prompt.", rich_help_panel=SPECULATIVE)),
     ("draft_tokens", int, 8, typer.Option(min=1, max=32, help="Most draft tokens verified per step (K).", rich_help_panel=SPECULATIVE)),
     ("adaptive", bool, True, typer.Option("--adaptive/--fixed-k", help="Choose K each step from the measured acceptance and costs, drafting nothing when it does not pay; --fixed-k always drafts --draft-tokens.", rich_help_panel=SPECULATIVE)),
