@@ -82,7 +82,8 @@ def open_engine(files, settings: Settings):
         dtype = resolve_dtype(settings.dtype, device)
         name = files.source.spec.removeprefix("random:")
         budget = settings.kv_budget if settings.kv_evict is not None else settings.ctx
-        check_fits(name, files.config, device, dtype, budget, None if settings.kv == "auto" else settings.kv)
+        check_fits(name, files.config, device, dtype, budget, None if settings.kv == "auto" else settings.kv,
+                   int4=settings.weights == "int4")
         loaded = load_random(files, device, dtype, settings.weights)
     else:
         loaded = load_weights(files, device=settings.device, dtype=settings.dtype, weights=settings.weights)

@@ -94,20 +94,39 @@ def free_memory(device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if available is None else available
 
 
-def check_fits(name: str, config, device, dtype, ctx: int, kv_format: str | None = None) -> None:
-    """Refuse, with one line, a shape whose weights and KV cache (in `kv_format`, default `dtype`) would not fit in
-    the free memory."""
+INT4_BYTES = 0.625  # per weight in 4-bit blocks of 32 with an fp16 scale and offset each
+
+
+def weight_bytes(config, dtype, int4: bool = False) -> int:
+    """The most memory `load_random` holds for the weights: all of them in `dtype`; with `int4` the float
+    embedding, norms and biases, the matrices in 4-bit blocks, and, while one is rounded, the largest float matrix
+    drawn at a time (a block's, or the untied output head's)."""
+    if not int4:
+        return config.n_params * dtype.itemsize
+    block = sum(width * sum(outs) for width, outs in config.linear_widths().values())
+    head = config.vocab_size * config.dim
+    untied_head = 0 if config.tie_embeddings else head
+    floats = config.n_params - config.n_layers * block - untied_head
+    return int((floats + max(block, untied_head)) * dtype.itemsize + (config.n_layers * block + head) * INT4_BYTES)
+
+
+def check_fits(name: str, config, device, dtype, ctx: int, kv_format: str | None = None, int4: bool = False) -> None:
+    """Refuse, with one line, a shape whose weights (`weight_bytes`) and KV cache (in `kv_format`, default `dtype`)
+    would not fit in the free memory."""
     from llmrun.kv_cache import bytes_per_token, format_of
     from llmrun.memory import human_bytes
 
-    weights = config.n_params * dtype.itemsize
+    weights = weight_bytes(config, dtype, int4)
     kv = bytes_per_token(config, kv_format or format_of(dtype)) * ctx
     free = free_memory(device)
     if weights + kv > free:
+        smaller = [] if int4 else ["--weights int4"]
+        if not (int4 and device.type == "cpu") and dtype.itemsize > 2:  # (4-bit on a CPU computes in fp32)
+            smaller.append("a 2-byte --dtype")
         raise LlmrunError(
             f"--random-weights {name} needs {human_bytes(weights + kv)} (weights {human_bytes(weights)} + KV"
             f" {human_bytes(kv)} at --ctx {ctx}) but {device.type} has {human_bytes(free)} free;"
-            " use a smaller shape, a 2-byte --dtype or a smaller --ctx"
+            f" use a smaller shape, {', '.join([*smaller, 'a smaller --ctx'])}"
         )
 
 
@@ -115,25 +134,40 @@ def load_random(files, device, dtype, weights: str = "auto"):
     """Build the shape's model straight on `device` in `dtype` (never a CPU fp32 copy first), with seeded random
     weights: normal(0, INIT_STD), norms 1. The same seed gives the same weights in every dtype (each tensor is
     drawn in fp32, one at a time, then rounded). weights: "auto" or "dequant" (float matrices; "dequant" runs the
-    plain-PyTorch ops), or "int4" (`loading.round_to_int4`: 4-bit blocks, the float matrices dropped)."""
+    plain-PyTorch ops), or "int4" (4-bit round-to-nearest blocks, as `loading.round_to_int4` makes them: each
+    block's matrices are rounded as soon as they are drawn, so only one block is ever held in floats)."""
     import torch
 
-    from llmrun.loading import LoadedModel, round_to_int4
+    from llmrun.loading import LoadedModel, packed_kernels
     from llmrun.models import build_model
+    from llmrun.models.llama import int4_block
+    from llmrun.models.quant import int4_linear
 
+    int4 = weights == "int4"
+    if int4 and (why := packed_kernels(device, dtype)) is not None:
+        raise LlmrunError(f"--weights int4 needs llmrun's kernels for quantized weights, but {why}")
     with torch.device("meta"):
-        model = build_model(files.config)
-    model = model.to(dtype).to_empty(device=device)
+        model = build_model(files.config).to(dtype)
     generator = torch.Generator(device=device).manual_seed(SEED)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
+
+    def draw(prefix: str, module):  # in the order of the model's named_parameters
+        module.to_empty(device=device)
+        for name, p in module.named_parameters(prefix):
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                draw = torch.empty(p.shape, dtype=torch.float32, device=device)
-                p.copy_(draw.normal_(0.0, INIT_STD, generator=generator))
-                del draw
+                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=generator))
+        return module
+
+    with torch.no_grad():
+        draw("embed", model.embed)
+        for i, block in enumerate(model.layers):
+            model.layers[i] = int4_block(draw(f"layers.{i}", block)) if int4 else draw(f"layers.{i}", block)
+        draw("norm", model.norm)
+        if model.lm_head is not None:
+            draw("lm_head", model.lm_head)
+        if int4:  # a tied head becomes an untied 4-bit copy of the embedding table, as in round_to_int4
+            model.lm_head = int4_linear(model.embed if model.lm_head is None else model.lm_head)
     model.eval().requires_grad_(False)
     model.reference_ops = weights == "dequant"
-    loaded = LoadedModel(files, model, device, dtype)
-    return round_to_int4(loaded) if weights == "int4" else loaded
+    return LoadedModel(files, model, device, dtype, "packed" if int4 else "dequant")

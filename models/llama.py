@@ -92,6 +92,19 @@ class Block(nn.Module):
         return h + self.mlp(normed)
 
 
+def int4_block(block: Block) -> Block:
+    """A copy of `block` whose four linear layers are 4-bit round-to-nearest blocks of its weights (norms
+    shared)."""
+    from .quant import int4_linear
+
+    block, attn, mlp = copy.copy(block), copy.copy(block.attn), copy.copy(block.mlp)
+    block._modules, attn._modules, mlp._modules = dict(block._modules), dict(attn._modules), dict(mlp._modules)
+    attn.qkv, attn.o = int4_linear(attn.qkv), int4_linear(attn.o)
+    mlp.gate_up, mlp.down = int4_linear(mlp.gate_up), int4_linear(mlp.down)
+    block.attn, block.mlp = attn, mlp
+    return block
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -132,15 +145,7 @@ class Transformer(nn.Module):
         sub._modules = dict(self._modules)
         sub.reference_ops = False  # the draft always runs llmrun's kernels
         sub._stack = None
-        blocks = []
-        for block in self.layers:
-            block, attn, mlp = copy.copy(block), copy.copy(block.attn), copy.copy(block.mlp)
-            block._modules, attn._modules, mlp._modules = dict(block._modules), dict(attn._modules), dict(mlp._modules)
-            attn.qkv, attn.o = int4_linear(attn.qkv), int4_linear(attn.o)
-            mlp.gate_up, mlp.down = int4_linear(mlp.gate_up), int4_linear(mlp.down)
-            block.attn, block.mlp = attn, mlp
-            blocks.append(block)
-        sub.layers = nn.ModuleList(blocks)
+        sub.layers = nn.ModuleList(int4_block(block) for block in self.layers)
         # a tied head becomes an untied quantized copy of the embedding table
         sub.lm_head = int4_linear(self.embed if self.lm_head is None else self.lm_head)
         return sub

@@ -50,9 +50,17 @@ class QuantEmbedding(_Blocks):
         return kernels.quant_matmul(x, self.qs, self.d, self.m, self.bits)
 
 
-def rtn_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rtn_blocks(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest asymmetric 4-bit blocks of 32 (GGUF Q4_1's scheme) for w (N, K):
-    -> qs (N, K/2) uint8 in GGML nibble order, d and m (N, K/32) fp16, with w ~ d * q + m, q in 0..15."""
+    -> qs (N, K/2) uint8 in GGML nibble order, d and m (N, K/32) fp16, with w ~ d * q + m, q in 0..15.
+    Done `rows` rows at a time, so the fp32 temporaries stay small beside an output head's matrix."""
+    if w.shape[0] > rows:
+        parts = [_rtn_blocks(w[i : i + rows]) for i in range(0, w.shape[0], rows)]
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return _rtn_blocks(w)
+
+
+def _rtn_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N, K = w.shape
     blocks = w.float().reshape(N, K // 32, 32)
     lo, hi = blocks.amin(-1), blocks.amax(-1)

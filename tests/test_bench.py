@@ -5,6 +5,7 @@ The CLI runs in-process through `llmrun.cli.main` (as `tests/test_errors.py` doe
 written as GGUF / HF directories, and once on the embedded model; runs are a few tokens long.
 """
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -356,7 +357,20 @@ def test_cuda_without_a_gpu(cli, tiny_gguf):
 def test_random_weights_that_do_not_fit_are_refused(cli, monkeypatch):
     monkeypatch.setattr(shapes, "free_memory", lambda device: 4 << 30)
     assert_one_error_line(cli("--random-weights", "llama3-8b", "--dtype", "bf16"), "llama3-8b", "needs", "4.0 GiB free",
-                          code=1)
+                          "use a smaller shape, --weights int4, a smaller --ctx", code=1)
+    # 4-bit: the matrices in blocks, one float block or head at a time; on a CPU it computes in fp32
+    assert_one_error_line(cli("--random-weights", "llama3-8b", "--weights", "int4", "--device", "cpu"),
+                          "needs 10.3 GiB (weights 8.3 GiB", "use a smaller shape, a smaller --ctx", code=1)
+
+
+def test_int4_random_weight_bytes_follow_the_layout():
+    cfg = shapes.shape_config("qwen2.5-0.5b")  # tied head, so every float matrix is drawn block by block
+    small = dataclasses.replace(cfg, n_layers=2)
+    files = dataclasses.replace(shapes.random_model_files("qwen2.5-0.5b"), config=small)
+    loaded = shapes.load_random(files, torch.device("cpu"), torch.float32, "int4")
+    held = sum(t.numel() * t.element_size() for t in [*loaded.model.parameters(), *loaded.model.buffers()])
+    block = sum(w * sum(outs) for w, outs in small.linear_widths().values()) * 4
+    assert shapes.weight_bytes(small, torch.float32, int4=True) == pytest.approx(held + block, rel=0.01)
 
 
 # --- random-weight shapes ----------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from llmrun.loading import load_model, open_model, resolve
+from llmrun.loading import load_model, open_model, resolve, round_to_int4
 from llmrun.models import config_from_gguf, config_from_hf
 
 from .tiny import CONFIGS, hf_config_json, random_model, write_gguf, write_hf_dir
@@ -319,4 +319,12 @@ def test_random_weights_in_each_weight_mode():
         assert loaded.model.reference_ops is reference
         assert isinstance(loaded.model.layers[0].mlp.down, QuantLinear) is packed
         assert loaded.weights == ("packed" if packed else "dequant")
+    # int4 rounds each block as it is drawn: the same tensors as rounding the whole float model afterwards
+    for shape in ("qwen2.5-0.5b", "smollm2-135m"):  # untied head with biases; tied head
+        files = random_model_files(shape)
+        files = dataclasses.replace(files, config=dataclasses.replace(files.config, n_layers=2))
+        streamed = load_random(files, torch.device("cpu"), torch.float32, "int4").model.state_dict()
+        afterwards = round_to_int4(load_random(files, torch.device("cpu"), torch.float32)).model.state_dict()
+        assert streamed.keys() == afterwards.keys() and "lm_head.qs" in streamed
+        assert all(torch.equal(streamed[k], afterwards[k]) for k in streamed), shape
 
