@@ -360,6 +360,7 @@ def test_bare_json_schema_means_any_json():
     assert expand_bare_options(["chat", "--json-schema", "--temperature", "0"])[1] == "--json-schema=any"
     assert expand_bare_options(["chat", "--json-schema", "-"]) == ["chat", "--json-schema", "-"]
     assert expand_bare_options(["chat", "--json-schema", "s.json", "--ngram"]) == ["chat", "--json-schema", "s.json", "--ngram=3"]
+    assert expand_bare_options(["generate", "--ngram", "1.5", "x"]) == ["generate", "--ngram", "1.5", "x"]  # an error, not a model
 
 
 def test_cli_json_schema_end_to_end(monkeypatch, capsys, tmp_path):

@@ -187,12 +187,20 @@ def expand_bare_options(argv: list[str]) -> list[str]:
     out = []
     for i, arg in enumerate(argv):
         following = argv[i + 1] if i + 1 < len(argv) else None
-        if arg == "--ngram" and not (following is not None and following.lstrip("-").isdigit()):
+        if arg == "--ngram" and not (following is not None and _looks_numeric(following)):  # (1.5: typer says why not)
             arg = f"--ngram={NGRAM_DEFAULT}"
         elif arg == "--json-schema" and (following is None or (following.startswith("-") and following != "-")):
             arg = f"--json-schema={ANY_JSON}"
         out.append(arg)
     return out
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def run_options(command=None, *, sampling: bool = True, speculative: bool | None = None):
