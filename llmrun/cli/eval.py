@@ -45,8 +45,6 @@ def parse_reference(spec: str) -> dict[str, str]:
 
 def _reference_options(opts, overrides: dict[str, str]):
     """This run's options with --kl-vs's overrides (less `model`) applied."""
-    from llmrun.kv_cache import Eviction
-
     overrides = dict(overrides)
     if "kv" in overrides:
         overrides["kv"] = None if overrides["kv"] == KVFormat.auto.value else overrides["kv"]
