@@ -183,6 +183,34 @@ def test_greedy_identity_on_the_plain_pytorch_path(smollm2_dequant):
         assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_greedy_speculation_on_a_gpu_emits_the_plain_greedy_tokens(dtype):
+    """On a GPU the embedded model's greedy reply is the same with every drafter: a one-token step and each
+    verification length run as graphs of their own, and the Triton kernels give a row the same bits in a block
+    of any length (their autotune keys leave the row count out)."""
+    from llmrun.loading import load_model
+
+    engine = Engine(load_model("smollm2", "cuda", dtype, "auto"), max_len=512)
+    assert engine.graphs is not None
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt, special=True)
+        params = SamplingParams(temperature=0, max_new_tokens=40)
+        plain, _ = _generate(engine, ids, params)
+        speculators = [
+            Speculator(NgramDrafter(3), DraftLength(5, adaptive=False)),
+            Speculator(OracleDrafter(ids, plain.token_ids + [2], wrong=3), DraftLength(8, adaptive=False)),
+            Speculator(OracleDrafter(ids, plain.token_ids + [2]), DraftLength(15, adaptive=False)),
+            make_speculator(engine, draft="self", draft_tokens=4, adaptive=False),
+            make_speculator(engine, draft="self:skip", draft_tokens=6, adaptive=True),
+        ]
+        for speculator in speculators:
+            spec, _ = _generate(engine, ids, params, speculator)
+            assert spec.token_ids == plain.token_ids, (prompt, speculator.drafter.name)
+    engine.speculator = None
+
+
 def test_the_int4_self_draft_shares_norms_and_agrees_with_the_target(smollm2_dequant):
     from llmrun.models.quant import QuantLinear
 
