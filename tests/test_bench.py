@@ -270,9 +270,14 @@ def test_matrix_script_skips_missing_models(tmp_path, monkeypatch, capsys):
     assert [s["row"] for s in doc["skipped"]] == ["qwen-pair", "qwen-ngram-code-edit", "qwen-ngram-open"]
     assert "bench/fetch_models.py" in doc["skipped"][0]["why"]
     assert set(doc["load_average_1min"]) == {"start", "end", "cores"} and doc["settings"]["threads"] == 2
+    assert doc["settings"]["device"] == "cpu" and doc["environment"]["device_name"]
     table = out.with_suffix(".md").read_text()
-    assert "| row | target | drafter |" in table and "skipped qwen-pair" in table
+    assert "| row | target | drafter |" in table and "skipped qwen-pair" in table and "CPU, 2 threads" in table
     assert table in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            script.main(["--rows", "qwen", "--device", "cuda"])
+        assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
 
 
 # --- workloads ------------------------------------------------------------------------------------------------
