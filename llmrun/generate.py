@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrun import cuda_graphs
-from llmrun.errors import ContextOverflowError, LlmrunError
+from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
 from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
 from llmrun.sampling import Randomness, SamplingParams, sample
@@ -132,7 +132,7 @@ class Engine:
         self.kv_format, self.eviction = kv_format, eviction
         ctx = int(min(max_len or cfg.max_seq_len, cfg.max_seq_len))
         if eviction is not None and eviction.budget > cfg.max_seq_len:
-            raise LlmrunError(f"--kv-budget {eviction.budget} is more than the model's context ({cfg.max_seq_len})")
+            raise UsageError(f"--kv-budget {eviction.budget} is more than the model's context ({cfg.max_seq_len})")
         self.cache = KVCache.for_model(self.model, ctx, loaded.dtype, loaded.device, kv_format=kv_format,
                                        eviction=eviction)
         self.max_len = ctx if eviction is None else math.inf  # the most tokens a conversation may reach

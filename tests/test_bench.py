@@ -152,6 +152,12 @@ def test_table_goes_to_stderr_and_stdout_stays_empty(cli, tiny_gguf):
         assert words in result.stderr
 
 
+def test_title_names_the_kv_cache(cli, tiny_gguf):
+    title = ok(cli(tiny_gguf, *FAST, "--kv", "int8", "--kv-evict", "window", "--kv-budget", "64")).stderr.splitlines()[0]
+    assert "--kv int8, 1 thread, --kv-evict window --kv-budget 64 --kv-sinks 4 · open prompt" in title, title
+    assert "ctx" not in title  # the budget is the cache's size
+
+
 def test_embedded_model(cli):
     doc = ok(cli("--prompt-tokens", "16", "--new-tokens", "4", "--repeat", "1", "--json")).json()
     check_schema(doc)
@@ -329,6 +335,7 @@ def test_prompt_kinds_and_exact_lengths():
     (["--sweep", "--axis", "dtype"], ["--axis", "NAME=VALUE"], 2),
     (["--sweep", "--axis", "dtype=fp32", "--axis", "dtype=bf16"], ["--axis", "dtype is given twice"], 2),
     (["--ngram", "--temperature", "inf"], ["--temperature", "finite"], 2),
+    (["--kv-evict", "window", "--kv-budget", "64", "--ctx", "128"], ["--ctx 128", "--kv-evict", "drop --ctx"], 2),
     (["--prompt-file", "missing.txt"], ["missing.txt", "no such file"], 1),
     (["./nope.gguf"], ["nope.gguf", "no such file"], 1),
 ])

@@ -241,6 +241,7 @@ def test_corrupt_safetensors(cli, hf_dir, weights, names):
         (["--fixed-k"], ["--fixed-k", "add --ngram or --draft"]),
         (["--draft", ""], ["--draft", "empty"]),
         (["--kv-evict", "window", "--kv-budget", "200", "--ctx", "128"], ["--ctx 128", "--kv-budget"]),
+        (["--kv-evict", "window", "--kv-budget", "100000"], ["--kv-budget 100000", "model's context"]),
     ],
 )
 def test_usage_error(cli, options, names):

@@ -6,6 +6,8 @@ keeps exactly the tokens it names, moved with their positions; re-rotation moves
 """
 
 import math
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -468,3 +470,14 @@ def test_the_one_call_decode_stack_records_positions_for_eviction(smollm2, fmt):
     assert cache.evicted > 0
     want = [*range(4), *range(cache.seen - (cache.length - 4), cache.seen)]
     assert (cache.positions[:, 0, :, : cache.length] == torch.tensor(want)).all()
+
+
+def test_kv_help_gives_the_bits_each_quantized_format_stores():
+    """--kv's help quotes each quantized format's bits per value, scales included: what the cache stores."""
+    from llmrun.cli.options import _RUNTIME
+
+    help_text = next(option.help for name, _, _, option in _RUNTIME if name == "kv")
+    cfg = SimpleNamespace(head_dim=64, n_layers=1, n_kv_heads=1)
+    for fmt in ("int8", "int4"):
+        bits = 8 * bytes_per_token(cfg, fmt) / (2 * cfg.head_dim)  # (8.5, 5)
+        assert re.search(rf"{fmt} \([^)]*\b{re.escape(f'{bits:g}')} bits", help_text), (fmt, bits, help_text)

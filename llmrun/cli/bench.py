@@ -63,6 +63,8 @@ def bench(
     from llmrun.workloads import make_workload, read_prompt_file
 
     _check_options(model, kind, prompt_file, batch, random_weights, compare, sweep, axis, goal, plot)
+    if opts.eviction is not None and opts.ctx is not None:  # as chat and generate: the budget is the cache's size
+        raise UsageError(f"--ctx {opts.ctx} with --kv-evict: an evicting cache holds --kv-budget tokens; drop --ctx")
     drafting = _drafting(opts, temperature, random_weights, compare, sweep)
     sweep_axes = _sweep_axes(axis) if sweep else None
     text = read_prompt_file(prompt_file) if prompt_file else None
@@ -180,8 +182,11 @@ def _render(doc: dict) -> None:
 
     c, w, mem = doc["config"], doc["workload"], doc["memory"]
     decode = doc["decode_tok_s"]
-    title = (f"llmrun bench {doc['model']}: {c['device']} {c['dtype']} --weights {c['weights']}, {_threads(c['threads'])},"
-             f" ctx {c['ctx']} · {w['kind']} prompt, {w['prompt_tokens']} + {w['new_tokens']} tokens,"
+    kv = "" if c["kv"] in ("auto", c["dtype"]) else f" --kv {c['kv']}"
+    size = (f"ctx {c['ctx']}" if c["kv_evict"] is None  # an evicting cache holds its budget, whatever --ctx
+            else f"--kv-evict {c['kv_evict']} --kv-budget {c['kv_budget']} --kv-sinks {c['kv_sinks']}")
+    title = (f"llmrun bench {doc['model']}: {c['device']} {c['dtype']} --weights {c['weights']}{kv}, {_threads(c['threads'])},"
+             f" {size} · {w['kind']} prompt, {w['prompt_tokens']} + {w['new_tokens']} tokens,"
              f" {w['repeat']} run{'s' if w['repeat'] > 1 else ''}{'' if w['warmup'] else ', no warm-up'}")
     table = Table(title=title, show_header=False, title_justify="left")
     peak = f"process RSS {human_bytes(mem['process_peak_rss'])}"
