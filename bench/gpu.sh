@@ -73,7 +73,8 @@ fi
 if [[ $steps == *" kv "* ]]; then
     for ctx in 8192 32768; do
         for kv in bf16 int8 int4; do
-            bench "llama3-8b-kv-$kv-$ctx" --random-weights llama3-8b --prompt-tokens $((ctx - 192)) --new-tokens 128 \
+            # llama3.1-8b: llama3-8b's shape with a 128k context (llama3-8b refuses --ctx past 8192)
+            bench "llama3.1-8b-kv-$kv-$ctx" --random-weights llama3.1-8b --prompt-tokens $((ctx - 192)) --new-tokens 128 \
                 --ctx "$ctx" --kv "$kv" --repeat 3
         done
     done
