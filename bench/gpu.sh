@@ -41,12 +41,19 @@ mkdir -p "$results"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
 stamp=$(date +%Y-%m-%d)
 written=()
+failed=()
 
 bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results/$stamp-$gpu-OUT_NAME.json
-    local out="$results/$stamp-$gpu-$1.json"
+    # a run that fails is reported and the others still run (set -e would end the script, losing them)
+    local name=$1 out="$results/$stamp-$gpu-$1.json"
     shift
-    python3 -m llmrun bench "$@" --json > "$out"
-    written+=("$out")
+    if python3 -m llmrun bench "$@" --json > "$out"; then
+        written+=("$out")
+    else
+        echo "gpu.sh: $name FAILED (above); going on" >&2
+        rm -f "$out"
+        failed+=("$name")
+    fi
 }
 
 if [[ $steps == *" tests "* ]]; then
@@ -94,3 +101,4 @@ PY
     python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['rows']]" "$results/$stamp-$gpu-max-context.json"
 fi
 [ ${#written[@]} -eq 0 ] || python3 bench/results_tables.py "${written[@]}"
+[ ${#failed[@]} -eq 0 ] || { echo "gpu.sh: failed runs: ${failed[*]}" >&2; exit 1; }
