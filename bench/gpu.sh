@@ -9,7 +9,10 @@
 # JSON goes to RESULTS (default bench/results/; file names keep to letters, digits, '.', '_' and '-'); a summary
 # table of the runs of this call comes last. On the lent machine, where at most 8 files come back from $OUT, with
 # .whl/ made here first by bench/gpu_wheels.sh and named in the call's `carry` (the script installs from it):
-#     RESULTS=/tmp/r GPU_STEPS="sweep speed" bash bench/gpu.sh; tar czf $OUT/results.tgz -C /tmp/r .
+#     RESULTS=/tmp/r GPU_STEPS="sweep speed" timeout 560 bash bench/gpu.sh; tar czf $OUT/results.tgz -C /tmp/r .
+# (`timeout` inside the call's limit: a call killed at its limit never reaches the tar, and every JSON is lost; the
+# speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
+# give it one SHAPE a call.)
 #   tests   The Triton kernels natively on CUDA (the bf16 cases, marked `gpu`, run here and only here), the whole
 #           model on the Triton path, CUDA graphs captured and replayed, the torch.compile baseline, AWQ's search
 #           on the GPU and its checkpoint packed there. A failure is reported and the measurements still run: the
