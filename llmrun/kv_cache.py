@@ -65,6 +65,11 @@ class _DenseStore:
         # per-layer views, made once: indexing the 5-d buffers on every step costs more than the copy
         self._k, self._v = self.k.unbind(0), self.v.unbind(0)
 
+    @property
+    def layer_views(self) -> tuple[torch.Tensor, ...]:
+        """Every layer's K and V view, through which all reads and writes go: what a traced step takes as inputs."""
+        return (*self._k, *self._v)
+
     def write(self, layer, slot, k, v):  # k, v (B, Hkv, T, D)
         self._k[layer].narrow(2, slot, k.shape[2]).copy_(k)
         self._v[layer].narrow(2, slot, v.shape[2]).copy_(v)

@@ -482,6 +482,21 @@ def test_compare_table_and_eager_skip(cli, tiny_hf, monkeypatch):
     assert "transformers not installed" in result.stderr
 
 
+def test_compare_on_cuda_measures_the_eager_path_of_a_float_model(monkeypatch):
+    """On CUDA a float model under --weights auto runs llmrun's Triton kernels and CUDA graphs, not the plain path:
+    --compare measures the plain path (--weights dequant) beside it rather than skip it."""
+    measured = []
+    speed = {"decode_tok_s": {"median": 1.0}, "prefill_tok_s": 1.0}
+    monkeypatch.setattr(bench, "measure_settings", lambda files, settings, workload, compiled=False:
+                        measured.append((settings.weights, compiled)) or speed)
+    monkeypatch.setattr(peers, "peer_rows", lambda *args: [])
+    settings = bench.Settings(device="cuda", dtype="bf16", weights="auto", threads=1, ctx=64)
+    figures = {**speed, "weights_loaded": "dequant"}
+    rows = {r["name"]: r for r in bench.compare_rows(None, settings, figures, None, lambda what: None)}
+    assert measured == [("dequant", False), ("dequant", True)]
+    assert rows["llmrun eager"]["skipped"] is None and rows["llmrun compiled"]["skipped"] is None
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_llama_cpp_runs_the_same_workload(embedded_path, monkeypatch):
     from llmrun.loading import open_model

@@ -55,6 +55,30 @@ def test_the_compiled_step_is_the_plain_step(plain_model, rollback_at):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_cache_is_a_static_input(plain_model):
+    """Every input of the traced step that is (a view of) the KV cache, which the step writes in place, is marked
+    static: Inductor replays a step as a CUDA graph only when each input it mutates is static, else it logs
+    "skipping cudagraphs due to mutated inputs" and runs the step without one, which is not gpt-fast's baseline."""
+    engine = Engine(plain_model, 48)
+    inputs = []
+
+    def backend(gm, example_inputs):
+        for node, x in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+            if isinstance(x, torch.Tensor):
+                inputs.append((node.name, x.untyped_storage().data_ptr(),
+                               node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")))
+        return gm.forward
+
+    engine.graphs = CompiledDecode(engine.model, engine.cache, backend=backend)
+    torch.compiler.reset()
+    logits, _ = engine.prefill([5, 17, 3])
+    engine.decode(int(logits.argmax()))
+    cache = {buffer.untyped_storage().data_ptr() for buffer in engine.cache.dense}
+    of_cache = [(name, static) for name, storage, static in inputs if storage in cache]
+    assert len(of_cache) == 2 * plain_model.model.config.n_layers, inputs  # each layer's K and V
+    assert all(static for _, static in of_cache), of_cache
+
+
 @pytest.mark.slow
 def test_inductor_compiles_the_step(plain_model):
     """Inductor's own kernels for the static step (C++ here; on CUDA Triton's, replayed as CUDA graphs): the
