@@ -123,11 +123,12 @@ if [[ $steps == *" memory "* ]]; then
     python3 - > "$results/$stamp-$gpu-max-context.json" <<'PY'
 import json, torch
 from llmrun.kv_cache import bytes_per_token
-from llmrun.shapes import shape_config
+from llmrun.shapes import shape_config, weight_bytes
 cfg = shape_config("llama3.1-8b")
 free, total = torch.cuda.mem_get_info()
-weights = {"bf16": cfg.n_params * 2, "int4": cfg.n_params // 32 * 20}  # 4-bit blocks: 16 bytes of codes + 4 of fp16 d, m
-rows = [{"weights": w, "kv": kv, "max_context": int((free - wb) // bytes_per_token(cfg, kv))}
+# the weights once loaded: bf16, or (--weights int4) the matrices and the head in 4-bit blocks, the embedding bf16
+weights = {w: weight_bytes(cfg, torch.bfloat16, int4=w == "int4", loading=False) for w in ("bf16", "int4")}
+rows = [{"weights": w, "weight_bytes": wb, "kv": kv, "max_context": int((free - wb) // bytes_per_token(cfg, kv))}
         for w, wb in weights.items() for kv in ("bf16", "int8", "int4")]
 print(json.dumps({"device_free_bytes": free, "device_total_bytes": total, "model": "llama3.1-8b", "rows": rows}))
 PY

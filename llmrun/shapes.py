@@ -97,17 +97,17 @@ def free_memory(device) -> int:
 INT4_BYTES = 0.625  # per weight in 4-bit blocks of 32 with an fp16 scale and offset each
 
 
-def weight_bytes(config, dtype, int4: bool = False) -> int:
+def weight_bytes(config, dtype, int4: bool = False, loading: bool = True) -> int:
     """The most memory `load_random` holds for the weights: all of them in `dtype`; with `int4` the float
-    embedding, norms and biases, the matrices in 4-bit blocks, and, while one is rounded, the largest float matrix
-    drawn at a time (a block's, or the untied output head's)."""
+    embedding, norms and biases, the matrices in 4-bit blocks, and, while one is rounded (`loading`), the largest
+    float matrix drawn at a time (a block's, or the untied output head's)."""
     if not int4:
         return config.n_params * dtype.itemsize
     block = sum(width * sum(outs) for width, outs in config.linear_widths().values())
     head = config.vocab_size * config.dim
     untied_head = 0 if config.tie_embeddings else head
-    floats = config.n_params - config.n_layers * block - untied_head
-    return int((floats + max(block, untied_head)) * dtype.itemsize + (config.n_layers * block + head) * INT4_BYTES)
+    floats = config.n_params - config.n_layers * block - untied_head + (max(block, untied_head) if loading else 0)
+    return int(floats * dtype.itemsize + (config.n_layers * block + head) * INT4_BYTES)
 
 
 def check_fits(name: str, config, device, dtype, ctx: int, kv_format: str | None = None, int4: bool = False) -> None:

@@ -383,6 +383,7 @@ def test_int4_random_weight_bytes_follow_the_layout():
     held = sum(t.numel() * t.element_size() for t in [*loaded.model.parameters(), *loaded.model.buffers()])
     block = sum(w * sum(outs) for w, outs in small.linear_widths().values()) * 4
     assert shapes.weight_bytes(small, torch.float32, int4=True) == pytest.approx(held + block, rel=0.01)
+    assert shapes.weight_bytes(small, torch.float32, int4=True, loading=False) == pytest.approx(held, rel=0.01)
 
 
 # --- random-weight shapes ----------------------------------------------------------------------------------------
