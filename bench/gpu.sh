@@ -80,14 +80,20 @@ bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results
     fi
 }
 
+run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output also kept in $results/$stamp-$gpu-NAME.log
+    local log="$results/$stamp-$gpu-$1.log"
+    shift
+    python3 -m pytest -q -rs "$@" 2>&1 | tee "$log" || { echo "gpu.sh: GPU TESTS FAILED (above, and in $log);" \
+        "measuring anyway" >&2; failed+=("$(basename "$log")"); }
+}
+
 if [[ $steps == *" tests "* ]]; then
-    python3 -m pytest -q -rs tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py \
+    run_tests tests tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py \
         tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py \
-        tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there || echo "gpu.sh: GPU TESTS FAILED (above); measuring anyway" >&2
+        tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there
 fi
 if [[ $steps == *" embedded "* ]] && embedded; then
-    python3 -m pytest -q -rs -s -m gpu tests/test_reference.py tests/test_speculative.py \
-        || echo "gpu.sh: GPU TESTS FAILED (above); measuring anyway" >&2
+    run_tests embedded-tests -s -m gpu tests/test_reference.py tests/test_speculative.py
     bench smollm2-compare --prompt-tokens 134 --new-tokens 128 --repeat 5 --compare
     bench smollm2-sweep --prompt-tokens 128 --new-tokens 64 --sweep --goal quality --axis dtype=bf16,fp32 \
         --axis weights=auto,dequant

@@ -23,21 +23,26 @@ tail -c +"$((half + 1))" "$model" > .gpu-model/b
 ls -l .whl .gpu-model
 commit=$(git rev-parse --short HEAD)
 [ -z "$(git status --porcelain --untracked-files=no)" ] || commit="$commit-dirty"
-run() {  # run N STEPS: the command of device call N, its results tarred into $OUT however it ends
-    echo "LLMRUN_COMMIT=$commit RESULTS=/tmp/r$1 GPU_STEPS=\"$2\" timeout 570 bash bench/gpu.sh;" \
-        "tar czf \$OUT/results$1.tgz -C /tmp/r$1 ."
+run() {  # run N STEPS [SHAPE...]: the command of device call N, its results tarred into $OUT however it ends
+    local n=$1 steps=$2
+    shift 2
+    echo "LLMRUN_COMMIT=$commit RESULTS=/tmp/r$n GPU_STEPS=\"$steps\" timeout 570 bash bench/gpu.sh${*:+ $*};" \
+        "tar czf \$OUT/results$n.tgz -C /tmp/r$n ."
 }
 cat <<CALLS
 
-The device calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came before):
+The device calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came before;
+a cold one starts bare, so every call carries .whl):
   1. carry [".whl", ".gpu-model/a"]
      $(run 1 tests)
   2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"]
      $(run 2 embedded)
   3. carry [".whl"]
-     $(run 3 "sweep speed")
+     $(run 3 "sweep speed" llama3.2-1b)
   4. carry [".whl"]
-     $(run 4 "kv memory")
+     $(run 4 speed llama3-8b)
+  5. carry [".whl"]
+     $(run 5 "kv memory")
 Then unpack each results*.tgz into bench/results/, add their lines to bench/RESULTS.md (python
 bench/results_tables.py bench/results/FILE.json prints a bench run's table; speculative.py writes its own .md), and
 commit them.
