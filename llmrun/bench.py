@@ -381,10 +381,9 @@ def compare_rows(files, settings: Settings, figures: dict, workload, progress) -
     eager = dataclasses.replace(settings, weights="dequant")
     config = f"{eager.dtype} --weights dequant (plain PyTorch)"
     progress("compare: llmrun eager (--weights dequant)")
-    # A float model under --weights auto ran eagerly, but on CUDA through llmrun's Triton kernels and CUDA graphs:
-    # the plain-PyTorch path is measured there all the same.
-    float_auto = settings.weights == "auto" and figures.get("weights_loaded") == "dequant"
-    if eager == settings or (float_auto and not settings.device.startswith("cuda")):
+    # (A float model under --weights auto is no plain-PyTorch run either: llmrun's C kernels serve its norms and
+    # attention on a CPU, the Triton kernels and CUDA graphs its whole step on CUDA.)
+    if eager == settings:
         rows.append(peers.row("llmrun eager", config, version=__version__,
                               skipped="skipped: the configured run is already the eager path (--weights dequant)"))
     else:
