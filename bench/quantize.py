@@ -51,7 +51,7 @@ def llmrun(*args: str, threads: int) -> dict:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--group-size", type=int, default=None, help="INT4 group size (default: llmrun's, 64 here)")
+    parser.add_argument("--group-size", type=int, default=None, help="INT4 group size (default: llmrun's, 32 here: the GGUF's blocks)")
     parser.add_argument("--samples", type=int, default=128, help="AWQ calibration windows (default 128)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="tokens of alice29 scored (default 8192)")
