@@ -157,14 +157,11 @@ def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=
     """`attention` over a quantized cache (`ref.QuantizedKV`, INT8 or INT4) -> (B, T, Hq, D) in q's dtype.
     On CUDA (T <= 16) the Triton kernel dequantizes tiles in registers, and so do the C kernels on the CPU (fp32);
     elsewhere the cache is dequantized first, once per run of query rows that read the same INT4 keys
-    (`ref.quantized_row_blocks`). length: as for `attention` (INT8 only)."""
-    if length is not None:
-        assert kv.bits == 8, "a device-side length is for float and INT8 caches"
-        if not (_use_triton(q) and q.shape[1] <= 16):
-            n = int(length)
-            kv = dataclasses.replace(kv, k=kv.k[:, :, :n], v=kv.v[:, :, :n], k_scale=kv.k_scale[:, :, :n],
-                                     v_scale=kv.v_scale[:, :, :n])
-            mass, length = None if mass is None else mass[:, :, :n], None
+    (`ref.quantized_row_blocks`). length: as for `attention`; INT4 then reads the key groups full at each row's
+    position as codes (`quantized_decode_attention`)."""
+    if length is not None and not (_use_triton(q) and q.shape[1] <= 16):  # read the count (a host sync)
+        n = int(length)
+        kv, mass, length = _in_use(kv, n), None if mass is None else mass[:, :, :n], None
 
     def dequantized():
         parts = [attention(q[:, r0:r1], k.to(q.dtype), v.to(q.dtype), window,
@@ -184,6 +181,19 @@ def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=
             return cpu.attention_int8(q, kv.k, kv.v, kv.k_scale, kv.v_scale, window, mass)
         return cpu.attention_int4(q, kv, window, mass)
     return dequantized()
+
+
+def _in_use(kv: ref.QuantizedKV, n: int) -> ref.QuantizedKV:
+    """kv, handed over a buffer's capacity, cut to its first n positions. INT4: its full key groups as codes, and
+    the exact keys the rings hold after them, as a device step's cache holds them (`llmrun.kv_cache`)."""
+    if kv.bits == 8:
+        return dataclasses.replace(kv, k=kv.k[:, :, :n], v=kv.v[:, :, :n], k_scale=kv.k_scale[:, :, :n],
+                                   v_scale=kv.v_scale[:, :, :n])
+    G, ring = ref.KEY_GROUP, kv.k_recent.shape[2]
+    n_quantized = n // G * G
+    first_exact = min(n_quantized, max(0, -(-(n - ring) // G) * G))
+    return dataclasses.replace(kv, k=kv.k[:, :, :n], v=kv.v[:, :, :n], v_scale=kv.v_scale[:, :, :n],
+                               v_min=kv.v_min[:, :, :n], n_quantized=n_quantized, first_exact=first_exact)
 
 
 def cpu_kernels_serve(x: torch.Tensor) -> bool:

@@ -120,6 +120,9 @@ def _split_kernel(
 ):
     if DEVICE_LEN:  # a CUDA graph's step: S (the keys in use) is read here; the splits cover the buffer's capacity
         S = tl.load(SLen)
+        if BITS == 4:  # and so are the INT4 rows' code spans: the key groups full at each row's position
+            nq_lo = (S - T + 1) // _KEY_GROUP * _KEY_GROUP
+            nq_hi = S // _KEY_GROUP * _KEY_GROUP
     pid_bh = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -302,7 +305,8 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
     - Live through the loop: q (BLOCK_M, BLOCK_D) as a dot operand, and 8 bytes per row for reductions.
     - In turn within a step, the largest counted: the dequantized K tile (BLOCK_N, BLOCK_D) (two, codes and exact,
       for INT4 on Hopper); the dequantized V tile with the probabilities p (BLOCK_M, BLOCK_N), which the
-      warpgroup MMA takes from registers; or the fp32 scores (BLOCK_M, BLOCK_N) on their way to the mass buffer.
+      warpgroup MMA takes from registers (INT4 with fp32 q: both of p's parts, the rows' codes and exact shares,
+      staged for the FMA dots side by side); or the fp32 scores (BLOCK_M, BLOCK_N) on their way to the mass buffer.
     """
     q_bytes = sizes["Q"]
     wgmma = major >= 9 and BLOCK_M >= 64 and q_bytes == 2  # Hopper's: 16-bit operands, tiles of 64 rows
@@ -310,7 +314,7 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
                else sizes["K"] + sizes["V"])
     copies = num_stages if wgmma and BITS == 0 else num_stages - 1
     tile = BLOCK_N * BLOCK_D * q_bytes if BITS else 0  # a dequantized K or V tile
-    p = 0 if wgmma else BLOCK_M * BLOCK_N * q_bytes
+    p = 0 if wgmma else BLOCK_M * BLOCK_N * q_bytes * (2 if BITS == 4 and q_bytes == 4 else 1)
     step = max(tile * (2 if BITS == 4 and wgmma else 1), tile + p, BLOCK_M * BLOCK_N * 4 * SCORES)
     return copies * BLOCK_N * BLOCK_D * per_key + BLOCK_M * BLOCK_D * q_bytes + 8 * BLOCK_M + step
 
@@ -383,8 +387,11 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
     kv: INT8 or INT4 (layouts in `ref.QuantizedKV`) of B sequences, Hkv heads, S positions, head_dim D = kv.head_dim
        (a multiple of 16); every tensor any batch/head/position strides, last dim contiguous. INT4's rings k_recent
        and v_recent (B, Hkv, R, D) may be of any float dtype.
-    q (B, T, Hq, D) fp32, fp16 or bf16; window, split_len, mass, length as for `decode_attention` (length: INT8
-    only, kv then spanning the buffer's capacity).
+    q (B, T, Hq, D) fp32, fp16 or bf16; window, split_len, mass, length as for `decode_attention` (kv then spans
+    the buffer's capacity). INT4 with `length`: kv.n_quantized and kv.first_exact are not read; each row reads as
+    codes the key groups full at its position, the rest exact from the rings (what `ref.QuantizedKV.row_quantized`
+    gives a cache that decoding wrote, as `llmrun.kv_cache`'s device steps write it: its rings hold the positions
+    [length - R, length) exact).
     Returns (B, T, Hq, D) contiguous in q's dtype.
     """
     B, T, Hq, D = q.shape
@@ -398,19 +405,20 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
         assert kv.k_scale.shape == kv.v_scale.shape, (kv.k_scale.shape, kv.v_scale.shape)
         cache = (kv.k, kv.v, kv.k_scale, kv.k_scale, kv.k_scale, kv.v_scale, kv.v_scale, kv.v_scale)  # (unused repeat)
     else:
-        n_groups = triton.cdiv(min(kv.n_quantized, S), ref.KEY_GROUP)
-        assert kv.n_quantized % ref.KEY_GROUP == 0 and kv.first_exact % ref.KEY_GROUP == 0, (kv.n_quantized,
-                                                                                            kv.first_exact)
         ring = kv.k_recent.shape[2]
-        assert kv.first_exact <= kv.n_quantized and S - kv.first_exact <= ring, (kv.first_exact, S, ring)
+        # the key groups the rows read as codes (with `length`, counted by the kernel: every full group in use)
+        n_groups = triton.cdiv(min(kv.n_quantized, S) if length is None else S, ref.KEY_GROUP)
+        if length is None:
+            assert kv.n_quantized % ref.KEY_GROUP == 0 and kv.first_exact % ref.KEY_GROUP == 0, \
+                (kv.n_quantized, kv.first_exact)
+            assert kv.first_exact <= kv.n_quantized and S - kv.first_exact <= ring, (kv.first_exact, S, ring)
         assert kv.k_recent.shape == kv.v_recent.shape == (B, Hkv, ring, D) and kv.v_min.shape == kv.v_scale.shape, \
             (kv.k_recent.shape, kv.v_recent.shape, kv.v_min.shape)
         assert kv.k_scale.shape[2] >= n_groups and kv.k_scale.shape[3] == D and kv.k_min.shape == kv.k_scale.shape, \
             (kv.k_scale.shape, kv.k_min.shape, n_groups)
         cache = (kv.k, kv.v, kv.k_scale, kv.k_min, kv.k_recent, kv.v_scale, kv.v_min, kv.v_recent)
     assert all(x.stride(-1) == 1 for x in cache), "every tensor of the cache needs a contiguous last dim"
-    assert length is None or kv.bits == 8, "an INT4 cache's rows read codes up to positions decided on the host"
-    nq = kv.row_quantized(T) if kv.bits == 4 else [0]
+    nq = kv.row_quantized(T) if kv.bits == 4 and length is None else [0]  # with `length`: the kernel's to count
     ring = kv.k_recent.shape[2] if kv.bits == 4 else 1
     return _attend(q, cache, kv.bits, group, (nq[0], nq[-1], ring), S, window, split_len, mass, length)
 

@@ -9,9 +9,10 @@ buffers never move (rollback and eviction change what is in them, not where they
 Nothing in a replay waits for the host; the caller samples from the logits it leaves on the device, and only the
 chosen token id comes back.
 
-Float and INT8 caches only: an INT4 cache decides on the host when a group of keys is quantized, and H2O's
-attention mass is not collected on the device step; those, prefill chunks and blocks longer than MAX_TOKENS run
-eagerly, as they do without a GPU.
+Every cache format is graphed (an INT4 step quantizes the key groups it touches on the device, and what the cache
+keeps on the host is brought up to date after the replay, `KVCache.wrote`); H2O's attention mass is not collected
+on the device step, so an H2O cache, prefill chunks and blocks longer than MAX_TOKENS run eagerly, as they do
+without a GPU.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class DecodeGraphs:
         if g.copied is not None:
             g.copied.record()
         g.replay()
+        self.cache.wrote(slot, T)
         return g.logits.clone()  # the next replay of this T overwrites g.logits
 
 

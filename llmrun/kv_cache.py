@@ -81,6 +81,11 @@ class _DenseStore:
     def read(self, layer, length):
         return self._k[layer].narrow(2, 0, length), self._v[layer].narrow(2, 0, length)
 
+    read_at = read  # a device step's read over `capacity` slots: attention counts the ones in use
+
+    def wrote(self, slot, n):  # after a device step: nothing kept on the host to bring up to date
+        pass
+
     def truncate(self, length):
         pass
 
@@ -124,6 +129,9 @@ class _Int8Store:
     def read(self, layer, length):
         c, s = self.codes[:, layer, :, :, :length], self.scales[:, layer, :, :, :length]
         return ref.QuantizedKV(8, c[0], c[1], s[0], s[1]), None
+
+    read_at = read
+    wrote = _DenseStore.wrote
 
     def truncate(self, length):
         pass
@@ -238,6 +246,44 @@ class _Int4Store:
         self.v_min[layer, :, :, slot : slot + T] = lo
         self._write_exact(layer, slot, k, v)
 
+    def write_at(self, layer, slots, k, v):
+        """A device step's write (`DeviceStep`: T <= MAX_TOKENS new tokens at slots (T,) on the device, right after
+        the tokens in use), with no host value read: the values' codes, both rings, and the key groups of the
+        first and last slot quantized afresh from the ring. A group is quantized this way at every write until the
+        write that fills it, whose codes are final; until then they are not read (attention reads a partial group
+        exact from the rings). Positions past the buffer (in a last group it cannot fill) are clamped to its last
+        slot, and so are never read either. The host's `state` is for `wrote` to bring up to date."""
+        G, C = ref.KEY_GROUP, self.k.shape[3]
+        codes, scale, lo = ref.quantize_int4_tokens(v, self.group)
+        self.v[layer].index_copy_(2, slots, codes)
+        self.v_scale[layer].index_copy_(2, slots, scale)
+        self.v_min[layer].index_copy_(2, slots, lo)
+        ring = slots % self.ring
+        self.k_recent[layer].index_copy_(2, ring, k.to(self.k_recent.dtype))
+        self.v_recent[layer].index_copy_(2, ring, v.to(self.v_recent.dtype))
+        groups = torch.stack((slots[0], slots[-1])) // G  # (2,): a block of T <= G tokens touches at most two
+        positions = (groups[:, None] * G + torch.arange(G, device=slots.device)).flatten()  # (2G,)
+        codes, scale, lo = ref.quantize_int4_channels(self.k_recent[layer][:, :, positions % self.ring])
+        self.k[layer].index_copy_(2, positions.clamp(max=C - 1), codes)
+        self.k_scale[layer].index_copy_(2, groups, scale)
+        self.k_min[layer].index_copy_(2, groups, lo)
+
+    def wrote(self, slot, n):
+        """The host's `state` of every layer after a device step wrote n tokens at slots [slot, slot + n), which
+        follow the tokens in use (what `write` would have made it)."""
+        end = slot + n
+        assert (self.state[:, 2] == slot).all(), "a device step writes right after the tokens in use"
+        self.state[:, 0] = end // ref.KEY_GROUP * ref.KEY_GROUP
+        self.state[:, 1] = self.state[:, 1].clamp(min=end - self.ring)
+        self.state[:, 2] = end
+
+    def read_at(self, layer, capacity):
+        """A device step's read over `capacity` slots: n_quantized and first_exact are for the kernel to count from
+        the device-side length (`kernels.quantized_attention`)."""
+        return ref.QuantizedKV(4, self.k[layer, :, :, :capacity], self.v[layer, :, :, :capacity], self.k_scale[layer],
+                               self.v_scale[layer, :, :, :capacity], self.k_min[layer],
+                               self.v_min[layer, :, :, :capacity], self.k_recent[layer], self.v_recent[layer]), None
+
     def read(self, layer, length):
         G = ref.KEY_GROUP
         quantized, exact_from, _ = self._state(layer)
@@ -327,7 +373,8 @@ class DeviceStep:
     (`llmrun.cuda_graphs`): while `KVCache.device_step` holds one, `update` writes the T new tokens' K/V at `slots`
     and hands attention the buffers' first `capacity` slots with `length`, the slots in use, which attention reads on
     the device.
-    Float and INT8 caches only, without H2O's scores (`KVCache.device_steps`)."""
+    Every format, without H2O's scores (`KVCache.device_steps`); after the step, `KVCache.wrote` updates what the
+    cache keeps on the host."""
 
     slots: torch.Tensor  # (T,) int64: where the tokens' K/V go
     positions: torch.Tensor  # (T,) int64: their RoPE positions
@@ -416,8 +463,6 @@ class KVCache:
     @property
     def device_steps(self) -> str | None:
         """Why this cache cannot take a `DeviceStep`, or None when it can."""
-        if self.format == "int4":
-            return "an int4 cache decides on the host when a key group is quantized"
         if self.scores is not None:
             return "H2O's attention mass is not collected on a device step"
         return None
@@ -429,10 +474,15 @@ class KVCache:
         if self.positions is not None:
             B, H = self.shape[1:3]
             self.positions[layer].index_copy_(2, step.slots, step.positions.expand(B, H, -1))
-        k_read, v_read = self.store.read(layer, step.capacity)
+        k_read, v_read = self.store.read_at(layer, step.capacity)
         if v_read is not None and k_read.dtype != k.dtype:
             raise ValueError("a device step needs the cache in the compute dtype")
         return k_read, v_read, None
+
+    def wrote(self, slot: int, n: int) -> None:
+        """After a device step (a CUDA graph's replay, which runs no Python) wrote n tokens at slots [slot, slot + n):
+        bring what the cache keeps on the host up to date (INT4's per-layer state; `length` is the caller's)."""
+        self.store.wrote(slot, n)
 
     def contents(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values (B, Hkv, length, D) fp32 that attention reads in `layer` (for tests and checks)."""

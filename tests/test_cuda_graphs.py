@@ -36,19 +36,26 @@ def device_forward(model, tokens, position, slot, cache):
         return model(tokens, positions, cache)
     finally:
         cache.device_step = None
+        cache.wrote(slot, T)
 
 
-@pytest.mark.parametrize("kv_format", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4"])
 def test_a_device_step_is_the_ordinary_step(tiny_gguf, triton_everywhere, kv_format):  # noqa: F811
     """Steps and blocks whose positions live on the device (written with index_copy, attention reading the key
     count from the device) give the ordinary steps' logits and leave the same cache. The buffers' unused slots
-    hold NaN: nothing may read past the keys in use."""
+    hold NaN: nothing may read past the keys in use (INT4: nor a key group's scales before it fills)."""
     model = load_model(str(tiny_gguf), DEVICE, "fp32", "auto").model
     tokens = torch.randint(0, model.config.vocab_size, (1, sum(PIECES)), generator=torch.Generator().manual_seed(2))
     tokens = tokens.to(DEVICE)
     caches = [KVCache.for_model(model, 64, torch.float32, DEVICE, kv_format=kv_format) for _ in range(2)]
     store = caches[1].store
-    for t in (store.k, store.v) if kv_format == "fp32" else (store.scales,):
+    if kv_format == "fp32":
+        unused = store.k, store.v
+    elif kv_format == "int8":
+        unused = (store.scales,)
+    else:
+        unused = store.k_scale, store.k_min, store.v_scale, store.v_min, store.k_recent, store.v_recent
+    for t in unused:
         t.fill_(float("nan"))
     outs = [[], []]
     start = 0
@@ -77,8 +84,8 @@ def test_which_caches_take_device_steps():
 
     assert cache().device_steps is None
     assert cache(kv_format="int8").device_steps is None
-    assert cache(eviction=Eviction("window", 64)).device_steps is None
-    assert "int4" in cache(kv_format="int4").device_steps
+    assert cache(kv_format="int4").device_steps is None
+    assert cache(kv_format="int4", eviction=Eviction("window", 64)).device_steps is None
     assert "H2O" in cache(eviction=Eviction("h2o", 64)).device_steps
 
 
@@ -120,7 +127,8 @@ def run_side_by_side(graphed, eager, ops, tol=1e-4):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, qtype, kv_format, evict", [
     ("fp32", "Q4_1", "fp32", None), ("fp32", "Q4_1", "int8", None), ("fp32", None, "fp32", "window"),
-    ("bf16", "Q4_1", "bf16", None), ("bf16", None, "int8", None),
+    ("bf16", "Q4_1", "bf16", None), ("bf16", None, "int8", None), ("fp32", "Q4_1", "int4", None),
+    ("bf16", "Q4_1", "int4", "window"),
 ])
 def test_graphs_replay_the_eager_steps(tmp_path, dtype, qtype, kv_format, evict):
     """On a GPU: an engine decoding through CUDA graphs (one per block length, captured at first use) gives the
@@ -144,15 +152,18 @@ def test_graphs_replay_the_eager_steps(tmp_path, dtype, qtype, kv_format, evict)
     assert graphed.cache.evicted == eager.cache.evicted and (evict is None) == (eager.cache.evicted == 0)
 
 
-@pytest.mark.parametrize("bits", [0, 8])
+@pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize("T, S, window, split_len", [(1, 1, None, None), (4, 33, None, 128), (16, 300, 7, 100),
-                                                     (5, 200, 50, 200), (3, 130, None, 512)])
+                                                     (5, 200, 50, 200), (3, 130, None, 512), (9, 64, None, None)])
 def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, window, split_len):
     """decode_attention / quantized_decode_attention with `length`: over a buffer of 400 slots whose slots from
-    `length` on are NaN, the attention of the first `length` keys; the splits cover the capacity (some empty)."""
+    `length` on are NaN, the attention of the first `length` keys; the splits cover the capacity (some empty).
+    INT4: each row reads as codes the key groups full at its position, the rest from rings of 160 slots (wrapped
+    for S 300), as decoding left them: the kernel counts that from `length` (for T 9 at S 64 the rows straddle a
+    group's end)."""
     from llmrun.kernels.decode_attention import decode_attention, quantized_decode_attention
 
-    from .kv_views import random_keys_values
+    from .kv_views import int4_state, quantized_cache, random_keys_values
 
     Hq, Hkv, D, capacity = 6, 2, 64, 400
     k, v = random_keys_values(1, Hkv, capacity, D, DEVICE)
@@ -162,12 +173,31 @@ def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, wi
         k[:, :, S:], v[:, :, S:] = float("nan"), float("nan")
         got = decode_attention(q, k, v, window, split_len=split_len, length=length)
         want = ref.attention(q, k[:, :, :S], v[:, :, :S], window)
-    else:
+    elif bits == 8:
         (kc, ks), (vc, vs) = ref.quantize_int8(k, 32), ref.quantize_int8(v, 32)
         ks[:, :, S:], vs[:, :, S:] = float("nan"), float("nan")
         got = quantized_decode_attention(q, ref.QuantizedKV(8, kc, vc, ks, vs), window, split_len=split_len,
                                          length=length)
         want = ref.quantized_attention(q, ref.QuantizedKV(8, *(x[:, :, :S] for x in (kc, vc, ks, vs))), window)
+    else:
+        n_quantized, first_exact = int4_state(S, 160)
+        want_kv = quantized_cache(4, 1, Hkv, S, D, n_quantized, torch.float32, first_exact, (k[:, :, :S], v[:, :, :S]),
+                                  DEVICE, ring=160)
+        want = ref.quantized_attention(q, want_kv, window)
+
+        def over_capacity(x, fill):  # x (1, Hkv, n, ...) in a buffer of `capacity` positions (or key groups)
+            n = capacity if x.shape[2] == S else capacity // ref.KEY_GROUP + 1
+            buf = torch.full((1, Hkv, n, *x.shape[3:]), fill, dtype=x.dtype, device=DEVICE)
+            buf[:, :, : x.shape[2]] = x
+            return buf
+
+        nan = float("nan")
+        kv = dataclasses.replace(  # n_quantized and first_exact left at 0: with `length` they are not read
+            want_kv, k=over_capacity(want_kv.k, 0x77), v=over_capacity(want_kv.v, 0x77),
+            k_scale=over_capacity(want_kv.k_scale, nan), k_min=over_capacity(want_kv.k_min, nan),
+            v_scale=over_capacity(want_kv.v_scale, nan), v_min=over_capacity(want_kv.v_min, nan),
+            n_quantized=0, first_exact=0)
+        got = quantized_decode_attention(q, kv, window, split_len=split_len, length=length)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -177,7 +207,16 @@ def replaying_capture(step, pool):
     return (lambda: out.copy_(step())), out
 
 
-@pytest.mark.parametrize("kv_format, evict", [("fp32", None), ("int8", None), ("fp32", "window")])
+def assert_same_cache(a: KVCache, b: KVCache):
+    """Both caches hold the same tokens, keys and values alike, bit for bit, as attention reads them."""
+    assert a.length == b.length and a.evicted == b.evicted
+    for layer in range(a.shape[0]):
+        (ka, va), (kb, vb) = a.contents(layer), b.contents(layer)
+        assert torch.equal(ka, kb) and torch.equal(va, vb), layer
+
+
+@pytest.mark.parametrize("kv_format, evict", [("fp32", None), ("int8", None), ("fp32", "window"), ("int4", None),
+                                              ("int4", "window")])
 def test_the_graph_runner_replays_steps_at_any_position(tiny_gguf, monkeypatch, kv_format, evict):
     """An engine whose short forwards go through `DecodeGraphs` (captured once per length, then replayed with
     the step's tokens, positions and slots staged into the graph's inputs) gives the eager engine's logits,
@@ -198,8 +237,29 @@ def test_the_graph_runner_replays_steps_at_any_position(tiny_gguf, monkeypatch, 
     run_side_by_side(graphed, eager, [("run", 12), ("run", 1), ("run", 1), ("run", 5), ("run", 1), ("run", 13),
                                       ("back", 4), ("run", 3), *[("run", 1)] * 40, ("run", 16), ("run", 16)])
     assert set(graphed.graphs.graphs) == {(T, graphed.cache.max_len) for T in (1, 3, 5, 12, 13, 16)}  # small: all of it
-    assert graphed.cache.evicted == eager.cache.evicted and (evict is None) == (eager.cache.evicted == 0)
+    assert (evict is None) == (eager.cache.evicted == 0)
+    assert_same_cache(graphed.cache, eager.cache)
     assert runs.count(1) == 1 + 43  # captured once, then each of the 43 one-token forwards a replay
+
+
+def test_graphed_int4_steps_fill_key_groups_past_the_rings(tmp_path, monkeypatch):
+    """INT4 through the graph runner (key groups quantized on the device from the rings) beyond the rings' 576
+    slots, which wrap: the eager engine's logits and cache, through verification blocks that fill a group mid-block,
+    rollbacks into a quantized group (the rings re-filled from its codes), and a prompt chunk (eager) between."""
+    from llmrun import cuda_graphs
+    from llmrun.generate import Engine
+
+    monkeypatch.setattr(cuda_graphs, "capture", replaying_capture)
+    model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32, max_seq_len=1024))
+    loaded = load_model(str(write_gguf(tmp_path / "long.gguf", model, qtype="Q4_1")), "cpu", "fp32", "auto")
+    graphed, eager = (Engine(loaded, 1024, kv_format="int4") for _ in range(2))
+    assert graphed.cache.store.ring == ref.RECENT < 1024
+    graphed.graphs = cuda_graphs.DecodeGraphs(graphed.model, graphed.cache)
+    run_side_by_side(graphed, eager, [("run", 500), ("run", 100), *[("run", 1)] * 5, ("run", 13), ("back", 9),
+                                      ("run", 16), ("run", 7), ("back", 40), *[("run", 1)] * 3, ("run", 30),
+                                      *[("run", 15)] * 4, ("back", 1), ("run", 2)])
+    assert_same_cache(graphed.cache, eager.cache)
+    assert graphed.cache.length > ref.RECENT + 64 and set(graphed.graphs.graphs) >= {(1, 1024), (13, 1024)}
 
 
 def test_a_graph_spans_the_power_of_two_of_slots_in_use(tmp_path, monkeypatch):

@@ -211,7 +211,7 @@ def _attention(shape, dtype):
                     kernels.quantized_attention(q, k, window, mass=mass)
                 else:
                     kernels.attention(q, k, v, window, mass=mass)
-    for kv_format in (None, "int8"):  # a CUDA graph's step: slots and the key count on the device
+    for kv_format in (None, "int8", "int4"):  # a CUDA graph's step: slots and the key count on the device
         cache = KVCache(2, 1, Hkv, 4203, D, dtype, "cpu", kv_format)
         for T in (1, 9, 16):
             q, k, v = qkv(T)
@@ -374,7 +374,9 @@ def _at_the_limit(specs, arch, limit):
     estimated to fit, one not, each within 10% of the limit (else the closest), the smallest tile of those (compile
     time grows with it), then the one with the most arguments aligned (so the most copied ahead). There the
     autotuner's decisions are closest. fp32 only over a dense cache: over a quantized one it compiles for up to a
-    minute, and its terms are those of 16-bit q at BLOCK_M < 64."""
+    minute, and its terms are those of 16-bit q at BLOCK_M < 64 but INT4's two parts of p (the cover's INT4 launches
+    with fp32 q check those: all 36 fp32 INT4 configs compiled once, on both targets, with num_stages 2 came within
+    128 bytes of the estimate, and with 3 below it)."""
     chosen = {}
     for spec in specs:
         if spec.name != "_split_kernel":
@@ -389,6 +391,17 @@ def _at_the_limit(specs, arch, limit):
         if group not in chosen or rank < chosen[group][0]:
             chosen[group] = rank, spec
     return [spec for _, spec in chosen.values()]
+
+
+def _device_steps(specs):
+    """The split kernel's smallest launch with a device-side key count (a CUDA graph's step) per cache format: the
+    cover shows each value of BITS and of DEVICE_LEN, not each pair, and INT4's count its code spans there."""
+    chosen = {}
+    for spec in sorted((s for s in specs if s.name == "_split_kernel"), key=_size):
+        consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
+        if consts["DEVICE_LEN"]:
+            chosen.setdefault(consts["BITS"], spec)
+    return list(chosen.values())
 
 
 # --- compiling, in a subprocess without TRITON_INTERPRET --------------------------------------------------------
@@ -472,7 +485,7 @@ def launched():
 def compiled(launched, tmp_path_factory):
     """{(spec, arch): (shared memory bytes, error, seconds)} of the chosen specs on both targets, and on each target
     the split kernel's configs at the edge of its shared memory."""
-    chosen = launched if os.environ.get("LLMRUN_COMPILE_ALL") == "1" else _choose(launched)
+    chosen = launched if os.environ.get("LLMRUN_COMPILE_ALL") == "1" else _choose(launched) + _device_steps(launched)
     jobs = [(s, arch) for s in chosen for arch, _ in TARGETS.values()]
     jobs += [(s, arch) for arch, limit in TARGETS.values() for s in _at_the_limit(launched, arch, limit)]
     return _compile(jobs, tmp_path_factory.mktemp("triton-cache"))
