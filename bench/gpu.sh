@@ -89,6 +89,7 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output a
 
 if [[ $steps == *" tests "* ]]; then
     run_tests tests tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py \
+        tests/test_triton_kv_write.py \
         tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py \
         tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there
 fi

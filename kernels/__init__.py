@@ -28,7 +28,7 @@ def reference_ops(on: bool = True):
         _reference = before
 
 __all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "quant_matmul",
-           "quant_rows", "quantized_attention", "rms_norm", "silu_mul"]
+           "quant_rows", "quantized_attention", "rms_norm", "silu_mul", "triton_serves", "write_int4", "write_int8"]
 
 
 def _use_cpu_kernels(x: torch.Tensor, dtype=None) -> bool:
@@ -194,6 +194,34 @@ def _in_use(kv: ref.QuantizedKV, n: int) -> ref.QuantizedKV:
     first_exact = min(n_quantized, max(0, -(-(n - ring) // G) * G))
     return dataclasses.replace(kv, k=kv.k[:, :, :n], v=kv.v[:, :, :n], v_scale=kv.v_scale[:, :, :n],
                                v_min=kv.v_min[:, :, :n], n_quantized=n_quantized, first_exact=first_exact)
+
+
+def write_int8(x, codes, scales, slots) -> None:
+    """A quantized cache's INT8 write at consecutive slots from slots[0] (`ref.write_int8`): on CUDA one Triton
+    launch, the quantization fused with the store."""
+    if _use_triton(x):
+        from .kv_write import write_int8 as triton_write
+
+        return _triton("write_int8", lambda: triton_write(x, codes, scales, slots),
+                       lambda: ref.write_int8(x, codes, scales, slots))
+    ref.write_int8(x, codes, scales, slots)
+
+
+def write_int4(k, v, *cache, slots) -> None:
+    """A decode step's INT4 write (`ref.write_int4`; cache = k_codes, v_codes, k_scale, k_min, v_scale, v_min,
+    k_recent, v_recent): on CUDA two Triton launches, values and keys, the quantization fused with the stores."""
+    if _use_triton(k):
+        from .kv_write import write_int4 as triton_write
+
+        return _triton("write_int4", lambda: triton_write(k, v, *cache, slots),
+                       lambda: ref.write_int4(k, v, *cache, slots))
+    ref.write_int4(k, v, *cache, slots)
+
+
+def triton_serves(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve x (CUDA, not inside `reference_ops`): where the KV cache takes the fused
+    writes for its ordinary steps too, so that they write what a CUDA graph's step writes."""
+    return _use_triton(x)
 
 
 def cpu_kernels_serve(x: torch.Tensor) -> bool:

@@ -179,6 +179,38 @@ def dequantize_int4_channels(codes: torch.Tensor, scale: torch.Tensor, lo: torch
     return unpack_int4(codes).float() * scale + lo
 
 
+def write_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """x (B, H, T, D) quantized per token (`quantize_int8`) into codes int8 (B, H, C, D) and scales fp16
+    (B, H, C, D / group) at slots (T,) int64 (on their device: nothing is read on the host)."""
+    c, scale = quantize_int8(x, x.shape[-1] // scales.shape[-1])
+    codes.index_copy_(2, slots, c)
+    scales.index_copy_(2, slots, scale)
+
+
+def write_int4(k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, k_min, v_scale, v_min, k_recent, v_recent,
+               slots: torch.Tensor) -> None:
+    """A decode step's INT4 write (`QuantizedKV`'s layout, each tensor over the whole buffer of C positions, rings of
+    R): k, v (B, H, T, D) of T <= KEY_GROUP + 1 tokens at the consecutive slots (T,) int64 on the device, right after
+    the positions in use, with no host value read. The values' codes per token; keys and values into the rings at
+    slot % R; then the key groups of the first and the last slot quantized per channel from the ring. A group is
+    quantized so at every write until the one that fills it, whose codes are final; before then they are not read
+    (a partial group is read exact from the rings). Positions past the buffer, in a last group that cannot fill,
+    are clamped to its last slot (they are never read either)."""
+    C, R = k_codes.shape[2], k_recent.shape[2]
+    codes, scale, lo = quantize_int4_tokens(v, v.shape[-1] // v_scale.shape[-1])
+    v_codes.index_copy_(2, slots, codes)
+    v_scale.index_copy_(2, slots, scale)
+    v_min.index_copy_(2, slots, lo)
+    k_recent.index_copy_(2, slots % R, k.to(k_recent.dtype))
+    v_recent.index_copy_(2, slots % R, v.to(v_recent.dtype))
+    groups = torch.stack((slots[0], slots[-1])) // KEY_GROUP  # (2,): T <= KEY_GROUP + 1 tokens touch at most two
+    positions = (groups[:, None] * KEY_GROUP + torch.arange(KEY_GROUP, device=slots.device)).flatten()  # (2G,)
+    codes, scale, lo = quantize_int4_channels(k_recent[:, :, positions % R])
+    k_codes.index_copy_(2, positions.clamp(max=C - 1), codes)
+    k_scale.index_copy_(2, groups, scale)
+    k_min.index_copy_(2, groups, lo)
+
+
 @dataclass
 class QuantizedKV:
     """One layer's quantized cache as attention reads it: S positions of B sequences, Hkv heads, head_dim D.

@@ -115,16 +115,17 @@ class _Int8Store:
         self.scales = torch.zeros(2, L, B, H, C, D // self.group, dtype=torch.float16, device=device)
 
     def write(self, layer, slot, k, v):
+        if kernels.triton_serves(k):  # the fused kernel, as a CUDA graph's step writes: the same bits either way
+            self.write_at(layer, torch.arange(slot, slot + k.shape[2], device=k.device), k, v)
+            return
         for i, x in enumerate((k, v)):
             codes, scale = ref.quantize_int8(x, self.group)
             self.codes[i, layer, :, :, slot : slot + x.shape[2]] = codes
             self.scales[i, layer, :, :, slot : slot + x.shape[2]] = scale
 
-    def write_at(self, layer, slots, k, v):
+    def write_at(self, layer, slots, k, v):  # slots consecutive
         for i, x in enumerate((k, v)):
-            codes, scale = ref.quantize_int8(x, self.group)
-            self.codes[i, layer].index_copy_(2, slots, codes)
-            self.scales[i, layer].index_copy_(2, slots, scale)
+            kernels.write_int8(x, self.codes[i, layer], self.scales[i, layer], slots)
 
     def read(self, layer, length):
         c, s = self.codes[:, layer, :, :, :length], self.scales[:, layer, :, :, :length]
@@ -240,6 +241,11 @@ class _Int4Store:
         if self._c_layers is not None and kernels.cpu_kernels_serve(k):
             kernels.cpu.int4_write(self._c_layers[layer], self.state[layer], slot, k, v)
             return
+        if kernels.triton_serves(k) and k.shape[2] <= ref.KEY_GROUP + 1 and slot == self._state(layer)[2]:
+            # the fused kernels, as a CUDA graph's step writes (decode steps and verification blocks): the same bits
+            self.write_at(layer, torch.arange(slot, slot + k.shape[2], device=k.device), k, v)
+            self.wrote(slot, k.shape[2], layer)
+            return
         codes, scale, lo = ref.quantize_int4_tokens(v, self.group)
         T = v.shape[2]
         self.v[layer, :, :, slot : slot + T], self.v_scale[layer, :, :, slot : slot + T] = codes, scale
@@ -247,35 +253,20 @@ class _Int4Store:
         self._write_exact(layer, slot, k, v)
 
     def write_at(self, layer, slots, k, v):
-        """A device step's write (`DeviceStep`: T <= MAX_TOKENS new tokens at slots (T,) on the device, right after
-        the tokens in use), with no host value read: the values' codes, both rings, and the key groups of the
-        first and last slot quantized afresh from the ring. A group is quantized this way at every write until the
-        write that fills it, whose codes are final; until then they are not read (attention reads a partial group
-        exact from the rings). Positions past the buffer (in a last group it cannot fill) are clamped to its last
-        slot, and so are never read either. The host's `state` is for `wrote` to bring up to date."""
-        G, C = ref.KEY_GROUP, self.k.shape[3]
-        codes, scale, lo = ref.quantize_int4_tokens(v, self.group)
-        self.v[layer].index_copy_(2, slots, codes)
-        self.v_scale[layer].index_copy_(2, slots, scale)
-        self.v_min[layer].index_copy_(2, slots, lo)
-        ring = slots % self.ring
-        self.k_recent[layer].index_copy_(2, ring, k.to(self.k_recent.dtype))
-        self.v_recent[layer].index_copy_(2, ring, v.to(self.v_recent.dtype))
-        groups = torch.stack((slots[0], slots[-1])) // G  # (2,): a block of T <= G tokens touches at most two
-        positions = (groups[:, None] * G + torch.arange(G, device=slots.device)).flatten()  # (2G,)
-        codes, scale, lo = ref.quantize_int4_channels(self.k_recent[layer][:, :, positions % self.ring])
-        self.k[layer].index_copy_(2, positions.clamp(max=C - 1), codes)
-        self.k_scale[layer].index_copy_(2, groups, scale)
-        self.k_min[layer].index_copy_(2, groups, lo)
+        """A device step's write (`DeviceStep`: T <= MAX_TOKENS new tokens at consecutive slots (T,) on the device,
+        right after the tokens in use), with no host value read (`kernels.write_int4`: a key group is quantized from
+        the rings at each write until the one that fills it). The host's `state` is for `wrote` to bring up to date."""
+        kernels.write_int4(k, v, *(b[layer] for b in self.buffers), slots=slots)
 
-    def wrote(self, slot, n):
-        """The host's `state` of every layer after a device step wrote n tokens at slots [slot, slot + n), which
-        follow the tokens in use (what `write` would have made it)."""
+    def wrote(self, slot, n, layer=slice(None)):
+        """The host's `state` of `layer` (default every layer) after `write_at` wrote n tokens at slots
+        [slot, slot + n), which follow the tokens in use (what `write` would have made it)."""
         end = slot + n
-        assert (self.state[:, 2] == slot).all(), "a device step writes right after the tokens in use"
-        self.state[:, 0] = end // ref.KEY_GROUP * ref.KEY_GROUP
-        self.state[:, 1] = self.state[:, 1].clamp(min=end - self.ring)
-        self.state[:, 2] = end
+        state = self.state[layer].view(-1, 3)
+        assert (state[:, 2] == slot).all(), "a device step writes right after the tokens in use"
+        state[:, 0] = end // ref.KEY_GROUP * ref.KEY_GROUP
+        state[:, 1] = state[:, 1].clamp(min=end - self.ring)
+        state[:, 2] = end
 
     def read_at(self, layer, capacity):
         """A device step's read over `capacity` slots: n_quantized and first_exact are for the kernel to count from

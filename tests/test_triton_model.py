@@ -20,18 +20,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture
 def triton_everywhere(monkeypatch):
-    """Every op on its Triton kernel whatever the device, and no C decode stack: the CUDA path, on CPU tensors.
-    Yields the names of the Triton entry points that ran."""
-    from llmrun.kernels import activation, decode_attention, norm, rotary, triton_quant_matmul
+    """Every op on its Triton kernel whatever the device, and no C decode stack nor C cache writes: the CUDA path,
+    on CPU tensors. Yields the names of the Triton entry points that ran."""
+    from llmrun.kernels import activation, decode_attention, kv_write, norm, rotary, triton_quant_matmul
 
     if DEVICE == "cpu":
         monkeypatch.setattr(kernels, "_use_triton", lambda x: not kernels._reference)
+        monkeypatch.setattr(kernels, "cpu_kernels_serve", lambda x: False)
     monkeypatch.setattr(kernels, "_failed", set())  # a kernel that fails would fall back to PyTorch: none may
     monkeypatch.setattr(Transformer, "_decode_stack", lambda self, x, cache: None)
     ran = set()
     for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rope_"), (activation, "silu_mul"),
                          (decode_attention, "decode_attention"), (decode_attention, "quantized_decode_attention"),
-                         (triton_quant_matmul, "quant_linear")]:
+                         (triton_quant_matmul, "quant_linear"), (kv_write, "write_int8"), (kv_write, "write_int4")]:
         def spy(*args, _f=getattr(module, name), _name=name, **kwargs):
             ran.add(_name)
             return _f(*args, **kwargs)
@@ -69,8 +70,9 @@ def test_the_triton_path_matches_the_plain_pytorch_path(tmp_path, triton_everywh
     want = run(plain, tokens, [41], kv_format)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    attention = "decode_attention" if kv_format == "fp32" else "quantized_decode_attention"
-    assert triton_everywhere == {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "quant_linear", attention}
+    attention = {"fp32": {"decode_attention"}, "int8": {"quantized_decode_attention", "write_int8"},
+                 "int4": {"quantized_decode_attention", "write_int4"}}[kv_format]
+    assert triton_everywhere == {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "quant_linear", *attention}
 
 
 @pytest.mark.slow

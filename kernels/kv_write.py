@@ -1,0 +1,176 @@
+"""Triton writes of new tokens' K/V into a quantized KV cache: the quantization fused with the store, so that a decode
+step writes a layer's INT8 or INT4 cache in two launches rather than the twenty-odd small kernels of the torch code
+(each a node of the step's CUDA graph). `kernels.ref.write_int8` and `kernels.ref.write_int4` are the
+specification, and the arithmetic is theirs bit for bit: fp32 division rounded to nearest (`div_rn`, where `/` in
+Triton is an approximation), fp16 scales rounded to nearest even, codes rounded half to even as torch.round.
+
+The T new tokens sit at consecutive slots [s, s + T) (s = slots[0], read on the device: one launch serves a CUDA
+graph at any position). INT8 and INT4 values: one program per (token, batch x head), a row quantized per group of
+channels. INT4 keys (`_int4_keys_kernel`): one program per (batch x head, key group), for the groups of the first
+and the last slot (T <= KEY_GROUP + 1 touches at most two): the new keys go into the ring, and the group's
+KEY_GROUP positions, the new ones from the input and the others from the ring, are quantized per channel into its
+codes, scale and minimum. A group is so quantized at every write until the one that fills it; before then its
+codes are not read (attention reads a partial group exact from the rings), nor are the positions past the buffer
+of a last group that cannot fill (not stored).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ref
+
+_KEY_GROUP = tl.constexpr(ref.KEY_GROUP)
+
+
+@triton.jit
+def _round_half_even(x):
+    """torch.round for |x| < 2^22: adding 1.5 * 2^23 leaves no fraction bits, so the fp32 add rounds to even."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _inverse(scale):
+    """1 / scale in fp32 (division rounded to nearest), 0 where the scale is 0: as the reference's torch.where."""
+    s = scale.to(tl.float32)
+    return tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0)), 0.0)
+
+
+@triton.jit
+def _int8_rows_kernel(X, Codes, Scales, Slots, stride_xb, stride_xh, stride_xt, stride_cb, stride_ch, stride_cs,
+                      stride_sb, stride_sh, stride_ss, H, D, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Row t of (batch x head) bh: x (D,) -> codes int8 and fp16 scales (per GROUP channels) at slot s + t."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    slot = tl.load(Slots) + t
+    g = tl.arange(0, BLOCK_G)  # (BLOCK_G,) channel groups
+    d = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (BLOCK_G, GROUP) channels
+    ok = d < D
+    x = tl.load(X + b * stride_xb + h * stride_xh + t * stride_xt + d, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), 1), 127.0).to(tl.float16)  # (BLOCK_G,)
+    codes = tl.minimum(tl.maximum(_round_half_even(x * _inverse(scale)[:, None]), -127.0), 127.0)
+    tl.store(Codes + b * stride_cb + h * stride_ch + slot * stride_cs + d, codes.to(tl.int8), mask=ok)
+    tl.store(Scales + b * stride_sb + h * stride_sh + slot * stride_ss + g, scale, mask=g * GROUP < D)
+
+
+@triton.jit
+def _int4_scale(lo, hi):
+    """Asymmetric 4-bit between lo (fp16: rounded first) and hi, as ref._int4_round: (scale fp16, its inverse)."""
+    scale = tl.math.div_rn(hi - lo.to(tl.float32), 15.0).to(tl.float16)
+    return scale, _inverse(scale)
+
+
+@triton.jit
+def _int4_codes(x, lo, inverse):
+    """round((x - lo) * inverse) clamped to [0, 15], as uint8."""
+    return tl.minimum(tl.maximum(_round_half_even((x - lo.to(tl.float32)) * inverse), 0.0), 15.0).to(tl.uint8)
+
+
+@triton.jit
+def _int4_values_kernel(X, Codes, Scales, Mins, Ring, Slots, stride_xb, stride_xh, stride_xt, stride_cb, stride_ch,
+                        stride_cs, stride_sb, stride_sh, stride_ss, stride_rb, stride_rh, stride_rs, H, D, ring,
+                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Row t of bh: x (D,) -> packed codes (D/2 bytes), fp16 scale and minimum per GROUP channels at slot s + t, and
+    x itself into the ring at (s + t) % ring. Channels 2i and 2i + 1 are loaded apart: they share a byte."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    slot = tl.load(Slots) + t
+    g = tl.arange(0, BLOCK_G)
+    pair = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]  # (BLOCK_G, GROUP / 2): byte i
+    ok = pair * 2 < D
+    row = X + b * stride_xb + h * stride_xh + t * stride_xt
+    even = tl.load(row + 2 * pair, mask=ok, other=0.0)
+    odd = tl.load(row + 2 * pair + 1, mask=ok, other=0.0)
+    ring_row = Ring + b * stride_rb + h * stride_rh + (slot % ring) * stride_rs
+    tl.store(ring_row + 2 * pair, even.to(Ring.dtype.element_ty), mask=ok)
+    tl.store(ring_row + 2 * pair + 1, odd.to(Ring.dtype.element_ty), mask=ok)
+    even, odd = even.to(tl.float32), odd.to(tl.float32)
+    lo = tl.minimum(tl.min(even, 1), tl.min(odd, 1)).to(tl.float16)  # (BLOCK_G,)
+    scale, inverse = _int4_scale(lo, tl.maximum(tl.max(even, 1), tl.max(odd, 1)))
+    packed = _int4_codes(even, lo[:, None], inverse[:, None]) | (_int4_codes(odd, lo[:, None], inverse[:, None]) << 4)
+    tl.store(Codes + b * stride_cb + h * stride_ch + slot * stride_cs + pair, packed, mask=ok)
+    g_ok = g * GROUP < D
+    tl.store(Scales + b * stride_sb + h * stride_sh + slot * stride_ss + g, scale, mask=g_ok)
+    tl.store(Mins + b * stride_sb + h * stride_sh + slot * stride_ss + g, lo, mask=g_ok)
+
+
+@triton.jit
+def _group_keys(x_at, ring_at, new, ok):
+    """A key group's keys of one channel parity (KEY_GROUP, BLOCK_P) fp32: the new ones from x, stored into the ring
+    as it holds them (its dtype), the older ones from the ring."""
+    fresh = tl.load(x_at, mask=new[:, None] & ok[None, :], other=0.0).to(ring_at.dtype.element_ty)
+    tl.store(ring_at, fresh, mask=new[:, None] & ok[None, :])
+    old = tl.load(ring_at, mask=(~new)[:, None] & ok[None, :], other=0.0)
+    return tl.where(new[:, None], fresh, old).to(tl.float32)
+
+
+@triton.jit
+def _int4_keys_kernel(X, Codes, Scales, Mins, Ring, Slots, stride_xb, stride_xh, stride_xt, stride_cb, stride_ch,
+                      stride_cs, stride_sb, stride_sh, stride_sg, stride_rb, stride_rh, stride_rs, H, T, D, C, ring,
+                      BLOCK_P: tl.constexpr):
+    """Program (bh, i): the key group of the first (i 0) or the last (i 1) new slot, skipped when they are one. Its
+    KEY_GROUP positions' keys, the new ones from x (written to the ring too) and the older ones from the ring, are
+    quantized per channel: packed codes at the positions below C, fp16 scale and minimum (D,) at the group."""
+    bh = tl.program_id(0)
+    i = tl.program_id(1)
+    b, h = bh // H, bh % H
+    first = tl.load(Slots)
+    group = (first + i * (T - 1)) // _KEY_GROUP
+    if (i == 0) | (group != first // _KEY_GROUP):
+        pos = group * _KEY_GROUP + tl.arange(0, _KEY_GROUP)  # (KEY_GROUP,) the group's positions
+        new = (pos >= first) & (pos < first + T)
+        pair = tl.arange(0, BLOCK_P)  # byte i holds channels 2i and 2i + 1
+        ok = pair < D // 2
+        x_at = X + b * stride_xb + h * stride_xh + (pos - first)[:, None] * stride_xt + 2 * pair[None, :]
+        ring_at = Ring + b * stride_rb + h * stride_rh + (pos % ring)[:, None] * stride_rs + 2 * pair[None, :]
+        even = _group_keys(x_at, ring_at, new, ok)
+        odd = _group_keys(x_at + 1, ring_at + 1, new, ok)
+        lo_even, lo_odd = tl.min(even, 0).to(tl.float16), tl.min(odd, 0).to(tl.float16)  # (BLOCK_P,)
+        scale_even, inv_even = _int4_scale(lo_even, tl.max(even, 0))
+        scale_odd, inv_odd = _int4_scale(lo_odd, tl.max(odd, 0))
+        packed = (_int4_codes(even, lo_even[None, :], inv_even[None, :])
+                  | (_int4_codes(odd, lo_odd[None, :], inv_odd[None, :]) << 4))
+        tl.store(Codes + b * stride_cb + h * stride_ch + pos[:, None] * stride_cs + pair[None, :], packed,
+                 mask=(pos < C)[:, None] & ok[None, :])
+        at = b * stride_sb + h * stride_sh + group * stride_sg + 2 * pair
+        tl.store(Scales + at, scale_even, mask=ok)
+        tl.store(Scales + at + 1, scale_odd, mask=ok)
+        tl.store(Mins + at, lo_even, mask=ok)
+        tl.store(Mins + at + 1, lo_odd, mask=ok)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int]:
+    """x (B, H, n, ...)'s batch, head and position strides (its last dim contiguous)."""
+    assert x.stride(-1) == 1, "rows must be contiguous"
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def write_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """`ref.write_int8`: x (B, H, T, D) (any float dtype, rows contiguous) quantized per token into codes int8
+    (B, H, C, D) and scales fp16 (B, H, C, D / group) at the consecutive slots starting at slots[0] (int64 on the
+    device; slots (T,) as the reference takes them)."""
+    B, H, T, D = x.shape
+    group = D // scales.shape[-1]
+    _int8_rows_kernel[(T, B * H)](x, codes, scales, slots, *_rows(x), *_rows(codes), *_rows(scales), H, D,
+                                  GROUP=group, BLOCK_G=triton.next_power_of_2(D // group))
+
+
+def write_int4(k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, k_min, v_scale, v_min, k_recent, v_recent,
+               slots: torch.Tensor) -> None:
+    """`ref.write_int4`: k, v (B, H, T, D), T <= KEY_GROUP + 1, into an INT4 cache's layer (`ref.QuantizedKV`'s
+    tensors over the whole buffer: k_codes, v_codes (B, H, C, D/2), k_scale, k_min (B, H, ceil(C / KEY_GROUP), D),
+    v_scale, v_min (B, H, C, D / group), rings (B, H, R, D)) at the consecutive slots from slots[0]."""
+    B, H, T, D = k.shape
+    assert T <= ref.KEY_GROUP + 1 and v.shape == k.shape, (k.shape, v.shape)
+    group, ring = D // v_scale.shape[-1], k_recent.shape[2]
+    assert v_min.stride() == v_scale.stride() and k_min.stride() == k_scale.stride(), "minimums as their scales"
+    _int4_values_kernel[(T, B * H)](v, v_codes, v_scale, v_min, v_recent, slots, *_rows(v), *_rows(v_codes),
+                                    *_rows(v_scale), *_rows(v_recent), H, D, ring,
+                                    GROUP=group, BLOCK_G=triton.next_power_of_2(D // group))
+    _int4_keys_kernel[(B * H, 2)](k, k_codes, k_scale, k_min, k_recent, slots, *_rows(k), *_rows(k_codes),
+                                  *_rows(k_scale), *_rows(k_recent), H, T, D, k_codes.shape[2], ring,
+                                  BLOCK_P=triton.next_power_of_2(D // 2))

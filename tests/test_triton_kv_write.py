@@ -1,0 +1,103 @@
+"""The Triton KV-cache writes (kernels/kv_write.py) against kernels/ref.py's: quantization fused with the store, bit
+for bit the reference's codes, scales and minimums (the same fp32 arithmetic: division rounded to nearest, round half
+to even), over every buffer the write touches and none it does not.
+
+On a machine without CUDA they run under the Triton interpreter; bf16 only on a GPU. Ties (a value exactly halfway
+between two codes) are forced in, where round half to even and an approximate division would show.
+"""
+
+import pytest
+import torch
+
+from llmrun.kernels import kv_write, ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+
+
+def new_tokens(B, H, T, D, dtype, seed):
+    """k or v (B, H, T, D) as the model hands them: a head-major view of token-major rows, with outlier channels,
+    exact zeros (a group of zeros: scale 0) and values on code ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, D, generator=g)
+    x[..., 1] *= 20
+    x[..., D - 16 :] = 0 if T > 1 else x[..., D - 16 :]  # a whole group of zeros
+    x[..., 3] = torch.randint(-8, 8, (B, T, H), generator=g) / 2  # halves: ties for small scales
+    return x.to(dtype).to(DEVICE).transpose(1, 2)
+
+
+def garbage_like(shape, dtype, seed):
+    """A buffer of random contents (the untouched parts must stay exactly as they were)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+    return torch.randint(-128 if dtype == torch.int8 else 0, 128 if dtype == torch.int8 else 256, shape,
+                         generator=g, dtype=dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("B, H, T, slot, C", [(1, 3, 1, 0, 40), (1, 1, 16, 40, 64), (2, 2, 5, 7, 33),
+                                              (1, 8, 9, 1000, 1100)])
+def test_int8_write_is_the_reference_bit_for_bit(dtype, D, B, H, T, slot, C):
+    x = new_tokens(B, H, T, D, dtype, seed=D + T)
+    group = ref.kv_group(D)
+    codes = garbage_like((2, B, H, C, D), torch.int8, 1)[1]  # a layer's view of a larger buffer
+    scales = garbage_like((2, B, H, C, D // group), torch.float16, 2)[1]
+    want_codes, want_scales = codes.clone(), scales.clone()
+    slots = torch.arange(slot, slot + T, device=DEVICE)
+    ref.write_int8(x, want_codes, want_scales, slots)
+    kv_write.write_int8(x, codes, scales, slots)
+    assert torch.equal(codes, want_codes) and torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
+
+
+def int4_layer(B, H, C, D, R, dtype):
+    """An INT4 layer's buffers (k, v, k_scale, k_min, v_scale, v_min, k_recent, v_recent), random contents: the rings
+    stand for keys written before, the rest for garbage the write must overwrite or leave alone."""
+    G, group = ref.KEY_GROUP, ref.kv_group(D)
+    shapes = [((B, H, C, D // 2), torch.uint8)] * 2 + [((B, H, -(-C // G), D), torch.float16)] * 2 \
+        + [((B, H, C, D // group), torch.float16)] * 2 + [((B, H, R, D), dtype)] * 2
+    return [garbage_like(shape, dt, i) for i, (shape, dt) in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("B, H, T, slot, C, R", [
+    (1, 3, 1, 0, 40, 40),  # the first token; a last group that cannot fill (positions past C not stored)
+    (1, 3, 1, 31, 64, 64),  # the token that fills the first group
+    (1, 1, 16, 40, 70, 70),  # a block inside one group
+    (2, 2, 5, 30, 100, 64),  # a block over two groups (the first one filled), batch 2; rings wrapped
+    (1, 8, 16, 1000, 1100, 576),  # far into a long cache: rings wrapped, the first group filled mid-block
+    (1, 2, 33, 95, 200, 96),  # the longest block: 33 tokens fill the group of the first and start the next
+])
+def test_int4_write_is_the_reference_bit_for_bit(dtype, D, B, H, T, slot, C, R):
+    """Values per token, both rings, the key groups of the first and last slot. The codes of a partial group's
+    positions past the new tokens come from stale ring slots in both (never read); past a buffer that ends within a
+    group the reference clamps its writes to the last slot, so the codes compared stop at the last whole group."""
+    k, v = new_tokens(B, H, T, D, dtype, seed=D + T), new_tokens(B, H, T, D, dtype, seed=D + T + 1)
+    got = int4_layer(B, H, C, D, R, dtype)
+    want = [t.clone() for t in got]
+    slots = torch.arange(slot, slot + T, device=DEVICE)
+    ref.write_int4(k, v, *want, slots)
+    kv_write.write_int4(k, v, *got, slots)
+    whole = C // ref.KEY_GROUP * ref.KEY_GROUP
+    assert torch.equal(got[0][:, :, :whole], want[0][:, :, :whole]), "key codes"
+    for name, a, b in zip(["v codes", "k scale", "k min", "v scale", "v min", "k ring", "v ring"], got[1:], want[1:]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    touched = torch.zeros(C, dtype=torch.bool)
+    touched[slot : slot + T] = True
+    assert torch.equal(got[1][:, :, ~touched.to(DEVICE)], int4_layer(B, H, C, D, R, dtype)[1][:, :, ~touched.to(DEVICE)])
+
+
+def test_int4_write_quantizes_a_group_as_the_group_quantizer():
+    """The token that fills a key group leaves exactly `ref.quantize_int4_channels` of the group's keys (the 31 before
+    it from the ring, itself from the input)."""
+    B, H, D, R = 1, 2, 64, 64
+    keys = torch.randn(B, H, 32, D, device=DEVICE)
+    layer = int4_layer(B, H, 64, D, R, torch.float32)
+    layer[6][:, :, 32:64] = keys  # ring slots of positions 32..63 (ring of 64): 32..62 written before
+    k = keys[:, :, 31:32].clone()
+    kv_write.write_int4(k, torch.randn_like(k), *layer, torch.tensor([63], device=DEVICE))
+    codes, scale, lo = ref.quantize_int4_channels(keys)
+    assert torch.equal(layer[0][:, :, 32:64], codes) and torch.equal(layer[2][:, :, 1], scale[:, :, 0])
+    assert torch.equal(layer[3][:, :, 1], lo[:, :, 0])
