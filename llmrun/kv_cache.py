@@ -260,10 +260,11 @@ class _Int4Store:
 
     def wrote(self, slot, n, layer=slice(None)):
         """The host's `state` of `layer` (default every layer) after `write_at` wrote n tokens at slots
-        [slot, slot + n), which follow the tokens in use (what `write` would have made it)."""
+        [slot, slot + n), which follow the tokens in use (what `write` would have made it). A state already past
+        `slot` is one a forward cut short by Ctrl-C advanced: the rings hold the positions before `slot` still."""
         end = slot + n
         state = self.state[layer].view(-1, 3)
-        assert (state[:, 2] == slot).all(), "a device step writes right after the tokens in use"
+        assert ((state[:, 1] <= slot) & (slot <= state[:, 2])).all(), "a device step writes after the tokens in use"
         state[:, 0] = end // ref.KEY_GROUP * ref.KEY_GROUP
         state[:, 1] = state[:, 1].clamp(min=end - self.ring)
         state[:, 2] = end

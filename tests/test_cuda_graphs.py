@@ -275,3 +275,30 @@ def test_a_graph_spans_the_power_of_two_of_slots_in_use(tmp_path, monkeypatch):
     graphed.graphs = cuda_graphs.DecodeGraphs(graphed.model, graphed.cache)
     run_side_by_side(graphed, eager, [("run", 1020), *[("run", 1)] * 6, ("run", 4)])
     assert set(graphed.graphs.graphs) == {(1, 1024), (1, 2048), (4, 2048)}
+
+
+def test_a_graphed_int4_step_cut_short_by_ctrl_c_is_run_again(tiny_gguf, monkeypatch):
+    """Ctrl-C after a replay wrote the cache but before the engine counted the tokens (the host's int4 state
+    advanced, the cache's length not): the next forwards, from that position, give the eager engine's logits and
+    cache."""
+    from llmrun import cuda_graphs
+    from llmrun.generate import Engine
+
+    monkeypatch.setattr(cuda_graphs, "capture", replaying_capture)
+    loaded = load_model(str(tiny_gguf), "cpu", "fp32", "auto")
+    graphed, eager = (Engine(loaded, 256, kv_format="int4") for _ in range(2))
+    graphed.graphs = cuda_graphs.DecodeGraphs(graphed.model, graphed.cache)
+    run_side_by_side(graphed, eager, [("run", 30), ("run", 1)])
+    wrote = graphed.cache.wrote
+
+    def interrupted(slot, n):
+        wrote(slot, n)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(graphed.cache, "wrote", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        graphed.forward([5, 6, 7])
+    assert graphed.cache.length == 31 and graphed.cache.store.state[0, 2] == 34
+    monkeypatch.setattr(graphed.cache, "wrote", wrote)
+    run_side_by_side(graphed, eager, [("run", 3), ("run", 1), ("run", 2)])
+    assert_same_cache(graphed.cache, eager.cache)
