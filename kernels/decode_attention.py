@@ -118,6 +118,7 @@ def _split_kernel(
     SCORES: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    n_keys, keys_lo = S - lo, lo  # Scores' rows: keys [lo, S) as the host counts them (with DEVICE_LEN all S)
     if DEVICE_LEN:  # a CUDA graph's step: S (the keys in use) is read here; the splits cover the buffer's capacity
         S = tl.load(SLen)
         if BITS == 4:  # and so are the INT4 rows' code spans: the key groups full at each row's position
@@ -182,9 +183,9 @@ def _split_kernel(
         if HAS_WINDOW:
             visible = visible & (pos[:, None] - offs_n[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
-        if SCORES:  # Scores (B, Hkv, T * G, S - lo) fp32 contiguous, for the attention mass
+        if SCORES:  # Scores (B, Hkv, T * G, n_keys) fp32 contiguous, for the attention mass
             bh = b * Hkv + kvh
-            tl.store(Scores + (bh * (T * G) + rows)[:, None] * (S - lo) + (offs_n - lo)[None, :], s,
+            tl.store(Scores + (bh * (T * G) + rows)[:, None] * n_keys + (offs_n - keys_lo)[None, :], s,
                      mask=row_ok[:, None] & (n_ok & (offs_n >= lo))[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
@@ -264,16 +265,23 @@ def _combine_kernel(
 
 @triton.jit
 def _mass_kernel(
-    Scores, Lse, Mass, stride_mb, stride_mh,
-    T, Hkv, G, keys, lo,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    Scores, Lse, Mass, SLen, stride_mb, stride_mh,
+    T, Hkv, G, keys, lo, window,
+    HAS_WINDOW: tl.constexpr, DEVICE_LEN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Mass[b, kv head, lo + j] += sum over the T * G rows of the head of exp2(Scores[b, head, row, j] - lse(row))."""
+    """Mass[b, kv head, lo + j] += sum over the T * G rows of the head of exp2(Scores[b, head, row, j] - lse(row)),
+    for j < keys; with DEVICE_LEN (lo 0, keys the capacity) for the keys the split kernel scored: those in use
+    (SLen) from the earliest any row sees."""
     pid_bh = tl.program_id(0)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = offs_s < keys
+    if DEVICE_LEN:
+        S = tl.load(SLen)
+        s_ok = s_ok & (offs_s < S)
+        if HAS_WINDOW:
+            s_ok = s_ok & (offs_s >= S - T + 1 - window)
     R = T * G
     acc = tl.zeros([BLOCK_S], tl.float32)
     for r0 in range(0, R, BLOCK_R):
@@ -367,7 +375,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
        (`ref.attention_mass`: H2O's accumulated attention). Costs a (B, Hkv, T * G, S) fp32 scratch buffer.
     length: if given, int32 (1,) on q's device: only the first `length` of the S keys are in use (the T queries
        are the last of them), read by the kernel itself, so nothing here depends on it (a step a CUDA graph
-       replays at any position). k, v then span the buffer's capacity; the splits cover all of it. Not with mass.
+       replays at any position). k, v (and mass) then span the buffer's capacity; the splits cover all of it.
     q, k, v share one dtype (fp32, fp16 or bf16) and device; D any size (tested 64-256).
     Returns (B, T, Hq, D) contiguous in q's dtype; scores use scale 1/sqrt(D) and an fp32 softmax.
     """
@@ -438,8 +446,8 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
     BLOCK_D = max(16, triton.next_power_of_2(D))
     m_blocks = triton.cdiv(T * G, BLOCK_M)
 
-    assert length is None or (mass is None and length.dtype == torch.int32 and length.device == q.device), \
-        "a device-side length: int32 on q's device, without mass"
+    assert length is None or (length.dtype == torch.int32 and length.device == q.device), \
+        "a device-side length: int32 on q's device"
     # the earliest key any query sees (with a device-side length, the kernel skips the rest itself)
     lo = 0 if window is None or length is not None else max(0, S - T + 1 - window)
     keys = S - lo
@@ -479,7 +487,8 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
     if mass is not None:
         BLOCK_S = 128
         _mass_kernel[(B * Hkv, triton.cdiv(keys, BLOCK_S))](
-            scores, lse, mass, mass.stride(0), mass.stride(1), T, Hkv, G, keys, lo,
+            scores, lse, mass, out if length is None else length, mass.stride(0), mass.stride(1), T, Hkv, G, keys,
+            lo, window or 0, HAS_WINDOW=window is not None, DEVICE_LEN=length is not None,
             BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S,
         )
     return out

@@ -9,10 +9,10 @@ buffers never move (rollback and eviction change what is in them, not where they
 Nothing in a replay waits for the host; the caller samples from the logits it leaves on the device, and only the
 chosen token id comes back.
 
-Every cache format is graphed (an INT4 step quantizes the key groups it touches on the device, and what the cache
-keeps on the host is brought up to date after the replay, `KVCache.wrote`); H2O's attention mass is not collected
-on the device step, so an H2O cache, prefill chunks and blocks longer than MAX_TOKENS run eagerly, as they do
-without a GPU.
+Every cache format and eviction policy is graphed (an INT4 step quantizes the key groups it touches on the device,
+and what the cache keeps on the host is brought up to date after the replay, `KVCache.wrote`; H2O's attention mass
+is added by the attention kernel at the slots in use, counted on the device); prefill chunks and blocks longer than
+MAX_TOKENS run eagerly, as they do without a GPU.
 """
 
 from __future__ import annotations
@@ -96,7 +96,12 @@ class DecodeGraphs:
         cuda = self.device.type == "cuda"
         host = torch.empty(3, T, dtype=torch.int64, pin_memory=cuda)
         inputs = staged.to(self.device)  # the step being run: the warm-up runs it (writing what it will write)
+        # The warm-up's writes are the step's own, done again by the replay; H2O's attention mass is added to, so
+        # it is put back as it was before the replay adds the step's share once
+        mass = None if self.cache.scores is None else self.cache.scores.clone()
         replay, logits = capture(functools.partial(self._step, inputs, T, span), self.pool)
+        if mass is not None:
+            self.cache.scores.copy_(mass)
         copied = torch.cuda.Event() if cuda else None
         if copied is not None:
             copied.record()
@@ -138,15 +143,14 @@ class DecodeGraphs:
 def for_engine(model, cache: KVCache) -> DecodeGraphs | None:
     """The CUDA graphs for an engine's model and cache, or None: off the GPU, with LLMRUN_NO_CUDA_GRAPHS set, for
     the plain-PyTorch baseline (`--weights dequant`, which stays eager) and for batches; and, with a one-line
-    warning, for the caches a device step cannot serve (`KVCache.device_steps`)."""
+    warning, for a float cache in another dtype than the model's (`--kv fp16` beside fp32 weights: its reads are
+    cast, which a device step does not do)."""
     if (cache.device.type != "cuda" or os.environ.get("LLMRUN_NO_CUDA_GRAPHS") or getattr(model, "reference_ops", False)
             or cache.shape[1] != 1):
         return None
     dense = cache.dense
-    why = cache.device_steps
     if dense is not None and dense[0].dtype != next(model.parameters()).dtype:
-        why = "the KV cache's dtype differs from the model's"
-    if why is not None:
-        warnings.warn(f"llmrun: decode steps run without CUDA graphs: {why}", RuntimeWarning, stacklevel=2)
+        warnings.warn("llmrun: decode steps run without CUDA graphs: the KV cache's dtype differs from the model's",
+                      RuntimeWarning, stacklevel=2)
         return None
     return DecodeGraphs(model, cache)

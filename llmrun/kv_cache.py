@@ -365,8 +365,8 @@ class DeviceStep:
     (`llmrun.cuda_graphs`): while `KVCache.device_step` holds one, `update` writes the T new tokens' K/V at `slots`
     and hands attention the buffers' first `capacity` slots with `length`, the slots in use, which attention reads on
     the device.
-    Every format, without H2O's scores (`KVCache.device_steps`); after the step, `KVCache.wrote` updates what the
-    cache keeps on the host."""
+    Every format and eviction policy (H2O's attention mass is added at `slots` and the slots in use); after the
+    step, `KVCache.wrote` updates what the cache keeps on the host."""
 
     slots: torch.Tensor  # (T,) int64: where the tokens' K/V go
     positions: torch.Tensor  # (T,) int64: their RoPE positions
@@ -452,13 +452,6 @@ class KVCache:
             k_read, v_read = k_read.to(k.dtype), v_read.to(k.dtype)
         return k_read, v_read, mass
 
-    @property
-    def device_steps(self) -> str | None:
-        """Why this cache cannot take a `DeviceStep`, or None when it can."""
-        if self.scores is not None:
-            return "H2O's attention mass is not collected on a device step"
-        return None
-
     def _update_at(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """`update` at `device_step`'s slots: returns the buffers' first `capacity` slots (attention reads `length`)."""
         step = self.device_step
@@ -466,10 +459,14 @@ class KVCache:
         if self.positions is not None:
             B, H = self.shape[1:3]
             self.positions[layer].index_copy_(2, step.slots, step.positions.expand(B, H, -1))
+        mass = None
+        if self.scores is not None:  # H2O: the new tokens' mass starts at 0; attention adds to the slots in use
+            self.scores[layer].index_fill_(2, step.slots, 0)
+            mass = self.scores[layer, :, :, : step.capacity]
         k_read, v_read = self.store.read_at(layer, step.capacity)
         if v_read is not None and k_read.dtype != k.dtype:
             raise ValueError("a device step needs the cache in the compute dtype")
-        return k_read, v_read, None
+        return k_read, v_read, mass
 
     def wrote(self, slot: int, n: int) -> None:
         """After a device step (a CUDA graph's replay, which runs no Python) wrote n tokens at slots [slot, slot + n):

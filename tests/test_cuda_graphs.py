@@ -39,15 +39,32 @@ def device_forward(model, tokens, position, slot, cache):
         cache.wrote(slot, T)
 
 
-@pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4"])
-def test_a_device_step_is_the_ordinary_step(tiny_gguf, triton_everywhere, kv_format):  # noqa: F811
+def assert_same_cache(a: KVCache, b: KVCache):
+    """Both caches hold the same tokens, keys and values alike, bit for bit, as attention reads them, at the same
+    positions, with the same H2O attention mass."""
+    assert a.length == b.length and a.evicted == b.evicted
+    for layer in range(a.shape[0]):
+        (ka, va), (kb, vb) = a.contents(layer), b.contents(layer)
+        assert torch.equal(ka, kb) and torch.equal(va, vb), layer
+    for x, y in ((a.positions, b.positions), (a.scores, b.scores)):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x[..., : a.length], y[..., : b.length]))
+
+
+@pytest.mark.parametrize("kv_format, evict", [("fp32", None), ("int8", None), ("int4", None), ("fp32", "h2o"),
+                                              ("int4", "h2o")])
+def test_a_device_step_is_the_ordinary_step(tiny_gguf, triton_everywhere, kv_format, evict):  # noqa: F811
     """Steps and blocks whose positions live on the device (written with index_copy, attention reading the key
-    count from the device) give the ordinary steps' logits and leave the same cache. The buffers' unused slots
-    hold NaN: nothing may read past the keys in use (INT4: nor a key group's scales before it fills)."""
+    count from the device) give the ordinary steps' logits and leave the same cache, H2O's attention mass
+    included. The buffers' unused slots hold NaN: nothing may read past the keys in use (INT4: nor a key group's
+    scales before it fills)."""
+    from llmrun.kv_cache import Eviction
+
     model = load_model(str(tiny_gguf), DEVICE, "fp32", "auto").model
     tokens = torch.randint(0, model.config.vocab_size, (1, sum(PIECES)), generator=torch.Generator().manual_seed(2))
     tokens = tokens.to(DEVICE)
-    caches = [KVCache.for_model(model, 64, torch.float32, DEVICE, kv_format=kv_format) for _ in range(2)]
+    eviction = Eviction(evict, 64) if evict else None
+    caches = [KVCache.for_model(model, 64, torch.float32, DEVICE, kv_format=kv_format, eviction=eviction)
+              for _ in range(2)]
     store = caches[1].store
     if kv_format == "fp32":
         unused = store.k, store.v
@@ -70,23 +87,7 @@ def test_a_device_step_is_the_ordinary_step(tiny_gguf, triton_everywhere, kv_for
                 cache.length += size
             start += size
     torch.testing.assert_close(torch.cat(outs[1]), torch.cat(outs[0]), rtol=1e-5, atol=1e-5)
-    for layer in range(model.config.n_layers):
-        a, b = caches[0].contents(layer), caches[1].contents(layer)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
-def test_which_caches_take_device_steps():
-    cfg = CONFIGS["smollm2"]
-    from llmrun.kv_cache import Eviction
-
-    def cache(**kwargs):
-        return KVCache(cfg.n_layers, 1, cfg.n_kv_heads, 128, cfg.head_dim, torch.float32, "cpu", **kwargs)
-
-    assert cache().device_steps is None
-    assert cache(kv_format="int8").device_steps is None
-    assert cache(kv_format="int4").device_steps is None
-    assert cache(kv_format="int4", eviction=Eviction("window", 64)).device_steps is None
-    assert "H2O" in cache(eviction=Eviction("h2o", 64)).device_steps
+    assert_same_cache(caches[1], caches[0])
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -128,7 +129,7 @@ def run_side_by_side(graphed, eager, ops, tol=1e-4):
 @pytest.mark.parametrize("dtype, qtype, kv_format, evict", [
     ("fp32", "Q4_1", "fp32", None), ("fp32", "Q4_1", "int8", None), ("fp32", None, "fp32", "window"),
     ("bf16", "Q4_1", "bf16", None), ("bf16", None, "int8", None), ("fp32", "Q4_1", "int4", None),
-    ("bf16", "Q4_1", "int4", "window"),
+    ("bf16", "Q4_1", "int4", "window"), ("fp32", "Q4_1", "fp32", "h2o"), ("bf16", None, "int4", "h2o"),
 ])
 def test_graphs_replay_the_eager_steps(tmp_path, dtype, qtype, kv_format, evict):
     """On a GPU: an engine decoding through CUDA graphs (one per block length, captured at first use) gives the
@@ -184,21 +185,63 @@ def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, wi
         want_kv = quantized_cache(4, 1, Hkv, S, D, n_quantized, torch.float32, first_exact, (k[:, :, :S], v[:, :, :S]),
                                   DEVICE, ring=160)
         want = ref.quantized_attention(q, want_kv, window)
-
-        def over_capacity(x, fill):  # x (1, Hkv, n, ...) in a buffer of `capacity` positions (or key groups)
-            n = capacity if x.shape[2] == S else capacity // ref.KEY_GROUP + 1
-            buf = torch.full((1, Hkv, n, *x.shape[3:]), fill, dtype=x.dtype, device=DEVICE)
-            buf[:, :, : x.shape[2]] = x
-            return buf
-
-        nan = float("nan")
-        kv = dataclasses.replace(  # n_quantized and first_exact left at 0: with `length` they are not read
-            want_kv, k=over_capacity(want_kv.k, 0x77), v=over_capacity(want_kv.v, 0x77),
-            k_scale=over_capacity(want_kv.k_scale, nan), k_min=over_capacity(want_kv.k_min, nan),
-            v_scale=over_capacity(want_kv.v_scale, nan), v_min=over_capacity(want_kv.v_min, nan),
-            n_quantized=0, first_exact=0)
-        got = quantized_decode_attention(q, kv, window, split_len=split_len, length=length)
+        got = quantized_decode_attention(q, int4_over_capacity(want_kv, capacity), window, split_len=split_len,
+                                         length=length)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def int4_over_capacity(kv: ref.QuantizedKV, capacity: int) -> ref.QuantizedKV:
+    """An INT4 cache of S positions in buffers of `capacity` positions (and their key groups), as a device step hands
+    it to attention: the slots past S hold NaN scales and garbage codes; n_quantized and first_exact are 0 (with a
+    device-side length they are not read)."""
+    S, Hkv = kv.length, kv.k.shape[1]
+
+    def over(x, fill, n):  # x (1, Hkv, m, ...) in a buffer of n
+        buf = torch.full((1, Hkv, n, *x.shape[3:]), fill, dtype=x.dtype, device=x.device)
+        buf[:, :, : x.shape[2]] = x
+        return buf
+
+    nan, groups = float("nan"), -(-capacity // ref.KEY_GROUP)
+    return dataclasses.replace(kv, k=over(kv.k, 0x77, capacity), v=over(kv.v, 0x77, capacity),
+                               k_scale=over(kv.k_scale, nan, groups), k_min=over(kv.k_min, nan, groups),
+                               v_scale=over(kv.v_scale, nan, capacity), v_min=over(kv.v_min, nan, capacity),
+                               n_quantized=0, first_exact=0)
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("T, S, window", [(1, 1, None), (4, 33, None), (16, 300, 7), (5, 290, 50)])
+def test_attention_mass_with_the_key_count_on_the_device(bits, T, S, window):
+    """H2O's mass through a CUDA graph's step: each key in use gets exactly the attention weight of the ordinary
+    launch over those S keys (the same kernels: bit for bit); the slots past them keep what they held."""
+    from llmrun.kernels.decode_attention import quantized_decode_attention
+
+    from .kv_views import int4_state, quantized_cache, random_keys_values
+
+    Hq, Hkv, D, capacity = 6, 2, 64, 320
+    k, v = random_keys_values(1, Hkv, capacity, D, DEVICE)
+    q = torch.randn(1, T, Hq, D, device=DEVICE)
+    mass = torch.rand(1, Hkv, capacity, device=DEVICE)
+    want_mass = mass.clone()
+    length = torch.tensor([S], dtype=torch.int32, device=DEVICE)
+    if bits == 0:
+        from llmrun.kernels.decode_attention import decode_attention
+
+        want = decode_attention(q, k[:, :, :S], v[:, :, :S], window, mass=want_mass[:, :, :S])
+        got = decode_attention(q, k, v, window, mass=mass, length=length)
+    elif bits == 8:
+        kv = quantized_cache(8, 1, Hkv, capacity, D, 0, torch.float32, kv=(k, v), device=DEVICE)
+        at_s = dataclasses.replace(kv, k=kv.k[:, :, :S], v=kv.v[:, :, :S], k_scale=kv.k_scale[:, :, :S],
+                                   v_scale=kv.v_scale[:, :, :S])
+        want = quantized_decode_attention(q, at_s, window, mass=want_mass[:, :, :S])
+        got = quantized_decode_attention(q, kv, window, mass=mass, length=length)
+    else:
+        n_quantized, first_exact = int4_state(S, 160)
+        at_s = quantized_cache(4, 1, Hkv, S, D, n_quantized, torch.float32, first_exact, (k[:, :, :S], v[:, :, :S]),
+                               DEVICE, ring=160)
+        want = quantized_decode_attention(q, at_s, window, mass=want_mass[:, :, :S])
+        got = quantized_decode_attention(q, int4_over_capacity(at_s, capacity), window, mass=mass, length=length)
+    assert torch.equal(got, want)
+    assert torch.equal(mass, want_mass)
 
 
 def replaying_capture(step, pool):
@@ -207,16 +250,10 @@ def replaying_capture(step, pool):
     return (lambda: out.copy_(step())), out
 
 
-def assert_same_cache(a: KVCache, b: KVCache):
-    """Both caches hold the same tokens, keys and values alike, bit for bit, as attention reads them."""
-    assert a.length == b.length and a.evicted == b.evicted
-    for layer in range(a.shape[0]):
-        (ka, va), (kb, vb) = a.contents(layer), b.contents(layer)
-        assert torch.equal(ka, kb) and torch.equal(va, vb), layer
 
 
 @pytest.mark.parametrize("kv_format, evict", [("fp32", None), ("int8", None), ("fp32", "window"), ("int4", None),
-                                              ("int4", "window")])
+                                              ("int4", "window"), ("fp32", "h2o"), ("int8", "h2o")])
 def test_the_graph_runner_replays_steps_at_any_position(tiny_gguf, monkeypatch, kv_format, evict):
     """An engine whose short forwards go through `DecodeGraphs` (captured once per length, then replayed with
     the step's tokens, positions and slots staged into the graph's inputs) gives the eager engine's logits,

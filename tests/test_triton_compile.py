@@ -212,17 +212,18 @@ def _attention(shape, dtype):
                 else:
                     kernels.attention(q, k, v, window, mass=mass)
     for kv_format in (None, "int8", "int4"):  # a CUDA graph's step: slots and the key count on the device
-        cache = KVCache(2, 1, Hkv, 4203, D, dtype, "cpu", kv_format)
-        for T in (1, 9, 16):
-            q, k, v = qkv(T)
-            slots = torch.arange(1000, 1000 + T)
-            cache.device_step = DeviceStep(slots, slots, (slots[-1:] + 1).to(torch.int32), 2048)
-            k, v, _ = cache.update(1, 0, k, v)
-            if v is None:
-                kernels.quantized_attention(q, k, window, length=cache.device_step.length)
-            else:
-                kernels.attention(q, k, v, window, length=cache.device_step.length)
-            cache.device_step = None
+        for h2o in (False, True) if window is None else (False,):
+            cache = KVCache(2, 1, Hkv, 4203, D, dtype, "cpu", kv_format, Eviction("h2o", 4203) if h2o else None)
+            for T in (1, 9, 16):
+                q, k, v = qkv(T)
+                slots = torch.arange(1000, 1000 + T)
+                cache.device_step = DeviceStep(slots, slots, (slots[-1:] + 1).to(torch.int32), 2048)
+                k, v, mass = cache.update(1, 0, k, v)
+                if v is None:
+                    kernels.quantized_attention(q, k, window, mass=mass, length=cache.device_step.length)
+                else:
+                    kernels.attention(q, k, v, window, mass=mass, length=cache.device_step.length)
+                cache.device_step = None
     for T in (1, 9, 16):
         q, k, v = qkv(T)
         kernels.attention(q, k.transpose(1, 2), v.transpose(1, 2), window)
