@@ -97,7 +97,7 @@ def _complete_draft(incomplete: str) -> list[tuple[str, str] | str]:
 _SAMPLING = [
     ("temperature", float, 0.8, typer.Option(min=0.0, help="Sampling temperature; 0 means greedy.", rich_help_panel=SAMPLING)),
     ("top_k", int, 40, typer.Option(min=0, help="Keep only the K most likely tokens (0: off).", rich_help_panel=SAMPLING)),
-    ("top_p", float, 0.95, typer.Option(max=1.0, help="Nucleus sampling: keep the smallest set reaching this probability (1: off).", rich_help_panel=SAMPLING)),
+    ("top_p", float, 0.95, typer.Option(help="Nucleus sampling, in (0, 1]: keep the smallest set reaching this probability (1: off).", rich_help_panel=SAMPLING)),
     ("min_p", float, 0.05, typer.Option(min=0.0, max=1.0, help="Drop tokens below MIN_P x the top token's probability (0: off).", rich_help_panel=SAMPLING)),
     ("repetition_penalty", float, 1.0, typer.Option(help="Penalty > 1 for tokens already in the context (1: off).", rich_help_panel=SAMPLING)),
     ("seed", Optional[int], None, typer.Option(min=0, max=2**64 - 1, help="Random seed: the same seed gives the same output.", rich_help_panel=SAMPLING)),
