@@ -413,7 +413,7 @@ def smollm2_quantized(tmp_path_factory):
     calib = str(Path(__file__).parent / "fixtures" / "calibration.txt")
     results = {}
     for method in ("awq", "rtn"):
-        opts = QuantizeOptions(method, calib=calib if method == "awq" else None, samples=8, seq_len=256, search_rows=512)
+        opts = QuantizeOptions(method, calib=calib if method == "awq" else None, samples=8, seq_len=256, search_rows=256)
         results[method] = quantize("smollm2", root / method, opts, device="cpu")
     assert results["awq"].group_size == 32
     return root, results["awq"]
