@@ -189,9 +189,7 @@ def _in_use(kv: ref.QuantizedKV, n: int) -> ref.QuantizedKV:
     if kv.bits == 8:
         return dataclasses.replace(kv, k=kv.k[:, :, :n], v=kv.v[:, :, :n], k_scale=kv.k_scale[:, :, :n],
                                    v_scale=kv.v_scale[:, :, :n])
-    G, ring = ref.KEY_GROUP, kv.k_recent.shape[2]
-    n_quantized = n // G * G
-    first_exact = min(n_quantized, max(0, -(-(n - ring) // G) * G))
+    n_quantized, first_exact = ref.int4_decoded_state(n, kv.k_recent.shape[2])
     return dataclasses.replace(kv, k=kv.k[:, :, :n], v=kv.v[:, :, :n], v_scale=kv.v_scale[:, :, :n],
                                v_min=kv.v_min[:, :, :n], n_quantized=n_quantized, first_exact=first_exact)
 

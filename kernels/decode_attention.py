@@ -412,6 +412,7 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
     if kv.bits == 8:
         assert kv.k_scale.shape == kv.v_scale.shape, (kv.k_scale.shape, kv.v_scale.shape)
         cache = (kv.k, kv.v, kv.k_scale, kv.k_scale, kv.k_scale, kv.v_scale, kv.v_scale, kv.v_scale)  # (unused repeat)
+        ring = 1
     else:
         ring = kv.k_recent.shape[2]
         # the key groups the rows read as codes (with `length`, counted by the kernel: every full group in use)
@@ -427,7 +428,6 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
         cache = (kv.k, kv.v, kv.k_scale, kv.k_min, kv.k_recent, kv.v_scale, kv.v_min, kv.v_recent)
     assert all(x.stride(-1) == 1 for x in cache), "every tensor of the cache needs a contiguous last dim"
     nq = kv.row_quantized(T) if kv.bits == 4 and length is None else [0]  # with `length`: the kernel's to count
-    ring = kv.k_recent.shape[2] if kv.bits == 4 else 1
     return _attend(q, cache, kv.bits, group, (nq[0], nq[-1], ring), S, window, split_len, mass, length)
 
 

@@ -179,6 +179,14 @@ def dequantize_int4_channels(codes: torch.Tensor, scale: torch.Tensor, lo: torch
     return unpack_int4(codes).float() * scale + lo
 
 
+def int4_decoded_state(length: int, ring: int = RECENT) -> tuple[int, int]:
+    """(n_quantized, first_exact) of an INT4 cache of `length` positions as decoding writes it: every full key group
+    is codes, and rings of `ring` slots hold the exact keys and values of the last `ring` positions, read from a
+    group's start on. What a device step's cache holds (`write_int4`), whose attention counts it from the length."""
+    n_quantized = length // KEY_GROUP * KEY_GROUP
+    return n_quantized, min(n_quantized, max(0, -(-(length - ring) // KEY_GROUP) * KEY_GROUP))
+
+
 def write_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
     """x (B, H, T, D) quantized per token (`quantize_int8`) into codes int8 (B, H, C, D) and scales fp16
     (B, H, C, D / group) at slots (T,) int64 (on their device: nothing is read on the host)."""

@@ -17,6 +17,7 @@ full precision until their group fills. Attention reads the codes directly (`ker
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -270,8 +271,8 @@ class _Int4Store:
         state[:, 2] = end
 
     def read_at(self, layer, capacity):
-        """A device step's read over `capacity` slots: n_quantized and first_exact are for the kernel to count from
-        the device-side length (`kernels.quantized_attention`)."""
+        """The first `capacity` slots. As a device step's read, n_quantized and first_exact stay 0: the kernel counts
+        them from the device-side length (`kernels.quantized_attention`)."""
         return ref.QuantizedKV(4, self.k[layer, :, :, :capacity], self.v[layer, :, :, :capacity], self.k_scale[layer],
                                self.v_scale[layer, :, :, :capacity], self.k_min[layer],
                                self.v_min[layer, :, :, :capacity], self.k_recent[layer], self.v_recent[layer]), None
@@ -283,10 +284,7 @@ class _Int4Store:
         # a block's queries may read exact keys from the first group start where the rings hold them all: not before
         # exact_from (a rollback past the rings lost the older ones), nor more than the rings' length back
         first_exact = min(nq, -(-max(exact_from, length - self.ring) // G) * G)
-        return ref.QuantizedKV(4, self.k[layer, :, :, :length], self.v[layer, :, :, :length],
-                               self.k_scale[layer], self.v_scale[layer, :, :, :length], self.k_min[layer],
-                               self.v_min[layer, :, :, :length], self.k_recent[layer], self.v_recent[layer], nq,
-                               first_exact), None
+        return dataclasses.replace(self.read_at(layer, length)[0], n_quantized=nq, first_exact=first_exact), None
 
     def truncate(self, length):
         g = length // ref.KEY_GROUP * ref.KEY_GROUP

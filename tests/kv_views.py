@@ -52,10 +52,3 @@ def quantized_cache(bits, B, Hkv, S, D, n_quantized, dtype, first_exact=None, kv
 def mass_buffer(B, Hkv, S, device="cpu"):
     """(B, Hkv, S) fp32 of random running totals: a view of a longer accumulator, as a cache keeps it."""
     return torch.rand(B, Hkv + 1, S + 13, device=device)[:, 1:, :S]
-
-
-def int4_state(S, ring=ref.RECENT):
-    """(n_quantized, first_exact) of a cache of S keys written as decoding writes it: the full groups are codes, and
-    rings of `ring` slots hold the exact keys and values of the last `ring` positions from a group's start on."""
-    n_quantized = S // ref.KEY_GROUP * ref.KEY_GROUP
-    return n_quantized, min(n_quantized, max(0, -(-(S - ring) // ref.KEY_GROUP) * ref.KEY_GROUP))

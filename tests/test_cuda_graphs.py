@@ -164,7 +164,7 @@ def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, wi
     group's end)."""
     from llmrun.kernels.decode_attention import decode_attention, quantized_decode_attention
 
-    from .kv_views import int4_state, quantized_cache, random_keys_values
+    from .kv_views import quantized_cache, random_keys_values
 
     Hq, Hkv, D, capacity = 6, 2, 64, 400
     k, v = random_keys_values(1, Hkv, capacity, D, DEVICE)
@@ -181,7 +181,7 @@ def test_the_attention_kernel_reads_the_key_count_from_the_device(bits, T, S, wi
                                          length=length)
         want = ref.quantized_attention(q, ref.QuantizedKV(8, *(x[:, :, :S] for x in (kc, vc, ks, vs))), window)
     else:
-        n_quantized, first_exact = int4_state(S, 160)
+        n_quantized, first_exact = ref.int4_decoded_state(S, 160)
         want_kv = quantized_cache(4, 1, Hkv, S, D, n_quantized, torch.float32, first_exact, (k[:, :, :S], v[:, :, :S]),
                                   DEVICE, ring=160)
         want = ref.quantized_attention(q, want_kv, window)
@@ -215,7 +215,7 @@ def test_attention_mass_with_the_key_count_on_the_device(bits, T, S, window):
     launch over those S keys (the same kernels: bit for bit); the slots past them keep what they held."""
     from llmrun.kernels.decode_attention import quantized_decode_attention
 
-    from .kv_views import int4_state, quantized_cache, random_keys_values
+    from .kv_views import quantized_cache, random_keys_values
 
     Hq, Hkv, D, capacity = 6, 2, 64, 320
     k, v = random_keys_values(1, Hkv, capacity, D, DEVICE)
@@ -235,7 +235,7 @@ def test_attention_mass_with_the_key_count_on_the_device(bits, T, S, window):
         want = quantized_decode_attention(q, at_s, window, mass=want_mass[:, :, :S])
         got = quantized_decode_attention(q, kv, window, mass=mass, length=length)
     else:
-        n_quantized, first_exact = int4_state(S, 160)
+        n_quantized, first_exact = ref.int4_decoded_state(S, 160)
         at_s = quantized_cache(4, 1, Hkv, S, D, n_quantized, torch.float32, first_exact, (k[:, :, :S], v[:, :, :S]),
                                DEVICE, ring=160)
         want = quantized_decode_attention(q, at_s, window, mass=want_mass[:, :, :S])

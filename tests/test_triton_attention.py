@@ -21,7 +21,7 @@ from . import kv_views
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 ATOL = {torch.float32: 1e-5, torch.float16: 3e-4, torch.bfloat16: 1e-2}
-in_buffer, int4_state = kv_views.in_buffer, kv_views.int4_state
+in_buffer = kv_views.in_buffer
 random_keys_values = functools.partial(kv_views.random_keys_values, device=DEVICE)
 quantized_cache = functools.partial(kv_views.quantized_cache, device=DEVICE)
 mass_buffer = functools.partial(kv_views.mass_buffer, device=DEVICE)
@@ -122,7 +122,7 @@ def test_a_rows_bits_do_not_depend_on_its_block(fmt, dtype, T, Hq, Hkv, S, windo
     if fmt in ("fp32", "fp16"):
         kv = cache_views(B, Hkv, S, D, dtype)
     else:
-        n_quantized, first_exact = int4_state(S) if fmt == "int4" else (0, None)
+        n_quantized, first_exact = ref.int4_decoded_state(S) if fmt == "int4" else (0, None)
         kv = quantized_cache(int(fmt[3]), B, Hkv, S, D, n_quantized, dtype, first_exact)
 
     def attend(q, kv):
@@ -246,7 +246,7 @@ ROW_BLOCKS = [(1, 97, None, ref.RECENT), (4, 100, None, ref.RECENT), (4, 98, 20,
 @pytest.mark.parametrize("T, S, window, ring", ROW_BLOCKS)
 def test_int4_reference_reads_each_rows_own_keys(T, S, window, ring):
     B, Hq, Hkv, D = 2, 6, 2, 64
-    n_quantized, first_exact = int4_state(S, ring)
+    n_quantized, first_exact = ref.int4_decoded_state(S, ring)
     k, v = random_keys_values(B, Hkv, S, D)
     kv = quantized_cache(4, B, Hkv, S, D, n_quantized, torch.float32, first_exact, kv=(k, v), ring=ring)
     q = torch.randn(B, T, Hq, D, device=DEVICE)
@@ -278,7 +278,7 @@ INT4_ROW_SHAPES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, T, Hq, Hkv, S, D, window, split_len, ring", INT4_ROW_SHAPES)
 def test_int4_rows_read_their_own_keys(B, T, Hq, Hkv, S, D, window, split_len, ring, dtype):
-    n_quantized, first_exact = int4_state(S, ring)
+    n_quantized, first_exact = ref.int4_decoded_state(S, ring)
     check_quantized(4, B, T, Hq, Hkv, S, D, window, n_quantized, dtype, first_exact, mass=dtype == torch.float32,
                     ring=ring, split_len=split_len)
 
@@ -324,7 +324,7 @@ def test_dispatch(bits):
     INT4: the block's first row reads the group [32, 64) exact, the others as codes."""
     B, T, Hq, Hkv, S, D, window = 1, 4, 6, 2, 66, 64, 50
     q = torch.randn(B, T, Hq, D, device=DEVICE)
-    n_quantized, first_exact = int4_state(S)
+    n_quantized, first_exact = ref.int4_decoded_state(S)
     kv = quantized_cache(bits, B, Hkv, S, D, n_quantized, torch.float32, first_exact)
     k, v = ref.dequantize_kv(kv)
     for mass in (None, mass_buffer(B, Hkv, S)):
