@@ -72,9 +72,9 @@ class GenerationRun:
     final_k: int | None  # speculative: the policy's last K that the token budget did not cut
 
 
-def time_generation(engine, prompt: list[int], params, speculator=None) -> GenerationRun:
+def time_generation(engine, prompt: list[int], params, speculator=None, decide=None) -> GenerationRun:
     """One run through `Generation` from empty caches, speculative when `speculator` is given (its draft-length
-    policy starts afresh)."""
+    policy starts afresh; `decide` overrules its verification's decisions: `llmrun.replay`)."""
     from llmrun.generate import Generation
 
     engine.reset()
@@ -83,7 +83,7 @@ def time_generation(engine, prompt: list[int], params, speculator=None) -> Gener
         if draft_engine is not None:
             draft_engine.reset()
         length = RecordingLength(speculator.length.max_k, speculator.length.adaptive, speculator.length.draft_cost)
-        speculator = dataclasses.replace(speculator, length=length)
+        speculator = dataclasses.replace(speculator, length=length, decide=decide)
     engine.speculator = speculator
     try:
         reply = Generation(engine, prompt, params)
@@ -99,9 +99,10 @@ def time_generation(engine, prompt: list[int], params, speculator=None) -> Gener
                          reply.token_ids, final_k)
 
 
-def measure_speculative(engine, speculator, workload, drafting: Drafting) -> dict:
+def measure_speculative(engine, speculator, workload, drafting: Drafting, replay=None) -> dict:
     """Every figure of `bench.measure`, for the speculative runs, plus `speculative`: the comparison with
-    plain decoding on the same engine and workload."""
+    plain decoding on the same engine and workload. `replay(seed) -> decide` (`llmrun.replay.replayer`) makes
+    the speculative run of each seed accept what a recorded trace says instead of what the models say."""
     from llmrun.memory import memory_report
     from llmrun.sampling import SamplingParams
 
@@ -111,14 +112,17 @@ def measure_speculative(engine, speculator, workload, drafting: Drafting) -> dic
         return SamplingParams(temperature=drafting.temperature, max_new_tokens=workload.new_tokens, ignore_eos=True,
                               seed=seed)
 
+    def decide(seed: int):
+        return None if replay is None else replay(seed)
+
     if workload.warmup:
         time_generation(engine, prompt, params(0))
-        time_generation(engine, prompt, params(0), speculator)
+        time_generation(engine, prompt, params(0), speculator, decide(0))
     bench.reset_peak_memory(engine.device)
     plain, spec = [], []
     for seed in range(workload.repeat):
         plain.append(time_generation(engine, prompt, params(seed)))
-        spec.append(time_generation(engine, prompt, params(seed), speculator))
+        spec.append(time_generation(engine, prompt, params(seed), speculator, decide(seed)))
 
     stats = [r.stats for r in spec]
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
@@ -148,7 +152,9 @@ def measure_speculative(engine, speculator, workload, drafting: Drafting) -> dic
         "speculative_decode_tok_s": round(spec_tok_s, 2),
         "speedup": round(spec_tok_s / plain_tok_s, 3),
         # greedy: speculative decoding must give plain decoding's tokens; sampling: only the same distribution
-        "same_output": all(p.token_ids == s.token_ids for p, s in zip(plain, spec)) if drafting.temperature == 0 else None,
+        # (a replay decides against the models: its tokens are not the point)
+        "same_output": all(p.token_ids == s.token_ids for p, s in zip(plain, spec))
+        if drafting.temperature == 0 and replay is None else None,
         "draft_weight_bytes": memory.get("draft_weights"),  # None: no draft model (n-gram lookup)
         "draft_kv_bytes": memory.get("draft_kv_allocated"),
     }

@@ -347,7 +347,8 @@ class Generation:
             logits = constraint.apply(logits, bitmask)
         history = self._history(start + 1)
         if drafts:
-            accepted, nxt = verify(logits, proposal, params, rng, history, position=start + 1)
+            accepted, nxt = verify(logits, proposal, params, rng, history, position=start + 1,
+                                   decide=spec.decide if drafting else None)
         else:
             accepted, nxt = 0, sample(logits, params, rng.at(start + 1), history)
         engine.rollback(start + 1 + accepted)  # rejected drafts (and any cut off above) leave the cache

@@ -17,6 +17,7 @@ step costs, and stops drafting when it does not pay.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +38,15 @@ class Proposal:
         return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.setup_s)
 
 
+Decide = Callable[[int, bool], bool]  # (context position of a draft token, the rule's decision) -> the decision
+
+
+def _abide(position: int, accepted: bool) -> bool:
+    return accepted
+
+
 def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng: Randomness | None = None,
-           history: torch.Tensor | None = None, position: int = 0) -> tuple[int, int]:
+           history: torch.Tensor | None = None, position: int = 0, decide: Decide | None = None) -> tuple[int, int]:
     """Check a proposal against the target.
 
     logits (K+1, V): the target's logits after the context and after each draft token; history (N,): the
@@ -50,8 +58,13 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
     sampling would, and accepting x when it comes out: that is the rejection rule for such a q (accepted with
     probability p(x); otherwise a draw from p without x, which is norm(max(0, p - q))), and it emits exactly
     the tokens plain sampling draws with the same seed.
+
+    `decide(position, accepted) -> accepted`, when given, overrules each acceptance decision after the rule has
+    done its work (a benchmark replaying a real pair's acceptance on random weights: `llmrun.replay`).
     """
     drafts = proposal.tokens
+    if decide is None:
+        decide = _abide
     k = len(drafts)
     penalize = history is not None and params.repetition_penalty != 1.0
 
@@ -62,12 +75,12 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
         if not penalize:
             best = logits.argmax(-1).tolist()
             n = 0
-            while n < k and drafts[n] == best[n]:
+            while n < k and decide(position + n, drafts[n] == best[n]):
                 n += 1
             return n, best[n]
         for i in range(k + 1):
             token = sample(logits[i], params, None, seen(i))
-            if i == k or token != drafts[i]:
+            if i == k or not decide(position + i, token == drafts[i]):
                 return i, token
     vocab = logits.shape[-1]
     for i, x in enumerate(drafts):
@@ -75,12 +88,12 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
         generator = rng.at(position + i)
         if proposal.probs is None:
             token = draw(p, generator)
-            if token == x:
+            if decide(position + i, token == x):
                 continue
             return i, token
-        q = _fit(proposal.probs[i].to(p.device, torch.float32), vocab)
+        q = fit_vocab(proposal.probs[i].to(p.device, torch.float32), vocab)
         qx, px = float(q[x]), float(p[x])
-        if torch.rand((), generator=generator, device=p.device).item() * qx < px:  # r < p(x)/q(x), qx > 0
+        if decide(position + i, torch.rand((), generator=generator, device=p.device).item() * qx < px):  # r < p/q
             continue
         residual = (p - q).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q up to rounding
@@ -89,7 +102,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
     return k, draw(token_probs(logits[k], params, seen(k)), rng.at(position + k))
 
 
-def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
+def fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
     """A draft distribution over the target's vocabulary size (embedding tables are often padded)."""
     if q.shape[-1] == vocab:
         return q
@@ -317,6 +330,7 @@ class Speculator:
 
     drafter: NgramDrafter | ModelDrafter
     length: DraftLength
+    decide: Decide | None = None  # overrules verification's decisions (see `verify`); None: the rule decides
 
     @property
     def name(self) -> str:

@@ -80,6 +80,22 @@ def smollm2_dequant():
     return load_model("smollm2", device="cpu", dtype="fp32", weights="dequant")
 
 
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A tiny target and a different tiny draft (other weights, one layer) with the same vocabulary."""
+    import dataclasses
+
+    from llmrun.loading import load_model
+
+    from .tiny import CONFIGS, random_model, write_hf_dir
+
+    root = tmp_path_factory.mktemp("pair")
+    cfg = CONFIGS["llama"]
+    target = write_hf_dir(root / "target", random_model(cfg, seed=0))
+    draft = write_hf_dir(root / "draft", random_model(dataclasses.replace(cfg, n_layers=1), seed=7))
+    return load_model(str(target), "cpu", "fp32"), load_model(str(draft), "cpu", "fp32")
+
+
 def run_main(args, monkeypatch, capsys, cwd=None, stdin: str = "") -> tuple[int, str, str]:
     """`llmrun ARGS` through the entry point, in-process, with `stdin` (a pipe) -> (exit code, stdout, stderr).
     An exception escaping `main()` is written to stderr as the interpreter would (a traceback, exit code 1)."""

@@ -267,22 +267,6 @@ def test_verification_samples_the_target_distribution(draft_kind):
     assert _chi_square_p_value(torch.tensor([(q * trials).round().tolist()]).squeeze(0) * (p > 0), p) < 1e-6
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    """A tiny target and a different tiny draft (other weights, one layer) with the same vocabulary."""
-    import dataclasses
-
-    from llmrun.loading import load_model
-
-    from .tiny import CONFIGS, random_model, write_hf_dir
-
-    root = tmp_path_factory.mktemp("pair")
-    cfg = CONFIGS["llama"]
-    target = write_hf_dir(root / "target", random_model(cfg, seed=0))
-    draft = write_hf_dir(root / "draft", random_model(dataclasses.replace(cfg, n_layers=1), seed=7))
-    return load_model(str(target), "cpu", "fp32"), load_model(str(draft), "cpu", "fp32")
-
-
 def _sequence_probs(model, prompt, params, length, eos):
     """Exact probability of every reply of up to `length` tokens (ending early at eos), by full forwards."""
     out = {(): 1.0}

@@ -1,0 +1,116 @@
+"""A draft/target pair's acceptance, recorded where its weights are and replayed on random weights of the same
+shapes: the speedup the pair would give on a machine that cannot hold its files (a lent GPU that takes 64 MiB a
+transfer, where the Qwen2.5-Coder 0.5B/1.5B pair weighs 1.6 GB).
+
+What speculation costs does not depend on the weights' values, only on their shapes and on which draft tokens are
+accepted. Which are accepted is a property of the real pair and the reply, recorded once (`record`): for each
+position i of a reply y, the probability that a draft token there is accepted, given the reply so far and given
+that the token that ended up at i is y_i:
+- greedy: 1 if the draft's argmax after y_<i is y_i (the target's own), else 0;
+- sampling: min(p(y_i), q(y_i)) / p(y_i), p and q the target's and the draft's distributions after y_<i (penalty,
+  temperature, top-k, top-p, min-p applied), since a draft token is accepted and emits y with probability
+  min(p(y), q(y)) and position i emits y with probability p(y).
+Given the reply, the decisions at the positions that get drafted are independent with these probabilities,
+whatever K the policy chooses. So replaying them (`Trace.decide`, which overrules verification's decisions) on a
+pair of the same shapes runs the real pair's accept/reject pattern: its draft steps, target blocks, rollbacks and
+adaptive K choices, with this machine's timings. Only the tokens are not replayed: random weights emit their own,
+and no cost depends on which they are.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from llmrun.errors import LlmrunError
+from llmrun.sampling import SamplingParams, sample, token_probs
+from llmrun.speculative import Decide, fit_vocab
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One reply's acceptance: `accept[i]` for the reply's token i, which sits at context position
+    len(prompt) + i. Sampled traces come from the reply drawn with `seed`; a greedy one serves any seed."""
+
+    prompt: tuple[int, ...]
+    accept: tuple[float, ...]
+    temperature: float
+    seed: int
+
+    def decide(self, seed: int) -> Decide:
+        """Verification's decisions for a replay: a draft token at context position j is accepted with
+        probability accept[j - len(prompt)], drawn from (seed, j) alone, so the same seed decides the same
+        whatever blocks the steps were cut into."""
+
+        def decide(position: int, accepted: bool) -> bool:
+            i = position - len(self.prompt)
+            if not 0 <= i < len(self.accept):
+                raise LlmrunError(f"the replay reached reply token {i}, but the trace holds {len(self.accept)}: "
+                                  "decode at most as many tokens as were recorded")
+            return random.Random(f"{seed}:{position}").random() < self.accept[i]
+
+        return decide
+
+    def as_dict(self) -> dict:
+        return {"prompt": list(self.prompt), "temperature": self.temperature, "seed": self.seed,
+                "accept": [round(a, 4) for a in self.accept]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trace:
+        accept = tuple(float(a) for a in d["accept"])
+        if not all(0.0 <= a <= 1.0 for a in accept):
+            raise LlmrunError("a trace's acceptance probabilities must lie in [0, 1]")
+        return cls(tuple(int(t) for t in d["prompt"]), accept, float(d["temperature"]), int(d["seed"]))
+
+
+def replayer(traces: list[Trace]) -> Callable[[int], Decide]:
+    """seed -> the decisions of the timed run with that seed: run i replays trace i (cycling), drawing with seed i."""
+    if not traces:
+        raise LlmrunError("no trace to replay")
+    return lambda seed: traces[seed % len(traces)].decide(seed)
+
+
+@torch.inference_mode()
+def record(target, draft, prompt: list[int], params: SamplingParams) -> Trace:
+    """The acceptance trace of one reply of `target` (an Engine) to `prompt`, decoded plainly with `params`
+    (`params.max_new_tokens` tokens, end tokens ignored), against `draft` (an Engine with the same vocabulary)."""
+    import dataclasses
+
+    from llmrun.generate import Generation
+
+    params = dataclasses.replace(params, ignore_eos=True, stop=())
+    target.reset()
+    reply = Generation(target, prompt, params)
+    for _ in reply:
+        pass
+    ids = list(prompt) + reply.token_ids
+    q_logits = _step_logits(draft, prompt, reply.token_ids)
+    p_logits = None if params.greedy else _step_logits(target, prompt, reply.token_ids)
+    accept = []
+    for i, y in enumerate(reply.token_ids):
+        history = None
+        if params.repetition_penalty != 1.0:
+            history = torch.tensor(ids[: len(prompt) + i], device=q_logits.device)
+        if params.greedy:  # the draft's token, chosen as it drafts
+            accept.append(float(sample(q_logits[i], params, None, history) == y))
+            continue
+        p = token_probs(p_logits[i], params, history)
+        q = fit_vocab(token_probs(q_logits[i], params, history).to(p.device, torch.float32), p.shape[-1])
+        accept.append(min(1.0, float(q[y] / p[y])) if p[y] > 0 else 0.0)  # min(p, q) / p
+    seed = -1 if params.greedy or params.seed is None else params.seed
+    return Trace(tuple(prompt), tuple(accept), params.temperature, seed)
+
+
+def _step_logits(engine, prompt: list[int], reply: list[int]) -> torch.Tensor:
+    """(len(reply), V) fp32: the logits that chose each reply token, from a prefill of the prompt and then one
+    decode step a token, as decoding computes them (a draft model drafts by such steps too)."""
+    engine.reset()
+    logits, _ = engine.prefill(prompt)
+    rows = [logits.float()]
+    for token in reply[:-1]:
+        rows.append(engine.decode(token).float())
+    engine.reset()
+    return torch.stack(rows)

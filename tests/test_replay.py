@@ -1,0 +1,159 @@
+"""Replaying a pair's acceptance (llmrun.replay): a greedy trace makes another pair take the recorded pair's very
+steps; the sampled trace's probability is the rejection rule's, given the emitted token; replayed sampling
+accepts as often as the real pair does."""
+
+import math
+
+import pytest
+import torch
+
+from llmrun.errors import LlmrunError
+from llmrun.generate import Engine
+from llmrun.replay import Trace, record, replayer
+from llmrun.sampling import Randomness, SamplingParams, token_probs
+from llmrun.speculative import DraftLength, ModelDrafter, Proposal, Speculator, make_speculator, verify
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def _steps(engine, prompt, params, speculator, decide=None):
+    """(target forwards, draft tokens, accepted) of one reply."""
+    engine.reset()
+    speculator.drafter.engine.reset()
+    engine.speculator = Speculator(speculator.drafter, DraftLength(speculator.length.max_k, adaptive=False), decide)
+    try:
+        reply = engine.generate(prompt, params)
+        list(reply)
+    finally:
+        engine.speculator = None
+    s = reply.stats
+    return s.decode_steps, s.drafted, s.accepted
+
+
+def test_a_greedy_trace_makes_another_pair_take_the_recorded_pairs_steps(smollm2, smollm2_dequant):
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompt = smollm2.tokenizer.encode(PROMPT)
+    # the recorded pair: the fp32 model, drafted by its 4-bit copy (which mostly agrees)
+    target = Engine(smollm2_dequant, max_len=256)
+    real = make_speculator(target, draft="self", draft_tokens=4, adaptive=False)
+    trace = record(target, real.drafter.engine, prompt, params)
+    assert len(trace.accept) == 40 and set(trace.accept) == {0.0, 1.0}
+    recorded = _steps(target, prompt, params, real)
+    assert 0 < recorded[2] < recorded[1]  # some drafts rejected, some accepted: the pattern is worth replaying
+    # another pair, whose own acceptance differs: the packed model drafted by itself with layers skipped
+    other = Engine(smollm2, max_len=256)
+    skip = make_speculator(other, draft="self:skip", draft_tokens=4, adaptive=False)
+    assert _steps(other, prompt, params, skip) != recorded
+    assert _steps(other, prompt, params, skip, trace.decide(0)) == recorded
+    # and no replay on the recorded pair itself changes nothing
+    assert _steps(target, prompt, params, real, trace.decide(3)) == recorded
+
+
+def test_given_the_emitted_token_a_draft_token_was_accepted_with_min_p_q_over_p():
+    """The sampled trace's probability: verification's accept/reject, counted by the token it emitted."""
+    torch.manual_seed(0)
+    vocab, trials = 6, 6000
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    p, q = token_probs(torch.randn(vocab) * 1.5, params), token_probs(torch.randn(vocab) * 1.5, params)
+    emitted, accepted = torch.zeros(vocab), torch.zeros(vocab)
+    logits = torch.stack([p.log(), p.log()])  # (K + 1, V): the target's distribution at both rows
+    draws = torch.Generator().manual_seed(1)
+    for seed in range(trials):
+        x = int(torch.multinomial(q, 1, generator=draws))
+        n, token = verify(logits, Proposal([x], q[None]), params, Randomness(seed, "cpu"))
+        y = x if n else token
+        emitted[y] += 1
+        accepted[y] += n
+    expect = torch.minimum(p, q) / p
+    for y in range(vocab):
+        if emitted[y] < 50:
+            continue
+        rate, sd = accepted[y] / emitted[y], math.sqrt(float(expect[y] * (1 - expect[y]) / emitted[y]))
+        assert abs(float(rate - expect[y])) <= 4.5 * sd + 1e-9, (y, float(rate), float(expect[y]))
+    # the test can fail: accepted whatever the token, the figure would be sum(min(p, q)) everywhere
+    assert float(expect.max() - expect.min()) > 0.3
+
+
+def test_replayed_sampling_accepts_as_often_as_the_real_pair(tiny_pair):
+    target, draft = tiny_pair
+    engine = Engine(target, 64)
+    real = Speculator(ModelDrafter(Engine(draft, 64), "tiny"), DraftLength(3, adaptive=False))
+    prompt, runs = [5, 17, 42, 9], 120
+
+    def params(seed):
+        return SamplingParams(temperature=2.5, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=16, ignore_eos=True,
+                              seed=seed)
+
+    traces = [record(engine, real.drafter.engine, prompt, params(seed)) for seed in range(runs)]
+    replay = replayer(traces)
+    own = [_steps(engine, prompt, params(seed), real) for seed in range(runs)]
+    replayed = [_steps(engine, prompt, params(seed + runs), real, replay(seed)) for seed in range(runs)]
+    rates = [sum(r[2] for r in rows) / sum(r[1] for r in rows) for rows in (own, replayed)]
+    drafted = sum(r[1] for r in own)
+    assert 0.2 < rates[0] < 0.8  # the draft is neither the target nor unrelated to it
+    assert abs(rates[0] - rates[1]) < 4.5 * math.sqrt(2 * rates[0] * (1 - rates[0]) / drafted), rates
+
+
+def test_a_trace_round_trips_and_refuses_what_it_cannot_replay():
+    trace = Trace((1, 2, 3), (0.0, 1.0, 0.25), 0.8, 7)
+    assert Trace.from_dict(trace.as_dict()) == trace
+    decide = trace.decide(0)
+    assert decide(4, False) is True and decide(3, True) is False  # positions 3, 4 hold reply tokens 0, 1
+    with pytest.raises(LlmrunError, match="holds 3"):
+        decide(6, True)
+    with pytest.raises(LlmrunError, match=r"\[0, 1\]"):
+        Trace.from_dict({**trace.as_dict(), "accept": [1.5]})
+    with pytest.raises(LlmrunError, match="no trace"):
+        replayer([])
+
+
+@pytest.fixture
+def script(monkeypatch):
+    """bench/replay.py, imported as when run (its `import speculative` finds bench/speculative.py)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location("replay_script", folder / "replay.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_replay_script_measures_a_trace_on_random_weights(script, tmp_path, capsys):
+    import json
+
+    prompt = list(range(300, 310))
+    traces = [{"prompt_label": "p", **Trace(tuple(prompt), (1.0,) * 12, 0.0, -1).as_dict()},
+              {"prompt_label": "p", **Trace(tuple(prompt), (0.0,) * 12, 0.8, 0).as_dict()}]
+    doc = {"date": "2026-01-01", "target": {"file": "t.gguf", "shape": "smollm2-360m"},
+           "draft": {"file": "d.gguf", "shape": "smollm2-135m"}, "traces": traces}
+    path, out = tmp_path / "trace.json", tmp_path / "m.json"
+    path.write_text(json.dumps(doc))
+    assert script.main(["measure", "--trace", str(path), "--repeat", "1", "--threads", "1", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["replayed_on"] == {"target": "random:smollm2-360m", "draft": "random:smollm2-135m"}
+    assert run["settings"]["weights"] == "int4" and run["environment"]["device_name"]
+    greedy, sampled = run["results"]
+    assert greedy["temperature"] == 0 and greedy["trace_acceptance"] == 1.0
+    assert greedy["figures"]["acceptance_rate"] == 1.0  # every draft token accepted, as the trace says
+    assert greedy["workload"]["prompt_tokens"] == 10 and greedy["workload"]["new_tokens"] == 12
+    assert sampled["figures"]["speculative"]["accepted_tokens"] == 0  # none, as the trace says
+    table = out.with_suffix(".md").read_text()
+    assert "| p | 0 |" in table and "(100%)" in table and table in capsys.readouterr().out
+    # a file that holds no traces: one line
+    path.write_text("{}")
+    with pytest.raises(SystemExit, match="no trace file"):
+        script.main(["measure", "--trace", str(path)])
+
+
+def test_the_replay_script_records_only_with_the_models_at_hand(script, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        script.main(["measure", "--real"])
+    assert "--real needs the pair's model files" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="bench/fetch_models.py"):
+        script.main(["record", "--models", str(tmp_path), "--out", str(tmp_path / "t.json")])
+    assert not (tmp_path / "t.json").exists()
