@@ -5,8 +5,8 @@
 #         [RESULTS=DIR] bash bench/gpu.sh [SHAPE ...]
 #
 # GPU_STEPS picks the steps (default: all, in this order), so that each fits a device call of limited time
-# (the lent machines allow 10 minutes a command: run `tests`, then `embedded`, then `sweep speed`, then
-# `kv memory`). Each run's JSON goes to RESULTS (default bench/results/; file names keep to letters, digits, '.',
+# (the lent machines allow 10 minutes a command: run `tests`, then `embedded`, then `replay`, then `sweep speed`,
+# then `kv memory`). Each run's JSON goes to RESULTS (default bench/results/; file names keep to letters, digits, '.',
 # '_' and '-'); a summary table of the runs of this call comes last. For the lent machine (no package index, at
 # most 64 MiB carried a call, at most 8 files back from $OUT), `bash bench/gpu_prepare.sh` here fills .whl/ and
 # .gpu-model/ and prints the calls to make, one a step, each tarring its results into $OUT.
@@ -23,6 +23,10 @@
 #           plain greedy (tests marked `gpu` in test_reference.py and test_speculative.py); `llmrun bench
 #           --compare` and a quality sweep (dtype x weights); and bench/speculative.py's smollm2 rows (n-gram
 #           lookup, self drafts) on the GPU, whose speedups are issue 6's GPU figures for this model.
+#   replay  Issue 6's draft-model figure: Qwen2.5-Coder-0.5B drafting for -1.5B on HumanEval, a pair too large to
+#           carry here, as random weights of their shapes replaying the acceptance the real pair showed on a CPU
+#           (bench/traces/qwen-pair-humaneval.json, made by `python bench/replay.py record`): plain against
+#           speculative decoding at temperature 0 and 0.8, the matrices in 4-bit blocks (as the GGUFs') and bf16.
 #   sweep   Correctness at a real shape: `llmrun bench --sweep` on the first SHAPE scores the Triton path (bf16)
 #           and the plain-PyTorch path against fp32 plain PyTorch on the same random weights (KL, top-1).
 #   speed   Every random-weight SHAPE (default: llama3.2-1b llama3-8b) at a short and a long context, its float
@@ -44,7 +48,7 @@ if ! python3 -c "import gguf, llmrun.kernels" 2>/dev/null; then
 fi
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
-steps=" ${GPU_STEPS:-tests embedded sweep speed kv memory} "
+steps=" ${GPU_STEPS:-tests embedded replay sweep speed kv memory} "
 results=${RESULTS:-bench/results}
 mkdir -p "$results"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
@@ -100,6 +104,13 @@ if [[ $steps == *" embedded "* ]] && embedded; then
         --axis weights=auto,dequant
     python3 bench/speculative.py --device cuda --rows ngram,self --out "$results/$stamp-$gpu-smollm2-speculative.json" \
         || { echo "gpu.sh: smollm2-speculative FAILED (above); going on" >&2; failed+=(smollm2-speculative); }
+fi
+if [[ $steps == *" replay "* ]]; then
+    for weights in int4 auto; do
+        python3 bench/replay.py measure --device cuda --weights $weights \
+            --out "$results/$stamp-$gpu-qwen-pair-replay-$weights.json" \
+            || { echo "gpu.sh: qwen-pair-replay-$weights FAILED (above); going on" >&2; failed+=(qwen-pair-replay-$weights); }
+    done
 fi
 if [[ $steps == *" sweep "* ]]; then
     bench "${shapes[0]}-sweep" --random-weights "${shapes[0]}" --prompt-tokens 128 --new-tokens 64 --sweep \

@@ -38,12 +38,15 @@ a cold one starts bare, so every call carries .whl):
   2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"]
      $(run 2 embedded)
   3. carry [".whl"]
-     $(run 3 "sweep speed" llama3.2-1b)
+     $(run 3 replay)
   4. carry [".whl"]
-     $(run 4 speed llama3-8b)
+     $(run 4 "sweep speed" llama3.2-1b)
   5. carry [".whl"]
-     $(run 5 "kv memory")
+     $(run 5 speed llama3-8b)
+  6. carry [".whl"]
+     $(run 6 "kv memory")
 Then unpack each results*.tgz into bench/results/, add their lines to bench/RESULTS.md (python
-bench/results_tables.py bench/results/FILE.json prints a bench run's table; speculative.py writes its own .md), and
+bench/results_tables.py bench/results/FILE.json prints a bench run's table; speculative.py and replay.py write
+their own .md), and
 commit them.
 CALLS

