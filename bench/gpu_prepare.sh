@@ -47,6 +47,5 @@ a cold one starts bare, so every call carries .whl):
      $(run 6 "kv memory")
 Then unpack each results*.tgz into bench/results/, add their lines to bench/RESULTS.md (python
 bench/results_tables.py bench/results/FILE.json prints a bench run's table; speculative.py and replay.py write
-their own .md), and
-commit them.
+their own .md), and commit them.
 CALLS
