@@ -122,7 +122,11 @@ def read_traces(path: Path) -> tuple[dict, dict[tuple[str, float], list[Trace]]]
         for d in doc["traces"]:
             trace = Trace.from_dict(d)
             groups.setdefault((d["prompt_label"], trace.temperature), []).append(trace)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not groups:
+            raise ValueError("it holds no trace")
+        if not all("shape" in doc.get(model, {}) for model in ("target", "draft")) or "date" not in doc:
+            raise ValueError("it names no target and draft shapes, or no date")
+    except (OSError, ValueError, KeyError, TypeError, LlmrunError) as e:
         raise SystemExit(f"error: {path} is no trace file ({bench.one_line(e, with_type=True)}); make one with"
                          " python bench/replay.py record")
     return doc, groups

@@ -145,9 +145,10 @@ def test_the_replay_script_measures_a_trace_on_random_weights(script, tmp_path, 
     table = out.with_suffix(".md").read_text()
     assert "| p | 0 |" in table and "(100%)" in table and table in capsys.readouterr().out
     # a file that holds no traces: one line
-    path.write_text("{}")
-    with pytest.raises(SystemExit, match="no trace file"):
-        script.main(["measure", "--trace", str(path)])
+    for bad in ({}, {**doc, "traces": []}, {**doc, "target": {}}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match="no trace file"):
+            script.main(["measure", "--trace", str(path)])
 
 
 def test_the_replay_script_records_only_with_the_models_at_hand(script, tmp_path, capsys):
