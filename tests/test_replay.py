@@ -132,17 +132,22 @@ def test_the_replay_script_measures_a_trace_on_random_weights(script, tmp_path, 
     doc = {"date": "2026-01-01", "target": {"file": "t.gguf", "shape": "smollm2-360m"},
            "draft": {"file": "d.gguf", "shape": "smollm2-135m"}, "traces": traces}
     path, out = tmp_path / "trace.json", tmp_path / "m.json"
+    traces.append({"prompt_label": "q", **Trace((1, 2, 3), (1.0,) * 12, 0.0, -1).as_dict()})  # left out: --prompts 1
     path.write_text(json.dumps(doc))
-    assert script.main(["measure", "--trace", str(path), "--repeat", "1", "--threads", "1", "--out", str(out)]) == 0
+    assert script.main(["measure", "--trace", str(path), "--repeat", "1", "--threads", "1", "--prompts", "1",
+                        "--out", str(out)]) == 0
     run = json.loads(out.read_text())
     assert run["replayed_on"] == {"target": "random:smollm2-360m", "draft": "random:smollm2-135m"}
     assert run["settings"]["weights"] == "int4" and run["environment"]["device_name"]
-    greedy, sampled = run["results"]
+    greedy, sampled = run["results"]  # prompt p only
     assert greedy["temperature"] == 0 and greedy["trace_acceptance"] == 1.0
     assert greedy["figures"]["acceptance_rate"] == 1.0  # every draft token accepted, as the trace says
     assert greedy["workload"]["prompt_tokens"] == 10 and greedy["workload"]["new_tokens"] == 12
     assert sampled["figures"]["speculative"]["accepted_tokens"] == 0  # none, as the trace says
+    assert set(run["step_seconds"]) == {"target", "draft"} and set(run["step_seconds"]["draft"]) == {"1", "2", "3", "5", "9"}
+    assert all(v > 0 for c in run["step_seconds"].values() for v in c.values())
     table = out.with_suffix(".md").read_text()
+    assert "One forward of T tokens, in one-token target steps" in table and "T=9" in table
     assert "| p | 0 |" in table and "(100%)" in table and table in capsys.readouterr().out
     # a file that holds no traces: one line
     for bad in ({}, {**doc, "traces": []}, {**doc, "target": {}}):
