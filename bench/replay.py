@@ -56,27 +56,20 @@ SHAPES = {"qwen-1.5b": "qwen2.5-1.5b", "qwen-0.5b": "qwen2.5-0.5b"}  # each GGUF
 CTX = 1024
 
 
-def load(spec: str, settings: bench.Settings):
-    """A LoadedModel: `random:SHAPE`, or a model file."""
+def model_files(spec: str):
+    """The ModelFiles of `random:SHAPE` or of a model file."""
     from llmrun import shapes
-    from llmrun.loading import load_weights, open_model, resolve_dtype
+    from llmrun.loading import open_model
 
-    if spec.startswith("random:"):
-        files = shapes.random_model_files(spec.removeprefix("random:"))
-        device = torch.device(settings.device)
-        return shapes.load_random(files, device, resolve_dtype(settings.dtype, device), settings.weights)
-    return load_weights(open_model(spec), device=settings.device, dtype=settings.dtype, weights=settings.weights)
+    return shapes.random_model_files(spec.removeprefix("random:")) if spec.startswith("random:") else open_model(spec)
 
 
 def engines(target: str, draft: str, settings: bench.Settings):
     """The target's Engine and a Speculator drafting with `draft` (adaptive K up to 8)."""
-    from llmrun import shapes
-    from llmrun.loading import open_model
     from llmrun.speculative import make_speculator
 
-    files = shapes.random_model_files(target.removeprefix("random:")) if target.startswith("random:") else open_model(target)
-    engine = bench.open_engine(files, settings)
-    return engine, make_speculator(engine, draft=draft, load=lambda spec: load(spec, settings))
+    engine = bench.open_engine(model_files(target), settings)
+    return engine, make_speculator(engine, draft=draft, load=lambda spec: bench.load(model_files(spec), settings))
 
 
 def do_record(args) -> int:

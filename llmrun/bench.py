@@ -70,9 +70,22 @@ def torch_threads(n: int | None):
 
 def open_engine(files, settings: Settings):
     """An Engine for `files` (a model's files, or a random-weight shape) as a resolved `settings` says."""
+    from llmrun.generate import Engine
+
+    loaded = load(files, settings)
+    eviction = None
+    if settings.kv_evict is not None:
+        from llmrun.kv_cache import Eviction
+
+        eviction = Eviction(settings.kv_evict, settings.kv_budget, settings.kv_sinks)
+    return Engine(loaded, settings.ctx, kv_format=None if settings.kv == "auto" else settings.kv, eviction=eviction)
+
+
+def load(files, settings: Settings):
+    """The LoadedModel of `files` (a model's files, or a random-weight shape: refused with one line when it and
+    its KV cache would not fit) as a resolved `settings` says."""
     import torch
 
-    from llmrun.generate import Engine
     from llmrun.loading import load_weights, resolve_dtype
 
     if files.source.format == "random":
@@ -84,15 +97,8 @@ def open_engine(files, settings: Settings):
         budget = settings.kv_budget if settings.kv_evict is not None else settings.ctx
         check_fits(name, files.config, device, dtype, budget, None if settings.kv == "auto" else settings.kv,
                    int4=settings.weights == "int4")
-        loaded = load_random(files, device, dtype, settings.weights)
-    else:
-        loaded = load_weights(files, device=settings.device, dtype=settings.dtype, weights=settings.weights)
-    eviction = None
-    if settings.kv_evict is not None:
-        from llmrun.kv_cache import Eviction
-
-        eviction = Eviction(settings.kv_evict, settings.kv_budget, settings.kv_sinks)
-    return Engine(loaded, settings.ctx, kv_format=None if settings.kv == "auto" else settings.kv, eviction=eviction)
+        return load_random(files, device, dtype, settings.weights)
+    return load_weights(files, device=settings.device, dtype=settings.dtype, weights=settings.weights)
 
 
 def one_line(e: BaseException, with_type: bool = False) -> str:
