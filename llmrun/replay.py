@@ -15,6 +15,10 @@ whatever K the policy chooses. So replaying them (`Trace.decide`, which overrule
 pair of the same shapes runs the real pair's accept/reject pattern: its draft steps, target blocks, rollbacks and
 adaptive K choices, with this machine's timings. Only the tokens are not replayed: random weights emit their own,
 and no cost depends on which they are.
+
+`simulate` goes one step further and runs the draft-length policy itself against a trace on a clock, each
+forward costing what a table of measured step times says (no model runs): a policy change weighed on every
+trace and seed in a second, and a GPU's figure foreseen from its step times alone.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from llmrun.errors import LlmrunError
 from llmrun.sampling import SamplingParams, sample, token_probs
-from llmrun.speculative import Decide, fit_vocab
+from llmrun.speculative import Decide, DraftLength, fit_vocab
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,84 @@ def replayer(traces: list[Trace]) -> Callable[[int], Decide]:
     if not traces:
         raise LlmrunError("no trace to replay")
     return lambda seed: traces[seed % len(traces)].decide(seed)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one forward of T tokens after a prompt, per T, of the target and of the draft model
+    (`bench/replay.py measure` times T = 1, 2, 3, 5, 9 and saves them as "step_seconds"). A T between two
+    measured ones is interpolated; past the largest, the line through the two largest goes on."""
+
+    target: dict[int, float]
+    draft: dict[int, float]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCosts:
+        tables = {m: {int(t): float(s) for t, s in d[m].items()} for m in ("target", "draft")}
+        if any(1 not in table or min(table.values()) <= 0 for table in tables.values()):
+            raise LlmrunError("step costs need positive seconds for T = 1 of both models")
+        return cls(**tables)
+
+    def seconds(self, model: str, tokens: int) -> float:
+        table = self.target if model == "target" else self.draft
+        if tokens in table:
+            return table[tokens]
+        known = sorted(table)
+        lower = [t for t in known if t < tokens]
+        upper = [t for t in known if t > tokens]
+        a, b = (lower[-1], upper[0]) if lower and upper else (known[-2], known[-1]) if len(known) > 1 else (1, 1)
+        if a == b:
+            return table[1] * tokens
+        return table[a] + (table[b] - table[a]) * (tokens - a) / (b - a)
+
+
+@dataclass(frozen=True)
+class Simulated:
+    plain_s: float  # the reply decoded plainly: one one-token target step a token
+    speculative_s: float
+    steps: int
+    drafted: int
+    accepted: int
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_s / self.speculative_s
+
+
+def simulate(trace: Trace, costs: StepCosts, length: DraftLength, seed: int = 0) -> Simulated:
+    """Decode `trace`'s reply speculatively with a model draft on a simulated clock: `length` (a fresh policy)
+    chooses K each step as in `Generation`, the draft catches up with the context by one forward of the tokens
+    it has not seen and drafts the rest one token a step, the target verifies K + 1 tokens, and the trace decides
+    each draft token (`Trace.decide(seed)`). The first reply token comes from the prefill, as in decoding; the
+    figures count the other len(trace.accept) - 1."""
+    decide = trace.decide(seed)
+    start, total = len(trace.prompt), len(trace.accept)
+    target = lambda t: costs.seconds("target", t)  # noqa: E731
+    draft = lambda t: costs.seconds("draft", t)  # noqa: E731
+    length.begin_reply()
+    known = held = start  # context tokens the draft's cache holds, of which still valid (it prefilled the prompt)
+    done, clock, steps, drafted, accepted = 1, 0.0, 0, 0, 0  # reply tokens emitted
+    while done < total:
+        context = start + done  # the latest token is fed this step, at position context - 1
+        k = length.choose(total - done - 1)
+        if k:
+            fed = context - known  # the draft's catch-up forward, which gives its first token's logits
+            setup = draft(fed) if context - held > 2 else 0.0  # as ModelDrafter counts it
+            draft_s = draft(fed) + (k - 1) * draft(1) - setup
+            n = 0
+            while n < k and decide(context + n, True):
+                n += 1
+            held, known = context + k - 1, context + min(n, k - 1)  # its drafts up to the first rejection stay
+            clock += setup + draft_s + target(k + 1)
+            length.observe(k, n, target(k + 1), draft_s)
+            drafted, accepted = drafted + k, accepted + n
+        else:
+            n = 0
+            clock += target(1)
+            length.observe(0, 0, target(1), 0.0)
+        done += n + 1
+        steps += 1
+    return Simulated((total - 1) * target(1), clock, steps, drafted, accepted)
 
 
 @torch.inference_mode()

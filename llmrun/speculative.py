@@ -220,9 +220,12 @@ class DraftLength:
 
     K = 0 (a plain step) wins when speculation would be slower; then a one-token probe runs now and then (a
     lookup: after 4 plain steps, then 8, 16...; a model draft: at the start of each reply), so a change of text
-    (into a copied passage, say) is noticed. A drafter that could not pay even if every token were accepted is
-    not probed again. With `adaptive=False`, K is always
-    `max_k`.
+    (into a copied passage, say) is noticed. A model draft learns nothing while it is off and cannot be probed
+    cheaply within a reply, so it is turned off only when even its optimistic acceptance (one standard error
+    above the estimate) would not pay: one early rejection, resting on a step's evidence, does not end drafting
+    for the whole reply, while a draft that keeps failing is off within a few steps (`llmrun.replay.simulate`
+    weighs this on recorded replies). A drafter that could not pay even if every token were accepted is not
+    probed again. With `adaptive=False`, K is always `max_k`.
     """
 
     DECAY = 0.9  # weight of the past per step in the acceptance counts
@@ -263,11 +266,9 @@ class DraftLength:
         if self.draft_s is None:  # never drafted yet: try it once, so the estimates rest on measurements
             self.k = min(room, max(1, self.max_k // 2))
             return self.k
-        best_k, best = 0, plain
-        for k in range(1, min(room, max(self.step_s)) + 1):  # blocks up to one token past the longest measured
-            rate = self._expected_tokens(k) / self._cost(k)
-            if rate > best:
-                best_k, best = k, rate
+        best_k = self._best_k(room, self.acceptance)
+        if best_k == 0 and self.draft_cost > 0:  # off only if it would not pay even at the optimistic acceptance
+            best_k = self._best_k(room, self.optimistic_acceptance)
         if best_k == 0:
             self._wait += 1
             if self._wait >= self._patience and not self.hopeless:  # probe: the text may have changed
@@ -300,12 +301,29 @@ class DraftLength:
         if self.draft_cost > 0 and self.step_s and not self.hopeless:
             self._wait, self._patience = 0, 1
 
+    @property
+    def optimistic_acceptance(self) -> float:
+        """The acceptance estimate plus one standard error of it: the counts decay, so it never rests on more
+        than a few steps' evidence, and on one step's (a first probe) it reaches well above the estimate."""
+        a, n = self.acceptance, self.accepted + self.rejected
+        return a + (a * (1 - a) / n) ** 0.5
+
+    def _best_k(self, room: int, acceptance: float) -> int:
+        """The K of the highest expected tokens per second at this acceptance; 0 when no K beats a plain step."""
+        best_k, best = 0, 1.0 / self._target_s(1)
+        for k in range(1, min(room, max(self.step_s)) + 1):  # blocks up to one token past the longest measured
+            rate = self._expected_tokens(k, acceptance) / self._cost(k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
     def _cost(self, k: int) -> float:
         draft_s = self.draft_cost * self.step_s[1] if self.draft_s is None else self.draft_s
         return self._target_s(k + 1) + k * draft_s
 
-    def _expected_tokens(self, k: int) -> float:
-        a = min(self.acceptance, 0.999)
+    @staticmethod
+    def _expected_tokens(k: int, acceptance: float) -> float:
+        a = min(acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
     def _target_s(self, tokens: int) -> float:

@@ -1,6 +1,8 @@
 """Replaying a pair's acceptance (llmrun.replay): a greedy trace makes another pair take the recorded pair's very
 steps; the sampled trace's probability is the rejection rule's, given the emitted token; replayed sampling
-accepts as often as the real pair does."""
+accepts as often as the real pair does. Simulating it (no model) takes the steps a real pair takes, and weighs the
+draft-length policy on a model draft: one early rejection does not turn a good draft off, a failing one costs
+little."""
 
 import math
 
@@ -9,7 +11,7 @@ import torch
 
 from llmrun.errors import LlmrunError
 from llmrun.generate import Engine
-from llmrun.replay import Trace, record, replayer
+from llmrun.replay import StepCosts, Trace, record, replayer, simulate
 from llmrun.sampling import Randomness, SamplingParams, token_probs
 from llmrun.speculative import DraftLength, ModelDrafter, Proposal, Speculator, make_speculator, verify
 
@@ -107,6 +109,60 @@ def test_a_trace_round_trips_and_refuses_what_it_cannot_replay():
         replayer([])
 
 
+# Step times measured on a 2-core CPU (bench/runs/2026-11-25-cpu2-replay-costs-gguf.json: Qwen2.5-Coder 1.5B
+# verifying, 0.5B drafting), and a GPU's shape of them: memory-bound blocks nearly as cheap as one token.
+CPU_COSTS = StepCosts({1: .022753, 2: .027656, 3: .031412, 5: .043296, 9: .073387},
+                      {1: .00937, 2: .011173, 3: .014067, 5: .018199, 9: .034266})
+GPU_COSTS = StepCosts({1: .010, 2: .0102, 3: .0104, 5: .0108, 9: .0116}, {1: .006, 2: .0061, 3: .0062, 5: .0064, 9: .0068})
+
+
+def test_a_simulated_reply_takes_the_steps_a_real_pair_takes(tiny_pair):
+    target, draft = tiny_pair
+    engine = Engine(target, 64)
+    prompt = [5, 17, 42, 9]
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    trace = Trace(tuple(prompt), (1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1, 1, 1), 0.0, -1)
+    for k in (1, 3, 5):
+        real = Speculator(ModelDrafter(Engine(draft, 64), "tiny"), DraftLength(k))
+        steps = simulate(trace, CPU_COSTS, DraftLength(k, adaptive=False))
+        assert _steps(engine, prompt, params, real, trace.decide(0)) == (steps.steps, steps.drafted, steps.accepted)
+        assert 0 < steps.accepted < steps.drafted
+
+
+def test_a_simulated_clock_counts_what_each_step_costs():
+    costs = StepCosts({1: 1.0, 2: 1.5, 9: 5.0}, {1: 0.25, 2: 0.3, 9: 1.0})
+    assert costs.seconds("target", 4) == 2.5 and costs.seconds("draft", 11) == pytest.approx(1.2)  # line on
+    r = simulate(Trace((1, 2), (1.0,) * 13, 0.0, -1), costs, DraftLength(3, adaptive=False))
+    # 3 steps of K = 3, all accepted: each verifies 4 tokens (2.5); the draft runs 3 one-token steps the first
+    # time, then catches up with the 2 tokens it has not seen (the last draft and the bonus token) and runs 2
+    assert (r.steps, r.drafted, r.accepted) == (3, 9, 9)
+    assert r.speculative_s == pytest.approx(3 * 2.5 + 3 * 0.25 + 2 * (0.3 + 2 * 0.25))
+    assert r.plain_s == 12.0 and r.speedup == pytest.approx(12 / 9.85)
+    with pytest.raises(LlmrunError, match="T = 1"):
+        StepCosts.from_dict({"target": {"2": 1.0}, "draft": {"1": 1.0}})
+
+
+@pytest.mark.parametrize("costs", [CPU_COSTS, GPU_COSTS], ids=["cpu-costs", "h100-like-costs"])
+def test_one_early_rejection_does_not_turn_a_good_model_draft_off(costs):
+    """HumanEval/2 on the Qwen pair: the first probe's draft misses the reply's fourth token, and every other one
+    agrees. On one step's evidence (1 of 4 accepted) the draft looks unprofitable; it must keep drafting."""
+    trace = Trace(tuple(range(100)), tuple(0.0 if i == 3 else 1.0 for i in range(128)), 0.0, -1)
+    r = simulate(trace, costs, DraftLength(8, draft_cost=costs.draft[1] / costs.target[1]))
+    assert r.drafted > 90 and r.speedup > 1.25, r
+
+
+@pytest.mark.parametrize("costs", [CPU_COSTS, GPU_COSTS], ids=["cpu-costs", "h100-like-costs"])
+@pytest.mark.parametrize("acceptance", [0.0, 0.3, 0.5])
+def test_a_failing_model_draft_is_turned_off_at_little_cost(costs, acceptance):
+    import random
+
+    for seed in range(4):
+        draws = random.Random(seed)
+        trace = Trace(tuple(range(100)), tuple(float(draws.random() < acceptance) for _ in range(128)), 0.0, -1)
+        r = simulate(trace, costs, DraftLength(8, draft_cost=costs.draft[1] / costs.target[1]))
+        assert r.drafted < 16 and r.speedup > 0.97, r
+
+
 @pytest.fixture
 def script(monkeypatch):
     """bench/replay.py, imported as when run (its `import speculative` finds bench/speculative.py)."""
@@ -149,6 +205,17 @@ def test_the_replay_script_measures_a_trace_on_random_weights(script, tmp_path, 
     table = out.with_suffix(".md").read_text()
     assert "One forward of T tokens, in one-token target steps" in table and "T=9" in table
     assert "| p | 0 |" in table and "(100%)" in table and table in capsys.readouterr().out
+    # the policy on the same traces, on a clock of the step times just measured
+    assert script.main(["simulate", "--costs", str(out), "--trace", str(path), "--seeds", "2"]) == 0
+    printed = capsys.readouterr().out
+    import re
+
+    speedup = {row: float(x) for row, x in re.findall(r"^\| (\w \| [\d.]+) \| \*\*([\d.]+)x\*\*", printed, re.M)}
+    assert set(speedup) == {"p | 0", "p | 0.8", "q | 0"}
+    assert speedup["p | 0"] > speedup["p | 0.8"]  # every draft accepted against none
+    assert "| p | 0.8 | **" in printed and "| 0% |" in printed
+    with pytest.raises(SystemExit, match="holds no step times"):
+        script.main(["simulate", "--costs", str(path), "--trace", str(path)])
     # a file that holds no traces: one line
     for bad in ({}, {**doc, "traces": []}, {**doc, "target": {}}):
         path.write_text(json.dumps(bad))
