@@ -10,6 +10,9 @@
 # '_' and '-'); a summary table of the runs of this call comes last. For the lent machine (no package index, at
 # most 64 MiB carried a call, at most 8 files back from $OUT), `bash bench/gpu_prepare.sh` here fills .whl/ and
 # .gpu-model/ and prints the calls to make, one a step, each tarring its results into $OUT.
+# A shorter lease: GPU_PROMPTS (the speed step's prompt lengths, default "128 8000"), GPU_KV_REPEAT (the kv step's
+# timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (default: all); and
+# bench/gpu_lease.sh, every step in one call, each under a time limit of its own.
 # (`timeout` inside the call's limit: a call killed at its limit never reaches its tar, and every JSON is lost; the
 # speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
 # give it one SHAPE a call.)
@@ -119,7 +122,7 @@ fi
 if [[ $steps == *" speed "* ]]; then
     for shape in "${shapes[@]}"; do
         for weights in auto int4; do
-            for prompt in 128 8000; do
+            for prompt in ${GPU_PROMPTS:-128 8000}; do
                 bench "$shape-$weights-p$prompt-n128" --random-weights "$shape" --weights "$weights" \
                     --prompt-tokens "$prompt" --new-tokens 128 --ctx 8192 --compare
             done
@@ -133,7 +136,7 @@ if [[ $steps == *" kv "* ]]; then
         for kv in bf16 int8 int4; do
             # llama3.1-8b: llama3-8b's shape with a 128k context (llama3-8b refuses --ctx past 8192)
             bench "llama3.1-8b-kv-$kv-$ctx" --random-weights llama3.1-8b --prompt-tokens $((ctx - 192)) --new-tokens 128 \
-                --ctx "$ctx" --kv "$kv" --repeat 3
+                --ctx "$ctx" --kv "$kv" --repeat "${GPU_KV_REPEAT:-3}"
         done
     done
 fi
