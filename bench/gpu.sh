@@ -49,6 +49,11 @@ if ! python3 -c "import gguf, llmrun.kernels" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
 fi
+# random weights take the embedded model's tokenizer: from its metadata alone where the model is not installed
+if [ -f .gpu-model/tokenizer.gguf ] && ! python3 -c "from llmrun.loading import embedded_model_path
+embedded_model_path()" 2>/dev/null; then
+    export LLMRUN_RANDOM_TOKENIZER=$PWD/.gpu-model/tokenizer.gguf
+fi
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
 steps=" ${GPU_STEPS:-tests embedded replay sweep speed kv memory} "

