@@ -49,10 +49,16 @@ def main(paths):
                       f"{row['ttft_s'] * 1000:.0f} | {mib(row['memory']['process_peak_rss'])} | {kl} | {top1} |")
             print(f"\nrecommended for {doc['recommended']['goal']}: `{doc['recommended']['flags']}`")
         else:
+            # the KV cache's format and eviction where not the defaults; on a GPU its peak allocation, else the RSS
+            kv = "".join(f" --{flag.replace('_', '-')} {c[flag]}" for flag, default in
+                         (("kv", "auto"), ("kv_evict", None), ("kv_budget", None)) if c.get(flag, default) != default)
+            mem = doc["memory"]
+            peak = (f"{mib(mem['device_peak_allocated'])} GPU" if mem.get("device_peak_allocated")
+                    else mib(mem["process_peak_rss"]))
             print(f"| {doc['model']} | {w['kind']}, {w['prompt_tokens']} + {w['new_tokens']} | {c['dtype']} "
-                  f"`--weights {c['weights']}` ({doc['weights_loaded']}) | {doc['ttft_s'] * 1000:.0f} | "
+                  f"`--weights {c['weights']}{kv}` ({doc['weights_loaded']}) | {doc['ttft_s'] * 1000:.0f} | "
                   f"{doc['prefill_tok_s']:.0f} | {dec['median']:.1f} ({dec['min']:.1f}–{dec['max']:.1f}) | "
-                  f"{mib(doc['memory']['process_peak_rss'])} | {doc['bandwidth_gb_s']:.1f} GB/s "
+                  f"{peak} | {doc['bandwidth_gb_s']:.1f} GB/s "
                   f"({doc['bandwidth_share']:.0%}) | {where} |")
 
 

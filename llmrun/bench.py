@@ -411,7 +411,8 @@ def compare_rows(files, settings: Settings, figures: dict, workload, progress) -
 
 
 def environment(device: str) -> dict:
-    """What produced the figures: the device's name, the versions, the commit (`git`, else $LLMRUN_COMMIT)."""
+    """What produced the figures: the device's name, the versions, the commit ($LLMRUN_COMMIT, else `git`: a
+    copy of the tree, as a lent GPU machine gets, may carry a stale .git)."""
     import platform
     import subprocess
 
@@ -434,14 +435,15 @@ def environment(device: str) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = os.environ.get("LLMRUN_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
     return {"device_name": name, "cpu_count": os.cpu_count(), "torch": torch.__version__, "triton": triton_version,
-            "llmrun": __version__, "commit": commit or os.environ.get("LLMRUN_COMMIT"),
-            "python": platform.python_version()}
+            "llmrun": __version__, "commit": commit, "python": platform.python_version()}
 
 
 def write_run(out: Path, doc: dict, table: str) -> None:

@@ -630,3 +630,11 @@ def test_quality_of_identical_and_different_distributions():
     assert same == {"kl": 0.0, "top1_agreement": 1.0}
     other = sweep.quality(ref, torch.log_softmax(torch.randn(5, 11), -1))
     assert other["kl"] > 0 and 0 <= other["top1_agreement"] <= 1
+
+
+def test_the_commit_named_in_the_environment_wins_over_git(monkeypatch):
+    """A lent GPU machine gets a copy of the tree whose .git can be stale: LLMRUN_COMMIT says what ran."""
+    monkeypatch.setenv("LLMRUN_COMMIT", "abc1234")
+    assert bench.environment("cpu")["commit"] == "abc1234"
+    monkeypatch.delenv("LLMRUN_COMMIT")
+    assert bench.environment("cpu")["commit"] != "abc1234"
