@@ -18,7 +18,9 @@
 # (`timeout` inside the call's limit: a call killed at its limit never reaches its tar, and every JSON is lost; the
 # speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
 # give it one SHAPE a call.)
-#   tests   The Triton kernels natively on CUDA (the bf16 cases, marked `gpu`, run here and only here), the whole
+#   tests   The Triton kernels natively on CUDA (the bf16 cases, marked `gpu`, run here and only here; each shape on
+#           one fixed launch config, LLMRUN_TEST_ONE_CONFIG=1, and every config the autotuners may pick by tests of
+#           its own), the whole
 #           model on the Triton path, CUDA graphs captured and replayed, the torch.compile baseline, AWQ's search
 #           on the GPU and its checkpoint packed there. A failure is reported and the measurements still run: the
 #           device time is too scarce to lose them.
@@ -119,9 +121,11 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output a
 }
 
 if [[ $steps == *" tests "* ]]; then
-    run_tests tests tests/test_triton_ops.py tests/test_triton_attention.py tests/test_triton_quant_matmul.py \
-        tests/test_triton_kv_write.py \
-        tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py \
+    # the kernels' hundreds of shapes on one fixed config each (every config checked by its own tests); the model,
+    # CUDA graphs and compiled baseline through the autotuners, as llmrun runs them
+    LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-kernels tests/test_triton_ops.py tests/test_triton_attention.py \
+        tests/test_triton_quant_matmul.py tests/test_triton_kv_write.py
+    run_tests tests-model tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py \
         tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there
 fi
 if [[ $steps == *" embedded "* ]] && embedded; then

@@ -11,7 +11,9 @@
 #   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV, one timed run each
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first 2 HumanEval prompts (its step times also
 #           feed `bench/replay.py simulate` here, for all of them)
-#   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles and autotunes on the CPUs)
+#   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
+#           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1), since 2026-11-26's lease (all configs timed
+#           for every new shape) ran 191 of 640 in 180 s
 # What the H200 of 2026-11-26 took (bench/results/*-lease2.log): a `--compare` of the 1B shape 66 s, each 8B run of
 # the kv step about 60 s (mostly loading and compiling), the replay about 35 s a prompt, the tests 640 in about
 # 10 minutes (191 in 180 s). The memory step's figures are committed; the embedded model's file travels in two

@@ -25,6 +25,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# A launch config the split attention kernel and the GEMV each take on CUDA under LLMRUN_TEST_ONE_CONFIG=1: the
+# split kernel's least shared memory (it fits every GPU Triton supports), and the GEMV's smallest tile.
+ONE_SPLIT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+ONE_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}
+
+
+@pytest.fixture(autouse=True)
+def _one_config(request, monkeypatch):
+    """LLMRUN_TEST_ONE_CONFIG=1 on CUDA: the autotuned kernels run one fixed config instead of timing all of theirs
+    for every new key (bench/gpu.sh sets it for the kernel test files, whose hundreds of shapes would otherwise
+    spend a GPU lease compiling and timing configs). Each config is still checked against the reference by the
+    tests that pin one config after another (`test_every_split_config`, `test_every_gemv_config`), and the model
+    and CUDA-graph tests run without it, through the autotuners."""
+    if not (_cuda and os.environ.get("LLMRUN_TEST_ONE_CONFIG") == "1") or "autotune" in request.keywords:
+        return
+    from llmrun.kernels import decode_attention, triton_quant_matmul
+
+    for module, name, kernel, config in ((decode_attention, "_split_launcher", "_split_kernel", ONE_SPLIT_CONFIG),
+                                         (triton_quant_matmul, "_gemv_launcher", "_gemv_kernel", ONE_GEMV_CONFIG)):
+        launcher, fixed = getattr(module, name), (getattr(module, kernel), config)
+        monkeypatch.setattr(module, name, lambda cuda, launcher=launcher, fixed=fixed: fixed if cuda else launcher(cuda))
+
+
 @pytest.fixture
 def row_by_row_dot(monkeypatch):
     """Under the interpreter, tl.dot computes each row of its product on its own. The interpreter's np.matmul gives

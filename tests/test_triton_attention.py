@@ -136,6 +136,7 @@ def test_a_rows_bits_do_not_depend_on_its_block(fmt, dtype, T, Hq, Hkv, S, windo
         assert torch.equal(block[:, t], attend(q[:, t : t + 1], first_keys(kv, S - T + t + 1))[:, 0]), t
 
 
+@pytest.mark.autotune
 def test_autotuner_drops_configs_that_cannot_fit(monkeypatch):
     """fp32 at head_dim 256, one row block, on an H100 (227 KB of shared memory a block): Triton's autotuner, through
     the split kernel's pruning, keeps the 6 configs whose tiles fit (BLOCK_N 32, or 64 with 2 stages); on a GPU too
@@ -338,3 +339,47 @@ def test_dispatch(bits):
         assert (got - ref.attention(q, k, v, window)).abs().max().item() <= ATOL[torch.float32]
         if mass is not None:
             check_mass(mass, before, q, k, window)
+
+
+# --- every config the autotuner may pick ------------------------------------------------------------------------------
+
+
+def split_configs():
+    """The split kernel's autotuning configs: all of them on a GPU; under the interpreter, which ignores warps and
+    stages, one for each tile length."""
+    if DEVICE == "cuda":
+        return module.SPLIT_CONFIGS
+    return list({c.kwargs["BLOCK_N"]: c for c in module.SPLIT_CONFIGS}.values())
+
+
+@pytest.mark.autotune
+@pytest.mark.parametrize("case", ["dense", "window", "int8", "int4", "mass"])
+@pytest.mark.parametrize("config", split_configs(),
+                         ids=lambda c: f"n{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}")
+def test_every_split_config(config, case, monkeypatch):
+    """Each config the autotuner may pick computes the reference's attention (the autotuner times them all and
+    keeps the winner's output unchecked): 1000 keys, 4 splits whose last ends inside a tile of every BLOCK_N, GQA 4,
+    a verification block of 4 tokens, head_dim 128; bf16 on a GPU (fp16 under the interpreter), fp32 with the mass.
+    A config the GPU's shared memory cannot hold is skipped, as the autotuner prunes it."""
+    from triton.runtime.errors import OutOfResources
+
+    settings = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    monkeypatch.setattr(module, "_split_launcher", lambda cuda: (module._split_kernel, settings))
+    dtype = torch.float32 if case == "mass" else torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    B, T, Hq, Hkv, S, D = 1, 4, 8, 2, 1000, 128
+    try:
+        if case in ("dense", "window"):
+            check(B, T, Hq, Hkv, S, D, 300 if case == "window" else None, dtype)
+        elif case in ("int8", "int4"):
+            check_quantized(int(case[3]), B, T, Hq, Hkv, S, D, None, 992, dtype)
+        else:
+            k, v = cache_views(B, Hkv, S, D, dtype)
+            q = torch.randn(B, T, Hq + 2 * Hkv, D, device=DEVICE)[:, :, :Hq]
+            mass = mass_buffer(B, Hkv, S)
+            before = mass.clone()
+            got = decode_attention(q, k, v, mass=mass)
+            assert (got - ref.attention(q, k, v)).abs().max().item() <= ATOL[dtype]
+            check_mass(mass, before, q, k, None)
+    except OutOfResources:
+        pytest.skip(f"{settings} needs more shared memory than this GPU has")
+

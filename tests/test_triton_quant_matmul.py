@@ -130,12 +130,17 @@ def test_bad_shapes_say_what_fits():
         tqm.quant_linear(x, qs.view(torch.int8).repeat(1, 2), d, m, 8, 64)
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the autotuner runs every config")
-@pytest.mark.parametrize("config", tqm._GEMV_CONFIGS, ids=lambda c: "{BLOCK_N}x{BLOCK_K}".format(**c.kwargs))
+@pytest.mark.autotune
+@pytest.mark.parametrize("config", tqm._GEMV_CONFIGS,
+                         ids=lambda c: "{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}")
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gpu_tile_sizes_under_the_interpreter(bits, config, monkeypatch):
-    """The autotuner's tiles (smaller than the interpreter's): several programs along N and steps along K."""
-    monkeypatch.setattr(tqm, "_INTERPRETER_BLOCKS", dict(config.kwargs))
+def test_every_gemv_config(bits, config, monkeypatch):
+    """Each tile the autotuner may pick (it times them all and keeps the winner's output unchecked), smaller than the
+    interpreter's own: several programs along N and steps along K, split in two along K; bf16 on a GPU, fp16
+    under the interpreter (which ignores the warps)."""
+    blocks = {**config.kwargs, "num_warps": config.num_warps}
+    monkeypatch.setattr(tqm, "_gemv_launcher", lambda cuda: (tqm._gemv_kernel, blocks))
     qs, d, m = random_planes(40, 320, bits, bits == 4, 64, seed=5)
-    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(5)).half()
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     check_close(tqm._gemv(x, qs, d, m, bits, 64, split_k=2), x, tqm.dequantize_groups(qs, d, m, bits, 64))
