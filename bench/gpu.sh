@@ -41,6 +41,9 @@
 #           (llmrun against the plain-PyTorch bf16 path, eager and through torch.compile(mode="reduce-overhead"),
 #           same prompt ids); and the first SHAPE's short bf16 run
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
+#   profile Where a decode step's time goes (bench/gpu_profile.py): the step through CUDA graphs and eagerly, the
+#           sum of its kernels' own times and their count, the bandwidth floor, the kernels by name; llama3.2-1b at
+#           128 positions (bf16, then W4A16), llama3.1-8b at 8000 (bf16 KV, then int8).
 #   kv      The KV cache formats at long context (issue 7): decode speed at 8k and 32k positions for bf16, int8 and
 #           int4 KV on the 8B shape (quantized KV reads fewer bytes per step).
 #   memory  The longest context each KV format could hold beside llama3.1-8b's weights (bf16, and 4-bit blocks),
@@ -60,7 +63,7 @@ embedded_model_path()" 2>/dev/null; then
 fi
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
-steps=" ${GPU_STEPS:-tests embedded replay sweep speed kv memory} "
+steps=" ${GPU_STEPS:-tests embedded replay sweep speed profile kv memory} "
 results=${RESULTS:-bench/results}
 mkdir -p "$results"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
@@ -159,6 +162,16 @@ if [[ $steps == *" speed "* ]]; then
     done
     LLMRUN_NO_CUDA_GRAPHS=1 bench "${shapes[0]}-auto-p128-n128-nographs" --random-weights "${shapes[0]}" \
         --prompt-tokens 128 --new-tokens 128 --ctx 8192
+fi
+if [[ $steps == *" profile "* ]]; then
+    # name SHAPE PROMPT [ARGS...]: where a decode step's time goes (bench/gpu_profile.py)
+    for run in "llama3.2-1b 128" "llama3.1-8b 8000" "llama3.1-8b 8000 --kv int8" "llama3.2-1b 128 --weights int4"; do
+        set -- $run
+        name="profile-$1-p$2${3:+-${3#--}-$4}"
+        done_before "$name" && continue
+        python3 bench/gpu_profile.py --random-weights "$1" --prompt-tokens "$2" "${@:3}" \
+            --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
+    done
 fi
 if [[ $steps == *" kv "* ]]; then
     for ctx in 8192 32768; do

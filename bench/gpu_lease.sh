@@ -8,6 +8,7 @@
 #
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
 #   speed   llama3.2-1b at a 128-token prompt, bf16 then W4A16, `--compare`; then bf16 without CUDA graphs
+#   profile where a decode step's time goes (bench/gpu_profile.py): 1B and 8B, bf16, int8 KV, W4A16
 #   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV, one timed run each
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first 2 HumanEval prompts (its step times also
 #           feed `bench/replay.py simulate` here, for all of them)
@@ -35,10 +36,11 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 }
 
 export GPU_RESUME=1
-GPU_PROMPTS=128 step 130 speed llama3.2-1b
-GPU_KV_REPEAT=1 step 130 kv
-GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=2 step 80 replay
-PYTEST_ADDOPTS="-n 12" step 150 tests
+GPU_PROMPTS=128 step 120 speed llama3.2-1b
+step 80 profile
+GPU_KV_REPEAT=1 step 110 kv
+GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=2 step 70 replay
+PYTEST_ADDOPTS="-n 12" step 110 tests
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete
 cat "$RESULTS/lease.log" >&2

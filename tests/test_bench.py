@@ -638,3 +638,25 @@ def test_the_commit_named_in_the_environment_wins_over_git(monkeypatch):
     assert bench.environment("cpu")["commit"] == "abc1234"
     monkeypatch.delenv("LLMRUN_COMMIT")
     assert bench.environment("cpu")["commit"] != "abc1234"
+
+
+@pytest.mark.slow
+def test_profile_script_on_a_cpu(tmp_path):
+    """bench/gpu_profile.py (made for a lent GPU) runs on a CPU too: a step's times against the floor, and the
+    profiler's operators, which must account for most of an eager step."""
+    import subprocess
+    from pathlib import Path
+
+    out = tmp_path / "p.json"
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_profile.py"
+    done = subprocess.run([sys.executable, str(script), "--random-weights", "smollm2-135m", "--prompt-tokens", "40",
+                           "--ctx", "128", "--steps", "3", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["model"] == "random:smollm2-135m" and not doc["graphs"] and doc["config"]["prompt_tokens"] == 40
+    assert 0 < doc["floor_step_s"] < doc["eager_step_s"] and doc["graph_step_s"] > 0
+    assert 0.5 * doc["eager_step_s"] < doc["kernels_step_s"] <= 1.5 * doc["eager_step_s"]
+    assert doc["launches"] == sum(r["calls"] for r in doc["kernels"]) > 30
+    assert doc["bytes_per_step"] > shapes.shape_config("smollm2-135m").n_params * 4 * 0.8  # fp32 weights, read once
+    assert "| kernel | calls | us / step | share |" in done.stdout == out.with_suffix(".md").read_text()

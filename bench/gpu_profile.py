@@ -1,0 +1,159 @@
+"""Where a decode step's time goes: the step through CUDA graphs and eagerly, against the sum of its kernels' own
+times and the bandwidth floor, and the kernels that take it, in one run:
+
+    python bench/gpu_profile.py [--random-weights llama3.2-1b | MODEL] [--weights auto|int4] [--kv KV]
+                                [--prompt-tokens 128] [--ctx 8192] [--steps 32] [--out FILE.json]
+
+The step is llmrun's own decode step (`Engine.decode`) at a fixed position: the cache is rolled back after each,
+so every timed step attends over the same keys. Timed with device events, median of --steps after a warm-up:
+  graph   the step as llmrun runs it (a CUDA graph replayed; eager where graphs are off)
+  eager   the same step with graphs off: launch overheads on top of the kernels
+  kernels the sum of the step's kernels' own durations (torch.profiler, one eager step), and how many it launches
+  floor   the bytes a step must read (weights once, the cache's keys in use) over a device copy's bandwidth
+graph - kernels is time the GPU spends between kernels (or short of the bandwidth a kernel could draw): what
+fusing launches would win; kernels - floor, what faster kernels would. The table of kernels groups them by name.
+On a CPU the same runs, with the profiler's operators in place of kernels (a check that the script works).
+Writes the JSON to --out (default bench/results/DATE-DEVICE-profile-MODEL.json) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llmrun import bench
+from llmrun.bench import copy_bandwidth, weight_bytes_read_per_token
+from llmrun.workloads import make_workload
+
+HERE = Path(__file__).resolve().parent
+
+
+def timed_steps(engine, token: int, steps: int) -> list[float]:
+    """Seconds of `steps` decode steps, each from the same cache length (rolled back after it)."""
+    length = len(engine.tokens)
+    cuda = engine.device.type == "cuda"
+    times = []
+    for _ in range(steps + 2):  # the first two: warm-up (a graph's capture, autotuning)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            engine.decode(token)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            engine.decode(token)
+            times.append(time.perf_counter() - t0)
+        engine.rollback(length)
+    return times[2:]
+
+
+def kernel_table(engine, token: int) -> tuple[list[dict], int]:
+    """(rows by kernel name: calls and microseconds per step, slowest first; kernels a step launches) of one eager
+    decode step. On a CPU, the profiler's top-level operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    length = len(engine.tokens)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        engine.decode(token)
+        if cuda:
+            torch.cuda.synchronize()
+    engine.rollback(length)
+    rows: dict[str, list[float]] = {}
+    for ev in prof.events():
+        on_device = ev.device_type.name == "CUDA"
+        if on_device != cuda or (not cuda and ev.cpu_parent is not None):
+            continue
+        rows.setdefault(ev.name, []).append(ev.time_range.elapsed_us())
+    table = [{"kernel": name, "calls": len(us), "us": round(sum(us), 1)} for name, us in rows.items()]
+    table.sort(key=lambda r: -r["us"])
+    return table, sum(r["calls"] for r in table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default="smollm2", help="a model, as for `llmrun bench` (default smollm2)")
+    parser.add_argument("--random-weights", metavar="SHAPE", help="random weights of a shape instead of MODEL")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--weights", default="auto", help="auto | int4 | dequant (default auto)")
+    parser.add_argument("--kv", default="auto", help="the KV cache format (default: the compute dtype)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="cache positions each step attends to")
+    parser.add_argument("--ctx", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=32, help="timed steps each way (default 32)")
+    parser.add_argument("--top", type=int, default=15, help="kernels listed (default 15)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    from llmrun.loading import open_model
+    from llmrun.shapes import random_model_files
+
+    files = random_model_files(args.random_weights) if args.random_weights else open_model(args.model)
+    settings = bench.resolve(bench.Settings(args.device, args.dtype, args.weights, None, args.ctx, args.kv),
+                             default_ctx=args.ctx)
+    engine = bench.open_engine(files, settings)
+    workload = make_workload(engine.tokenizer, prompt_tokens=args.prompt_tokens, new_tokens=2,
+                             vocab_size=files.config.vocab_size)
+    with torch.inference_mode():
+        engine.prefill(workload.prompt)
+        token = workload.prompt[-1]
+        graph = timed_steps(engine, token, args.steps)
+        graphs, engine.graphs = engine.graphs, None
+        eager = timed_steps(engine, token, args.steps)
+        table, launches = kernel_table(engine, token)
+        engine.graphs = graphs
+    read = weight_bytes_read_per_token(engine.loaded) + engine.cache.nbytes // engine.cache.max_len * (len(engine.tokens) + 1)
+    bandwidth = copy_bandwidth(engine.device.type)
+    name = args.random_weights and f"random:{args.random_weights}" or args.model
+    figures = {
+        "graph_step_s": statistics.median(graph), "eager_step_s": statistics.median(eager),
+        "kernels_step_s": sum(r["us"] for r in table) / 1e6, "launches": launches,
+        "bytes_per_step": read, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "floor_step_s": read / bandwidth,
+    }
+    doc = {"model": name, "config": vars(settings) | {"prompt_tokens": args.prompt_tokens},
+           "graphs": graphs is not None and not graphs.failed, **figures, "kernels": table,
+           "environment": bench.environment(engine.device.type),
+           "command": " ".join(["python", *sys.argv])}
+    ms = lambda s: f"{s * 1e3:.3f} ms"  # noqa: E731
+    lines = [
+        f"{name}: {settings.device} {settings.dtype} --weights {settings.weights} --kv {settings.kv}, "
+        f"{len(engine.tokens)} cached positions, median of {args.steps} steps",
+        "",
+        "| step | time | vs floor |",
+        "|---|---|---|",
+        *(f"| {label} | {ms(figures[key])} | {figures[key] / figures['floor_step_s']:.2f}x |" for label, key in
+          (("graph" if doc["graphs"] else "graph (off: eager)", "graph_step_s"), ("eager", "eager_step_s"),
+           (f"kernels ({launches} launches)", "kernels_step_s"), ("floor", "floor_step_s"))),
+        "",
+        f"floor: {read / 1e9:.3f} GB a step at {figures['copy_bandwidth_gb_s']} GB/s (a device copy, this run)",
+        "",
+        "| kernel | calls | us / step | share |",
+        "|---|---|---|---|",
+        *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "
+          f"{r['us'] / 1e6 / max(figures['kernels_step_s'], 1e-12):.0%} |" for r in table[: args.top]),
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out is None:
+        device = doc["environment"]["device_name"].replace(" ", "-") if settings.device == "cuda" else "cpu"
+        safe = name.replace(":", "-").replace("/", "-")
+        args.out = HERE / "results" / f"{datetime.date.today()}-{device}-profile-{safe}.json"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(text + "\n")
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
