@@ -12,8 +12,9 @@ Two paths, chosen by the number of activation rows M:
 - decode and verification (M <= 16): `_gemv_kernel`, one program per BLOCK_N output columns and per slice of K,
   for up to 8 rows a launch (a speculative block of 9-16 takes two). It dequantizes each weight tile in registers
   to fp32 once and reuses it for every row of x, so W is read once per launch and never materialized. When N
-  alone gives too few programs, K is split: each slice writes an fp32 partial sum (split_k, M, N) and torch adds
-  them up (no atomics, so the result does not depend on scheduling).
+  alone gives too few programs, K is split: each slice writes an fp32 partial sum (split_k, M, N) and
+  `_sum_splits_kernel` adds them up in slice order and rounds to x's dtype, one launch (no atomics, so the result
+  does not depend on scheduling). In a decode step each launch costs a few microseconds whatever its work.
 - prefill (M > 16): `_dequantize_kernel` writes W (N, K) in x's dtype and torch.matmul (cuBLAS) does the GEMM.
   Compute-bound at these M, the extra N*K*2 bytes of traffic are small next to the matmul; a fused tiled
   `tl.dot` kernel is the next step if profiles say otherwise.
@@ -132,6 +133,17 @@ def _dequantize_kernel(
         tl.store(w_row + k[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & k_ok[None, :])
 
 
+@triton.jit
+def _sum_splits_kernel(parts_ptr, y_ptr, split_k, numel, BLOCK: tl.constexpr):
+    """y[i] = sum over s of parts[s, i], in fp32 and in the order s = 0, 1, ..., then rounded to y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(split_k):
+        acc += tl.load(parts_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 # Shared memory is no limit here, unlike the attention kernel's: without a tl.dot nothing is copied ahead into it,
 # and each config takes BLOCK_M * BLOCK_N fp32 there (<= 4 KB compiled for sm_80 and sm_90) to sum across warps.
 _GEMV_CONFIGS = [
@@ -203,7 +215,12 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None) -> to
         x2.stride(0), qs.stride(0), d.stride(0), out.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, BLOCK_M=triton.next_power_of_2(M), **blocks,
     )
-    return out[0] if split_k == 1 else out.sum(0).to(x2.dtype)
+    if split_k == 1:
+        return out[0]
+    y = torch.empty((M, N), device=x2.device, dtype=x2.dtype)
+    block = 1024 if x2.is_cuda else 4096
+    _sum_splits_kernel[(triton.cdiv(M * N, block),)](out, y, split_k, M * N, BLOCK=block)
+    return y
 
 
 def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -239,7 +256,9 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     m = None if m is None else m.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], N)
-    if x2.shape[0] <= VERIFY_ROWS:
+    if x2.shape[0] <= DECODE_ROWS:  # a decode step: one launch (two with split K), no copy
+        y = _gemv(x2, qs, d, m, bits, group)
+    elif x2.shape[0] <= VERIFY_ROWS:
         y = torch.cat([_gemv(rows, qs, d, m, bits, group) for rows in x2.split(DECODE_ROWS)])
     else:
         y = x2 @ dequantize(qs, d, m, bits, group, x.dtype).T
