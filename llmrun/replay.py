@@ -93,6 +93,19 @@ class StepCosts:
             raise LlmrunError("step costs need positive seconds for T = 1 of both models")
         return cls(**tables)
 
+    def reshaped(self, block_cost: float | None = None, draft_ratio: float | None = None) -> StepCosts:
+        """The costs of another machine, for asking what the policy would give there: with `block_cost`, a block of
+        T tokens costs 1 + block_cost * (T - 1) one-token steps, for both models (a GPU's memory-bound forward is
+        nearly flat in T: a small block_cost); with `draft_ratio`, the draft's steps are rescaled so that its
+        one-token step costs that share of the target's."""
+        target, draft = dict(self.target), dict(self.draft)
+        if block_cost is not None:
+            target = {t: target[1] * (1 + block_cost * (t - 1)) for t in target}
+            draft = {t: draft[1] * (1 + block_cost * (t - 1)) for t in draft}
+        if draft_ratio is not None:
+            draft = {t: s * draft_ratio * target[1] / draft[1] for t, s in draft.items()}
+        return StepCosts(target, draft)
+
     def seconds(self, model: str, tokens: int) -> float:
         table = self.target if model == "target" else self.draft
         if tokens in table:

@@ -142,6 +142,17 @@ def test_a_simulated_clock_counts_what_each_step_costs():
         StepCosts.from_dict({"target": {"2": 1.0}, "draft": {"1": 1.0}})
 
 
+def test_step_costs_reshaped_into_another_machines():
+    costs = StepCosts({1: 1.0, 2: 1.5, 9: 5.0}, {1: 0.25, 2: 0.3, 9: 1.0})
+    assert costs.reshaped() == costs
+    flat = costs.reshaped(block_cost=0.1)
+    assert flat.target == {1: 1.0, 2: 1.1, 9: pytest.approx(1.8)} and flat.draft == {1: 0.25, 2: 0.275, 9: 0.45}
+    cheap = costs.reshaped(draft_ratio=0.1)
+    assert cheap.target == costs.target and cheap.draft == {1: 0.1, 2: pytest.approx(0.12), 9: pytest.approx(0.4)}
+    both = costs.reshaped(0.1, 0.5)
+    assert both.draft[1] == 0.5 and both.draft[9] == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize("costs", [CPU_COSTS, GPU_COSTS], ids=["cpu-costs", "h100-like-costs"])
 def test_one_early_rejection_does_not_turn_a_good_model_draft_off(costs):
     """HumanEval/2 on the Qwen pair: the first probe's draft misses the reply's fourth token, and every other one
@@ -214,6 +225,16 @@ def test_the_replay_script_measures_a_trace_on_random_weights(script, tmp_path, 
     assert set(speedup) == {"p | 0", "p | 0.8", "q | 0"}
     assert speedup["p | 0"] > speedup["p | 0.8"]  # every draft accepted against none
     assert "| p | 0.8 | **" in printed and "| 0% |" in printed
+    # another machine's costs: verification nearly free, the draft a given share of a target step
+    ratios = {}
+    for ratio in (0.9, 0.2):
+        assert script.main(["simulate", "--costs", str(out), "--trace", str(path), "--block-cost", "0.02",
+                            "--draft-ratio", str(ratio)]) == 0
+        printed = capsys.readouterr().out
+        assert f"reshaped (--block-cost 0.02, --draft-ratio {ratio:g})" in printed
+        ratios[ratio] = float(re.search(r"^\| p \| 0 \| \*\*([\d.]+)x", printed, re.M).group(1))
+    # all 12 tokens accepted: a draft at 0.9 of a target step barely pays, one at 0.2 more than doubles the speed
+    assert ratios[0.9] < 1.3 and ratios[0.2] > 2.0
     with pytest.raises(SystemExit, match="holds no step times"):
         script.main(["simulate", "--costs", str(path), "--trace", str(path)])
     # a file that holds no traces: one line
