@@ -87,9 +87,19 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, start_pos, cache, window):
-        h, normed = kernels.add_rms_norm(x, self.attn(self.attn_norm(x), cos, sin, start_pos, cache, window),
+        h, mlp_out = self.residuals(x, None, cos, sin, start_pos, cache, window)
+        return h + mlp_out
+
+    def residuals(self, x, pending, cos, sin, start_pos, cache, window):
+        """The block's output left as two addends (h, mlp_out), so that whatever norm comes next adds them in its
+        own launch (`kernels.add_rms_norm`); `pending` is the previous block's mlp_out (x then its h), or None."""
+        if pending is None:
+            normed = self.attn_norm(x)
+        else:
+            x, normed = kernels.add_rms_norm(x, pending, self.attn_norm.weight, self.attn_norm.eps)
+        h, normed = kernels.add_rms_norm(x, self.attn(normed, cos, sin, start_pos, cache, window),
                                          self.mlp_norm.weight, self.mlp_norm.eps)
-        return h + self.mlp(normed)
+        return h, self.mlp(normed)
 
 
 def int4_block(block: Block) -> Block:
@@ -227,12 +237,15 @@ class Transformer(nn.Module):
         if stack is not None:  # one C call for all layers: the same kernels as the loop below, bit for bit
             x = stack(x, cache.slot(start_pos), cos, sin)
             cache.record_positions(start_pos, T)
+            x = self.norm(x[:, -1:] if last_only else x)
         else:
+            # each residual add runs inside the next norm's launch: a decode step's launches cost time of their own
+            pending = None
             for layer in self.layers:
-                x = layer(x, cos, sin, start_pos, cache, self.config.sliding_window)
-        if last_only:
-            x = x[:, -1:]
-        x = self.norm(x)
+                x, pending = layer.residuals(x, pending, cos, sin, start_pos, cache, self.config.sliding_window)
+            if last_only:
+                x, pending = x[:, -1:], pending[:, -1:]
+            x = kernels.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)[1]
         if self.lm_head is not None:
             logits = self.lm_head(x)
         elif isinstance(self.embed, QuantEmbedding):

@@ -93,3 +93,29 @@ def test_a_verification_block_gives_each_row_a_one_token_steps_logits(tmp_path, 
     block = run(packed, tokens, [30, 9], kv_format)[30:]
     steps = run(packed, tokens, [30] + [1] * 9, kv_format)[30:]
     assert torch.equal(block, steps)
+
+
+def test_a_decode_step_adds_each_residual_inside_a_norm(tmp_path, triton_everywhere, monkeypatch):
+    """Launches cost a decode step time of their own on a GPU (bench/GPU_NOTES.md): every residual add runs inside
+    the RMSNorm that follows it, the last one inside the final norm. A step of L layers: one plain RMSNorm (the
+    first layer's), 2 L adds with a norm, and not one residual add on its own."""
+    from llmrun.kernels import norm
+
+    model = random_model(dataclasses.replace(CONFIGS["llama"], head_dim=32))
+    packed = load_model(str(write_gguf(tmp_path / "tiny.gguf", model, qtype="Q4_0")), DEVICE, "fp32", "auto").model
+    calls = {"rms_norm": 0, "add_rms_norm": 0}
+    for name in calls:
+        def count(*args, _f=getattr(norm, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _f(*args, **kwargs)
+
+        monkeypatch.setattr(norm, name, count)
+    cache = KVCache.for_model(packed, 16, torch.float32, DEVICE)
+    tokens = torch.tensor([[3, 1, 4, 1, 5]], device=DEVICE)
+    with torch.no_grad():
+        packed(tokens[:, :4], 0, cache)
+        calls.update(rms_norm=0, add_rms_norm=0)
+        with torch.profiler.profile() as prof:
+            packed(tokens[:, 4:], 4, cache, last_only=True)
+    assert calls == {"rms_norm": 1, "add_rms_norm": 2 * packed.config.n_layers}
+    assert not [e for e in prof.events() if e.name in ("aten::add", "aten::add_")]
