@@ -205,6 +205,34 @@ def write_int8(x, codes, scales, slots) -> None:
     ref.write_int8(x, codes, scales, slots)
 
 
+def write_int8_pair(k, v, codes, scales, slots) -> None:
+    """A layer's K into codes[0], scales[0] and V into codes[1], scales[1] (`write_int8` of each): on CUDA one
+    Triton launch for both."""
+    if _use_triton(k):
+        from .kv_write import write_int8_pair as triton_write
+
+        return _triton("write_int8_pair", lambda: triton_write(k, v, codes, scales, slots),
+                       lambda: [ref.write_int8(x, codes[i], scales[i], slots) for i, x in enumerate((k, v))])
+    for i, x in enumerate((k, v)):
+        ref.write_int8(x, codes[i], scales[i], slots)
+
+
+def write_dense(k, v, k_out, v_out, slots) -> None:
+    """A float cache's write of k, v (B, H, T, D) into k_out, v_out (B, H, C, D) at the consecutive slots (T,) from
+    slots[0], cast to the cache's dtype: on CUDA one Triton launch for both, else `index_copy_` of each."""
+    if _use_triton(k):
+        from .kv_write import write_dense as triton_write
+
+        return _triton("write_dense", lambda: triton_write(k, v, k_out, v_out, slots),
+                       lambda: _index_copy(k, v, k_out, v_out, slots))
+    _index_copy(k, v, k_out, v_out, slots)
+
+
+def _index_copy(k, v, k_out, v_out, slots) -> None:
+    k_out.index_copy_(2, slots, k.to(k_out.dtype))
+    v_out.index_copy_(2, slots, v.to(v_out.dtype))
+
+
 def write_int4(k, v, *cache, slots) -> None:
     """A decode step's INT4 write (`ref.write_int4`; cache = k_codes, v_codes, k_scale, k_min, v_scale, v_min,
     k_recent, v_recent): on CUDA two Triton launches, values and keys, the quantization fused with the stores."""

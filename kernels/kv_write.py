@@ -1,6 +1,6 @@
 """Triton writes of new tokens' K/V into a quantized KV cache: the quantization fused with the store, so that a decode
-step writes a layer's INT8 or INT4 cache in two launches rather than the twenty-odd small kernels of the torch code
-(each a node of the step's CUDA graph). `kernels.ref.write_int8` and `kernels.ref.write_int4` are the
+step writes a layer's INT8 cache in one launch and its INT4 cache in two, rather than the twenty-odd small kernels
+of the torch code (each a node of the step's CUDA graph); a float cache's K and V go in one launch too. `kernels.ref.write_int8` and `kernels.ref.write_int4` are the
 specification, and the arithmetic is theirs bit for bit: fp32 division rounded to nearest (`div_rn`, where `/` in
 Triton is an approximation), fp16 scales rounded to nearest even, codes rounded half to even as torch.round.
 
@@ -39,21 +39,46 @@ def _inverse(scale):
 
 
 @triton.jit
-def _int8_rows_kernel(X, Codes, Scales, Slots, stride_xb, stride_xh, stride_xt, stride_cb, stride_ch, stride_cs,
-                      stride_sb, stride_sh, stride_ss, H, D, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Row t of (batch x head) bh: x (D,) -> codes int8 and fp16 scales (per GROUP channels) at slot s + t."""
+def _int8_rows_kernel(X0, X1, Codes, Scales, Slots, stride_xb, stride_xh, stride_xt, stride_cn, stride_cb, stride_ch,
+                      stride_cs, stride_sn, stride_sb, stride_sh, stride_ss, H, D, GROUP: tl.constexpr,
+                      BLOCK_G: tl.constexpr):
+    """Row t of (batch x head) bh of input n (program axis 2: X0, or X1 for K and V in one launch): x (D,) -> codes
+    int8 and fp16 scales (per GROUP channels) at slot s + t of Codes[n] and Scales[n]."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
+    n = tl.program_id(2)
     b, h = bh // H, bh % H
     slot = tl.load(Slots) + t
     g = tl.arange(0, BLOCK_G)  # (BLOCK_G,) channel groups
     d = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (BLOCK_G, GROUP) channels
     ok = d < D
-    x = tl.load(X + b * stride_xb + h * stride_xh + t * stride_xt + d, mask=ok, other=0.0).to(tl.float32)
+    row = b * stride_xb + h * stride_xh + t * stride_xt + d
+    if n == 0:
+        x = tl.load(X0 + row, mask=ok, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(X1 + row, mask=ok, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.max(tl.abs(x), 1), 127.0).to(tl.float16)  # (BLOCK_G,)
     codes = tl.minimum(tl.maximum(_round_half_even(x * _inverse(scale)[:, None]), -127.0), 127.0)
-    tl.store(Codes + b * stride_cb + h * stride_ch + slot * stride_cs + d, codes.to(tl.int8), mask=ok)
-    tl.store(Scales + b * stride_sb + h * stride_sh + slot * stride_ss + g, scale, mask=g * GROUP < D)
+    tl.store(Codes + n * stride_cn + b * stride_cb + h * stride_ch + slot * stride_cs + d, codes.to(tl.int8), mask=ok)
+    tl.store(Scales + n * stride_sn + b * stride_sb + h * stride_sh + slot * stride_ss + g, scale,
+             mask=g * GROUP < D)
+
+
+@triton.jit
+def _dense_rows_kernel(K, V, KOut, VOut, Slots, stride_xb, stride_xh, stride_xt, stride_ob, stride_oh, stride_os, H,
+                       D, BLOCK_D: tl.constexpr):
+    """Row t of (batch x head) bh of K (program axis 2: 0) or V (1), stored at slot s + t in the cache's dtype."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    slot = tl.load(Slots) + t
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    row, at = b * stride_xb + h * stride_xh + t * stride_xt + d, b * stride_ob + h * stride_oh + slot * stride_os + d
+    if tl.program_id(2) == 0:
+        tl.store(KOut + at, tl.load(K + row, mask=ok).to(KOut.dtype.element_ty), mask=ok)
+    else:
+        tl.store(VOut + at, tl.load(V + row, mask=ok).to(VOut.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -153,10 +178,37 @@ def write_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots
     """`ref.write_int8`: x (B, H, T, D) (any float dtype, rows contiguous) quantized per token into codes int8
     (B, H, C, D) and scales fp16 (B, H, C, D / group) at the consecutive slots starting at slots[0] (int64 on the
     device; slots (T,) as the reference takes them)."""
-    B, H, T, D = x.shape
+    _write_int8((x,), codes[None], scales[None], slots)
+
+
+def write_int8_pair(k: torch.Tensor, v: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    slots: torch.Tensor) -> None:
+    """`write_int8` of k into codes[0], scales[0] and of v into codes[1], scales[1], in one launch: codes (2, B, H, C,
+    D), scales (2, B, H, C, D / group), as an INT8 cache holds a layer's K and V."""
+    _write_int8((k, v), codes, scales, slots)
+
+
+def _write_int8(xs, codes, scales, slots) -> None:
+    B, H, T, D = xs[0].shape
+    if len(xs) == 2 and xs[1].stride() != xs[0].stride():  # (K and V are slices of one projection: never)
+        xs = tuple(x.contiguous() for x in xs)
     group = D // scales.shape[-1]
-    _int8_rows_kernel[(T, B * H)](x, codes, scales, slots, *_rows(x), *_rows(codes), *_rows(scales), H, D,
-                                  GROUP=group, BLOCK_G=triton.next_power_of_2(D // group))
+    _int8_rows_kernel[(T, B * H, len(xs))](xs[0], xs[-1], codes, scales, slots, *_rows(xs[0]), codes.stride(0),
+                                           *_rows(codes[0]), scales.stride(0), *_rows(scales[0]), H, D,
+                                           GROUP=group, BLOCK_G=triton.next_power_of_2(D // group))
+
+
+def write_dense(k: torch.Tensor, v: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """A float cache's write in one launch: k, v (B, H, T, D) (rows contiguous) into k_out, v_out (B, H, C, D), cast
+    to their dtype, at the consecutive slots from slots[0] (int64 on the device): `index_copy_` of each, bit for
+    bit."""
+    B, H, T, D = k.shape
+    if v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    assert k_out.stride() == v_out.stride() and k_out.dtype == v_out.dtype, "K's and V's buffers alike"
+    _dense_rows_kernel[(T, B * H, 2)](k, v, k_out, v_out, slots, *_rows(k), *_rows(k_out), H, D,
+                                      BLOCK_D=triton.next_power_of_2(D))
 
 
 def write_int4(k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, k_min, v_scale, v_min, k_recent, v_recent,

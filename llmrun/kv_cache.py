@@ -75,9 +75,8 @@ class _DenseStore:
         self._k[layer].narrow(2, slot, k.shape[2]).copy_(k)
         self._v[layer].narrow(2, slot, v.shape[2]).copy_(v)
 
-    def write_at(self, layer, slots, k, v):  # slots (T,) int64 on the device: no host value read
-        self._k[layer].index_copy_(2, slots, k.to(self.k.dtype))
-        self._v[layer].index_copy_(2, slots, v.to(self.v.dtype))
+    def write_at(self, layer, slots, k, v):  # slots (T,) consecutive, int64 on the device: no host value read
+        kernels.write_dense(k, v, self._k[layer], self._v[layer], slots)
 
     def read(self, layer, length):
         return self._k[layer].narrow(2, 0, length), self._v[layer].narrow(2, 0, length)
@@ -125,8 +124,7 @@ class _Int8Store:
             self.scales[i, layer, :, :, slot : slot + x.shape[2]] = scale
 
     def write_at(self, layer, slots, k, v):  # slots consecutive
-        for i, x in enumerate((k, v)):
-            kernels.write_int8(x, self.codes[i, layer], self.scales[i, layer], slots)
+        kernels.write_int8_pair(k, v, self.codes[:, layer], self.scales[:, layer], slots)
 
     def read(self, layer, length):
         c, s = self.codes[:, layer, :, :, :length], self.scales[:, layer, :, :, :length]

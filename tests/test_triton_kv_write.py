@@ -50,6 +50,39 @@ def test_int8_write_is_the_reference_bit_for_bit(dtype, B, H, T, slot, C, D):
     assert torch.equal(codes, want_codes) and torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
 
 
+@pytest.mark.parametrize("B, H, T, slot, C, D", [(1, 3, 1, 0, 40, 64), (2, 2, 5, 7, 33, 96), (1, 8, 9, 1000, 1100, 128)])
+def test_int8_pair_is_two_int8_writes(B, H, T, slot, C, D):
+    """A layer's K and V in one launch (an INT8 cache holds them as codes[0] and codes[1]), each as `write_int8`."""
+    k, v = new_tokens(B, H, T, D, torch.float16, seed=1), new_tokens(B, H, T, D, torch.float16, seed=2)
+    group = ref.kv_group(D)
+    codes = garbage_like((3, 2, B, H, C, D), torch.int8, 3)[1]  # layer 1's (2, ...) view of (L, 2, ...)
+    scales = garbage_like((3, 2, B, H, C, D // group), torch.float16, 4)[1]
+    want_codes, want_scales = codes.clone(), scales.clone()
+    slots = torch.arange(slot, slot + T, device=DEVICE)
+    for i, x in enumerate((k, v)):
+        ref.write_int8(x, want_codes[i], want_scales[i], slots)
+    kv_write.write_int8_pair(k, v, codes, scales, slots)
+    assert torch.equal(codes, want_codes) and torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                                (torch.float16, torch.float16),
+                                                pytest.param(torch.bfloat16, torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("B, H, T, slot, C, D", [(1, 3, 1, 0, 40, 64), (2, 2, 5, 7, 33, 80), (1, 8, 16, 1000, 1100, 128)])
+def test_dense_write_is_index_copy_bit_for_bit(dtype, cache_dtype, B, H, T, slot, C, D):
+    """A float cache's K and V in one launch, cast to the cache's dtype: what `index_copy_` of each writes, and
+    nothing else of the buffers."""
+    k, v = new_tokens(B, H, T, D, dtype, seed=3), new_tokens(B, H, T, D, dtype, seed=4)
+    k_out, v_out = garbage_like((2, B, H, C, D), cache_dtype, 5).unbind(0)
+    want_k, want_v = k_out.clone(), v_out.clone()
+    slots = torch.arange(slot, slot + T, device=DEVICE)
+    want_k.index_copy_(2, slots, k.to(cache_dtype))
+    want_v.index_copy_(2, slots, v.to(cache_dtype))
+    kv_write.write_dense(k, v, k_out, v_out, slots)
+    bits = torch.int32 if cache_dtype == torch.float32 else torch.int16
+    assert torch.equal(k_out.view(bits), want_k.view(bits)) and torch.equal(v_out.view(bits), want_v.view(bits))
+
+
 def int4_layer(B, H, C, D, R, dtype):
     """An INT4 layer's buffers (k, v, k_scale, k_min, v_scale, v_min, k_recent, v_recent), random contents: the rings
     stand for keys written before, the rest for garbage the write must overwrite or leave alone."""

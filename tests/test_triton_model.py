@@ -32,7 +32,8 @@ def triton_everywhere(monkeypatch):
     ran = set()
     for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rope_"), (activation, "silu_mul"),
                          (decode_attention, "decode_attention"), (decode_attention, "quantized_decode_attention"),
-                         (triton_quant_matmul, "quant_linear"), (kv_write, "write_int8"), (kv_write, "write_int4")]:
+                         (triton_quant_matmul, "quant_linear"), (kv_write, "write_int8"), (kv_write, "write_int8_pair"),
+                         (kv_write, "write_int4"), (kv_write, "write_dense")]:
         def spy(*args, _f=getattr(module, name), _name=name, **kwargs):
             ran.add(_name)
             return _f(*args, **kwargs)
@@ -70,7 +71,7 @@ def test_the_triton_path_matches_the_plain_pytorch_path(tmp_path, triton_everywh
     want = run(plain, tokens, [41], kv_format)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    attention = {"fp32": {"decode_attention"}, "int8": {"quantized_decode_attention", "write_int8"},
+    attention = {"fp32": {"decode_attention"}, "int8": {"quantized_decode_attention", "write_int8_pair"},
                  "int4": {"quantized_decode_attention", "write_int4"}}[kv_format]
     assert triton_everywhere == {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "quant_linear", *attention}
 
