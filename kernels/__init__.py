@@ -256,17 +256,22 @@ def cpu_kernels_serve(x: torch.Tensor) -> bool:
     return _use_cpu_kernels(x)
 
 
-def quant_matmul(x, qs, d, m, bits: int):
-    """x (..., K) @ W^T -> (..., N) in x's dtype, W (N, K) in 4- or 8-bit blocks (`ref.dequantize_blocks`).
-    On CUDA the Triton kernel keeps activations in 16 bits (W4A16 / W8A16); the CPU kernel rounds them to 8."""
+def quant_matmul(x, qs, d, m, bits: int, bias=None):
+    """x (..., K) @ W^T (+ bias (N,)) -> (..., N) in x's dtype, W (N, K) in 4- or 8-bit blocks
+    (`ref.dequantize_blocks`). On CUDA the Triton kernel keeps activations in 16 bits (W4A16 / W8A16) and adds the
+    bias in its fp32 sums; the CPU kernel rounds activations to 8 bits, and the bias is added to its result."""
     if _use_triton(x):
         from .triton_quant_matmul import quant_linear
 
-        return _triton("quant_matmul", lambda: quant_linear(x, qs, d, m, bits),
-                       lambda: (x.float() @ ref.dequantize_blocks(qs, d, m, bits).T).to(x.dtype))
+        return _triton("quant_matmul", lambda: quant_linear(x, qs, d, m, bits, bias=bias),
+                       lambda: _plus(x.float() @ ref.dequantize_blocks(qs, d, m, bits).T, bias).to(x.dtype))
     if _use_cpu_kernels(x):
-        return cpu.quant_matmul(x, qs, d, m, bits)
-    return ref.quant_matmul(x, qs, d, m, bits).to(x.dtype)
+        return _plus(cpu.quant_matmul(x, qs, d, m, bits), bias)
+    return _plus(ref.quant_matmul(x, qs, d, m, bits).to(x.dtype), bias)
+
+
+def _plus(y, bias):
+    return y if bias is None else y + bias
 
 
 def quant_rows(ids, qs, d, m, bits: int, dtype):

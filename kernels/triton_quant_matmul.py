@@ -76,10 +76,10 @@ def _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr,
+    x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr,
     M, N, K, K_SPLIT,  # K_SPLIT: a multiple of 32, the slice of K one program covers
     stride_xm, stride_qn, stride_dn, stride_os,  # stride_os: between split-K partials
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -107,6 +107,9 @@ def _gemv_kernel(
                 x_r = tl.load(x_ptr + r * stride_xm + k, mask=k_ok & (r < M), other=0).to(tl.float32)
                 part = tl.sum(w * x_r[None, :], axis=1)
                 acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+    if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + pid_k * stride_os + rows[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & n_mask[None, :])
 
@@ -199,8 +202,9 @@ def _check(x, qs, d, m, bits: int, group: int) -> tuple[int, int]:
     return N, K
 
 
-def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None) -> torch.Tensor:
-    """x2 (M, K) contiguous, M <= DECODE_ROWS -> (M, N) in x2's dtype. split_k: slices of K (None: by device)."""
+def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=None) -> torch.Tensor:
+    """x2 (M, K) contiguous, M <= DECODE_ROWS -> (M, N) in x2's dtype, plus bias (N,) if given. split_k: slices of
+    K (None: by device)."""
     M, K = x2.shape
     N = qs.shape[0]
     split_k = split_k or _default_split_k(x2, N, K)
@@ -210,10 +214,11 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None) -> to
     kernel, blocks = _gemv_launcher(x2.is_cuda)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](
-        x2, qs, d, d if m is None else m, out,
+        x2, qs, d, d if m is None else m, d if bias is None else bias, out,
         M, N, K, k_split,
         x2.stride(0), qs.stride(0), d.stride(0), out.stride(0),
-        BITS=bits, GROUP=group, HAS_M=m is not None, BLOCK_M=triton.next_power_of_2(M), **blocks,
+        BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M),
+        **blocks,
     )
     if split_k == 1:
         return out[0]
@@ -239,12 +244,13 @@ def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype) -> torch.Ten
 
 
 def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
-                 group: int = 32) -> torch.Tensor:
-    """y = x @ W^T for W (N, K) packed in `bits`-bit groups of `group` columns; activations stay as they are.
+                 group: int = 32, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for W (N, K) packed in `bits`-bit groups of `group` columns; activations stay as they are.
 
     x: (..., K) fp16, bf16 or fp32. qs: uint8 (N, K/2) for 4 bits (GGML nibble order within blocks of 32),
     int8 (N, K) for 8 bits. d: fp16 (N, K/group) scales. m: fp16 (N, K/group) offsets, 4-bit only, or None
     (symmetric, m = -8 d). group: 32, 64 or 128 (any multiple of 32 dividing K).
+    bias: (N,), added in the GEMV's fp32 sums before they are rounded (a decode step's bias costs no launch).
     Returns (..., N) in x's dtype, accumulated in fp32. Up to VERIFY_ROWS rows of x: the GEMV kernel, DECODE_ROWS
     rows a launch (W never materialized); more: W dequantized to x's dtype, then torch.matmul.
     """
@@ -254,12 +260,13 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
         x2 = x2.contiguous()
     qs, d = qs.contiguous(), d.contiguous()
     m = None if m is None else m.contiguous()
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], N)
     if x2.shape[0] <= DECODE_ROWS:  # a decode step: one launch (two with split K), no copy
-        y = _gemv(x2, qs, d, m, bits, group)
+        y = _gemv(x2, qs, d, m, bits, group, bias=bias)
     elif x2.shape[0] <= VERIFY_ROWS:
-        y = torch.cat([_gemv(rows, qs, d, m, bits, group) for rows in x2.split(DECODE_ROWS)])
+        y = torch.cat([_gemv(rows, qs, d, m, bits, group, bias=bias) for rows in x2.split(DECODE_ROWS)])
     else:
-        y = x2 @ dequantize(qs, d, m, bits, group, x.dtype).T
+        y = torch.nn.functional.linear(x2, dequantize(qs, d, m, bits, group, x.dtype), bias)
     return y.reshape(*x.shape[:-1], N)

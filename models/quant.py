@@ -32,8 +32,7 @@ class QuantLinear(_Blocks):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x):
-        y = kernels.quant_matmul(x, self.qs, self.d, self.m, self.bits)
-        return y if self.bias is None else y + self.bias
+        return kernels.quant_matmul(x, self.qs, self.d, self.m, self.bits, self.bias)
 
 
 class QuantEmbedding(_Blocks):

@@ -96,6 +96,23 @@ def test_gemv_split_k(bits, offsets, split_k):
     check_close(tqm._gemv(x, qs, d, m, bits, 64, split_k=split_k), x, tqm.dequantize_groups(qs, d, m, bits, 64))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, split_k", [(1, None), (3, 3), (13, 2), (33, None)])  # decode, split K, 2 launches, GEMM
+def test_the_bias_is_added_once(M, split_k, dtype, monkeypatch):
+    """A bias (Qwen's q/k/v) rides in the GEMV's fp32 sums (the first slice of K adds it, so split K counts it once)
+    and in the prefill GEMM: x @ W^T + b."""
+    if split_k:
+        monkeypatch.setattr(tqm, "_default_split_k", lambda x, N, K: split_k)
+    qs, d, m = random_planes(70, 576, 4, True, 64, seed=M)
+    x = torch.randn(M, 576, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+    bias = torch.randn(70, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    W = tqm.dequantize_groups(qs, d, m, 4, 64)
+    got = tqm.quant_linear(x, qs, d, m, 4, 64, bias=bias)
+    want = x.float() @ W.T + bias.float()
+    torch_err = ((x @ W.to(dtype).T + bias).float() - want).abs().max().item()  # torch's own, in x's dtype
+    assert (got.float() - want).abs().max().item() <= 2 * torch_err + ATOL[dtype] * want.abs().max().item()
+
+
 @pytest.mark.parametrize("bits, offsets", FORMATS)
 def test_a_row_does_not_depend_on_the_rows_beside_it(bits, offsets):
     """Greedy speculative decoding is exact only if a token's product has the same bits whether it runs alone or in
