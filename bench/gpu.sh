@@ -45,7 +45,7 @@
 #           sum of its kernels' own times and their count, the bandwidth floor, the kernels by name; llama3.2-1b at
 #           128 positions (bf16, then W4A16), llama3.1-8b at 8000 (bf16 KV, then int8).
 #   kv      The KV cache formats at long context (issue 7): decode speed at 8k and 32k positions for bf16, int8 and
-#           int4 KV on the 8B shape (quantized KV reads fewer bytes per step).
+#           int4 KV on the 8B shape (quantized KV reads fewer bytes per step), bench/kv_speed.py: one load a length.
 #   memory  The longest context each KV format could hold beside llama3.1-8b's weights (bf16, and 4-bit blocks),
 #           computed from the device's free memory and the formats' bytes per token (`llmrun info`'s).
 set -euo pipefail
@@ -175,12 +175,13 @@ if [[ $steps == *" profile "* ]]; then
     done
 fi
 if [[ $steps == *" kv "* ]]; then
-    for ctx in 8192 32768; do
-        for kv in bf16 int8 int4; do
-            # llama3.1-8b: llama3-8b's shape with a 128k context (llama3-8b refuses --ctx past 8192)
-            bench "llama3.1-8b-kv-$kv-$ctx" --random-weights llama3.1-8b --prompt-tokens $((ctx - 192)) --new-tokens 128 \
-                --ctx "$ctx" --kv "$kv" --repeat "${GPU_KV_REPEAT:-3}"
-        done
+    # llama3.1-8b: llama3-8b's shape with a 128k context. bench/kv_speed.py loads the weights once a prompt length and
+    # runs every cache format on them, rounds alternating (a load a run took about 60 s of the first lease)
+    for prompt in 8000 32576; do  # contexts 8k and 32k: --new-tokens 128 and 64 to spare
+        name=llama3.1-8b-kv-speed-$((prompt + 192))
+        done_before "$name" || python3 bench/kv_speed.py --random-weights llama3.1-8b --device cuda \
+            --prompt-tokens $prompt --new-tokens 128 --repeat "${GPU_KV_REPEAT:-3}" --configs bf16,int8,int4 \
+            --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     done
 fi
 if [[ $steps == *" memory "* ]]; then

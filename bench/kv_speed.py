@@ -1,20 +1,25 @@
 """Decode speed of each KV-cache configuration against the full-precision cache, in one run:
 
-    python bench/kv_speed.py [--model smollm2] [--prompt-tokens 100 2000] [--new-tokens 64] [--repeat 3]
+    python bench/kv_speed.py [--model smollm2 | --random-weights SHAPE] [--device cpu|cuda] [--dtype auto]
+                             [--prompt-tokens 100 2000] [--new-tokens 64] [--repeat 3]
                              [--configs fp32,int8,int4,window:1024,h2o:1024,int4+h2o:1024] [--out FILE.json]
 
 For each prompt length, every configuration decodes the same greedy workload (`llmrun bench`'s: the prompt
 prefilled into an empty cache, then --new-tokens decoded), rounds alternating over the configurations so that
 drift on the machine spreads evenly; the figure is the median decode tok/s and the ratio to the first
-configuration's (the baseline: the model's own dtype, no eviction). Budgets are tokens (`h2o:1024`).
+configuration's (the baseline: the model's own dtype, no eviction; named `fp32` or `auto`). Budgets are tokens
+(`h2o:1024`). The weights are loaded once per prompt length and every configuration's engine (its own cache, and
+on CUDA its own graphs) runs on them: an 8B shape's configurations cost seconds each, not a load each.
 
 Writes the JSON (every run's figures, the environment, the load average) to --out (default
-bench/runs/DATE-cpuTHREADS-kv-speed.json) and the Markdown table beside it; prints the table.
+bench/runs/DATE-cpuTHREADS-kv-speed.json, on a GPU bench/results/DATE-GPU-kv-speed.json) and the Markdown table
+beside it; prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -31,19 +36,23 @@ from llmrun.workloads import make_workload
 HERE = Path(__file__).resolve().parent
 
 
-def settings_for(config: str, ctx: int, threads: int) -> bench.Settings:
+def settings_for(config: str, base: bench.Settings) -> bench.Settings:
+    """`base` (resolved) with the KV cache format and eviction that `config` names."""
     kv, evict, budget = "auto", None, None
     for part in config.split("+"):
         if ":" in part:
             evict, budget = part.split(":")[0], int(part.split(":")[1])
-        elif part != "fp32":
+        elif part not in ("fp32", "auto"):
             kv = part
-    return bench.resolve(bench.Settings("cpu", "fp32", "auto", threads, ctx, kv, evict, budget), ctx)
+    return dataclasses.replace(base, kv=kv, kv_evict=evict, kv_budget=budget)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--random-weights", metavar="SHAPE", help="random weights of a shape instead of --model")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
+    p.add_argument("--dtype", default="auto", help="the compute dtype (default: fp32 on a CPU, bf16 on a GPU)")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[100, 2000])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
@@ -54,33 +63,55 @@ def main() -> None:
     load = os.getloadavg()[0]
     if load > (os.cpu_count() or 1):
         print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: the timings will be noisy", file=sys.stderr)
-    files = open_model(args.model)
+    if args.random_weights:
+        from llmrun.shapes import random_model_files
+
+        files = random_model_files(args.random_weights)
+    else:
+        files = open_model(args.model)
     configs = args.configs.split(",")
     rows, table = [], ["| prompt tokens | config | decode tok/s (median) | vs " + configs[0] + " |", "|---|---|---|---|"]
+    device = "cpu"
     for n in args.prompt_tokens:
         ctx = n + args.new_tokens + 64
-        workload = make_workload(files.tokenizer, prompt_tokens=n, new_tokens=args.new_tokens, repeat=1, warmup=False)
+        base = bench.resolve(bench.Settings(args.device, args.dtype, "auto", args.threads, ctx), ctx)
+        device = base.device
+        workload = make_workload(files.tokenizer, prompt_tokens=n, new_tokens=args.new_tokens, repeat=1, warmup=False,
+                                 vocab_size=files.config.vocab_size)
         runs = {c: [] for c in configs}
-        for round_ in range(args.repeat + 1):  # round 0 warms up
-            for c in configs:
-                figures = bench.measure_settings(files, settings_for(c, ctx, args.threads), workload)
-                print(f"{n} tokens, {c}: {figures['decode_tok_s']['median']:.1f} tok/s", file=sys.stderr)
-                if round_:
-                    runs[c].append(figures)
-        base = statistics.median(f["decode_tok_s"]["median"] for f in runs[configs[0]])
+        with bench.torch_threads(base.threads):
+            loaded = bench.load(files, base)
+            for round_ in range(args.repeat + 1):  # round 0 warms up
+                for c in configs:
+                    engine = bench.open_engine(files, settings_for(c, base), loaded)
+                    try:
+                        figures = bench.measure(engine, workload)
+                    finally:
+                        del engine
+                        bench.release(device)
+                    print(f"{n} tokens, {c}: {figures['decode_tok_s']['median']:.1f} tok/s", file=sys.stderr)
+                    if round_:
+                        runs[c].append(figures)
+            del loaded
+            bench.release(device)
+        base_tok_s = statistics.median(f["decode_tok_s"]["median"] for f in runs[configs[0]])
         for c in configs:
             tok_s = statistics.median(f["decode_tok_s"]["median"] for f in runs[c])
-            rows.append({"prompt_tokens": n, "config": c, "decode_tok_s": tok_s, "ratio": tok_s / base, "runs": runs[c]})
-            table.append(f"| {n} | {c} | {tok_s:.1f} | {tok_s / base:.2f}x |")
-    doc = {"command": " ".join(sys.argv), "environment": bench.environment("cpu"), "load_average_start": load,
-           "threads": args.threads, "new_tokens": args.new_tokens, "rows": rows}
+            rows.append({"prompt_tokens": n, "config": c, "decode_tok_s": tok_s, "ratio": tok_s / base_tok_s,
+                         "runs": runs[c]})
+            table.append(f"| {n} | {c} | {tok_s:.1f} | {tok_s / base_tok_s:.2f}x |")
+    env = bench.environment(device)
+    doc = {"command": " ".join(sys.argv), "model": files.source.spec, "environment": env,
+           "load_average_start": load, "threads": args.threads, "new_tokens": args.new_tokens, "rows": rows}
     date = datetime.date.today().isoformat()
-    out = args.out or HERE / "runs" / f"{date}-cpu{args.threads}-kv-speed.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    out.with_suffix(".md").write_text("\n".join(table) + "\n")
+    if args.out is None:
+        where = f"{env['device_name'].replace(' ', '-')}" if device == "cuda" else f"cpu{args.threads}"
+        args.out = HERE / ("results" if device == "cuda" else "runs") / f"{date}-{where}-kv-speed.json"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    args.out.with_suffix(".md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -68,11 +68,12 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def open_engine(files, settings: Settings):
-    """An Engine for `files` (a model's files, or a random-weight shape) as a resolved `settings` says."""
+def open_engine(files, settings: Settings, loaded=None):
+    """An Engine for `files` (a model's files, or a random-weight shape) as a resolved `settings` says; on `loaded`
+    (what `load` gave for the same device, dtype and weights) rather than loading them again, if given."""
     from llmrun.generate import Engine
 
-    loaded = load(files, settings)
+    loaded = loaded or load(files, settings)
     eviction = None
     if settings.kv_evict is not None:
         from llmrun.kv_cache import Eviction

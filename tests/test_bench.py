@@ -660,3 +660,23 @@ def test_profile_script_on_a_cpu(tmp_path):
     assert doc["launches"] == sum(r["calls"] for r in doc["kernels"]) > 30
     assert doc["bytes_per_step"] > shapes.shape_config("smollm2-135m").n_params * 4 * 0.8  # fp32 weights, read once
     assert "| kernel | calls | us / step | share |" in done.stdout == out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_kv_speed_script_runs_every_format_on_one_load(tmp_path):
+    """bench/kv_speed.py on a random shape: every cache format's engine on the weights it loaded once."""
+    import subprocess
+    from pathlib import Path
+
+    out = tmp_path / "kv.json"
+    script = Path(__file__).resolve().parent.parent / "bench" / "kv_speed.py"
+    done = subprocess.run([sys.executable, str(script), "--random-weights", "smollm2-135m", "--prompt-tokens", "40",
+                           "--new-tokens", "4", "--repeat", "1", "--threads", "2", "--configs", "auto,int8,int4",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["model"] == "random:smollm2-135m" and [r["config"] for r in doc["rows"]] == ["auto", "int8", "int4"]
+    assert doc["rows"][0]["ratio"] == 1.0 and all(r["decode_tok_s"] > 0 for r in doc["rows"])
+    formats = [r["runs"][0]["memory"]["kv_format"] for r in doc["rows"]]
+    assert formats[1:] == ["int8", "int4"] and formats[0] != "int8"
+    assert "| 40 | int4 |" in out.with_suffix(".md").read_text()
