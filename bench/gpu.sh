@@ -90,7 +90,7 @@ done_before() {  # done_before NAME: with GPU_RESUME=1, whether bench/results/ h
     # (GPU_RERUN="NAME ...": measured again all the same, to hold a change against its earlier figure)
     [ "${GPU_RESUME:-0}" = 1 ] && [[ " ${GPU_RERUN:-} " != *" $1 "* ]] || return 1
     local f
-    for f in bench/results/*-"$gpu"-"$1".json; do
+    for f in bench/results/*-"$gpu"-"$1".json "$results"/*-"$gpu"-"$1".json; do  # committed, or this machine's
         [ -f "$f" ] && { echo "gpu.sh: $1 skipped: $f holds it (GPU_RESUME=1)" >&2; return 0; }
     done
     return 1
@@ -113,10 +113,10 @@ bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results
 run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output also kept in $results/$stamp-$gpu-NAME.log
     # -v: each test's outcome is in the log as it ends, also when a time limit stops the run. With GPU_RESUME=1,
     # the tests that bench/results/'s logs from this GPU record as passed are left out.
-    local log="$results/$stamp-$gpu-$1.log" passed=()
+    local log="$results/$stamp-$gpu-$1-$(date +%H%M%S).log" passed=()  # a log a run: a resumed call keeps the first's
     shift
     if [ "${GPU_RESUME:-0}" = 1 ]; then
-        mapfile -t passed < <(cat bench/results/*-"$gpu"-tests*.log 2>/dev/null | grep -E '(^| )PASSED( |$)' \
+        mapfile -t passed < <(cat bench/results/*-"$gpu"-tests*.log "$results"/*-"$gpu"-tests*.log 2>/dev/null | grep -E '(^| )PASSED( |$)' \
             | grep -o 'tests/[^ ]*::[^ ]*' | sort -u | sed 's/^/--deselect=/')
         echo "gpu.sh: ${#passed[@]} tests passed before on this GPU: left out (GPU_RESUME=1)" >&2
     fi

@@ -10,7 +10,7 @@
 #   speed   llama3.2-1b at a 128-token prompt, bf16 then W4A16, `--compare`; then bf16 without CUDA graphs
 #   profile where a decode step's time goes (bench/gpu_profile.py): 1B and 8B, bf16, int8 KV, W4A16
 #   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV, two rounds (bench/kv_speed.py)
-#   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first 2 HumanEval prompts (its step times also
+#   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (about 35 s) (its step times also
 #           feed `bench/replay.py simulate` here, for all of them)
 #   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
 #           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1), since 2026-11-26's lease (all configs timed
@@ -42,7 +42,7 @@ export GPU_RERUN="llama3.2-1b-auto-p128-n128"
 GPU_PROMPTS=128 step 150 speed llama3.2-1b
 step 70 profile
 GPU_KV_REPEAT=2 step 110 kv
-GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=2 step 60 replay
+GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 60 replay
 PYTEST_ADDOPTS="-n 12" step 110 tests
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete

@@ -35,7 +35,8 @@ run() {  # run N STEPS [SHAPE...]: the command of device call N, its results tar
 cat <<CALLS
 
 A 15-minute lease (the machine's start included): one device call, carry [".whl", ".gpu-model/tokenizer.gguf"],
-timeout_s 550, going on where bench/results/ stops (bench/gpu_lease.sh), then give the machine back:
+timeout_s 550, going on where bench/results/ stops (bench/gpu_lease.sh); while the machine is warm (30 s) and the
+budget allows, the same call again goes on where the first left /tmp/r there; then give the machine back:
      LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf \$OUT/r.tgz -C /tmp/r .
 A longer one: these calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came
 before; a cold one starts bare, so every call carries .whl):
