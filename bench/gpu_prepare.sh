@@ -38,6 +38,10 @@ A 15-minute lease (the machine's start included): one device call, carry [".whl"
 timeout_s 550, going on where bench/results/ stops (bench/gpu_lease.sh); while the machine is warm (30 s) and the
 budget allows, the same call again goes on where the first left /tmp/r there; then give the machine back:
      LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf \$OUT/r.tgz -C /tmp/r .
+To bring the embedded model into the same lease, add ".gpu-model/a" to that call's carry (the machine keeps it) and
+follow it at once, warm, with carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"], timeout_s 270 (lower both
+limits when less is left):
+     $(run e embedded | sed 's/timeout 570/timeout 240/')
 A longer one: these calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came
 before; a cold one starts bare, so every call carries .whl):
   1. carry [".whl", ".gpu-model/a"]
