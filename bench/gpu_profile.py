@@ -112,7 +112,8 @@ def main() -> int:
         eager = timed_steps(engine, token, args.steps)
         table, launches = kernel_table(engine, token)
         engine.graphs = graphs
-    read = weight_bytes_read_per_token(engine.loaded) + engine.cache.nbytes // engine.cache.max_len * (len(engine.tokens) + 1)
+    kv_per_token = engine.cache.nbytes // engine.cache.max_len
+    read = weight_bytes_read_per_token(engine.loaded) + kv_per_token * (len(engine.tokens) + 1)
     bandwidth = copy_bandwidth(engine.device.type)
     name = args.random_weights and f"random:{args.random_weights}" or args.model
     figures = {

@@ -1,8 +1,9 @@
 """Triton writes of new tokens' K/V into a quantized KV cache: the quantization fused with the store, so that a decode
-step writes a layer's INT8 cache in one launch and its INT4 cache in two, rather than the twenty-odd small kernels
-of the torch code (each a node of the step's CUDA graph); a float cache's K and V go in one launch too. `kernels.ref.write_int8` and `kernels.ref.write_int4` are the
-specification, and the arithmetic is theirs bit for bit: fp32 division rounded to nearest (`div_rn`, where `/` in
-Triton is an approximation), fp16 scales rounded to nearest even, codes rounded half to even as torch.round.
+step writes a layer's INT8 cache in one launch and its INT4 cache in two, rather than the twenty-odd small kernels of
+the torch code (each a node of the step's CUDA graph); a float cache's K and V go in one launch too.
+`kernels.ref.write_int8` and `kernels.ref.write_int4` are the specification, and the arithmetic is theirs bit for
+bit: fp32 division rounded to nearest (`div_rn`, where `/` in Triton is an approximation), fp16 scales rounded to
+nearest even, codes rounded half to even as torch.round.
 
 The T new tokens sit at consecutive slots [s, s + T) (s = slots[0], read on the device: one launch serves a CUDA
 graph at any position). INT8 and INT4 values: one program per (token, batch x head), a row quantized per group of
@@ -190,7 +191,7 @@ def write_int8_pair(k: torch.Tensor, v: torch.Tensor, codes: torch.Tensor, scale
 
 def _write_int8(xs, codes, scales, slots) -> None:
     B, H, T, D = xs[0].shape
-    if len(xs) == 2 and xs[1].stride() != xs[0].stride():  # (K and V are slices of one projection: never)
+    if len(xs) == 2 and xs[1].stride() != xs[0].stride():  # (never for K and V, slices of one projection)
         xs = tuple(x.contiguous() for x in xs)
     group = D // scales.shape[-1]
     _int8_rows_kernel[(T, B * H, len(xs))](xs[0], xs[-1], codes, scales, slots, *_rows(xs[0]), codes.stride(0),

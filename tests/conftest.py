@@ -45,7 +45,8 @@ def _one_config(request, monkeypatch):
     for module, name, kernel, config in ((decode_attention, "_split_launcher", "_split_kernel", ONE_SPLIT_CONFIG),
                                          (triton_quant_matmul, "_gemv_launcher", "_gemv_kernel", ONE_GEMV_CONFIG)):
         launcher, fixed = getattr(module, name), (getattr(module, kernel), config)
-        monkeypatch.setattr(module, name, lambda cuda, launcher=launcher, fixed=fixed: fixed if cuda else launcher(cuda))
+        monkeypatch.setattr(module, name,
+                            lambda cuda, launcher=launcher, fixed=fixed: fixed if cuda else launcher(cuda))
 
 
 @pytest.fixture
