@@ -28,7 +28,8 @@ def reference_ops(on: bool = True):
         _reference = before
 
 __all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "quant_matmul",
-           "quant_rows", "quantized_attention", "rms_norm", "silu_mul", "triton_serves", "write_int4", "write_int8"]
+           "quant_rows", "quantized_attention", "rms_norm", "silu_mul", "triton_serves", "write_dense", "write_int4",
+           "write_int8_pair"]
 
 
 def _use_cpu_kernels(x: torch.Tensor, dtype=None) -> bool:
@@ -194,25 +195,19 @@ def _in_use(kv: ref.QuantizedKV, n: int) -> ref.QuantizedKV:
                                v_min=kv.v_min[:, :, :n], n_quantized=n_quantized, first_exact=first_exact)
 
 
-def write_int8(x, codes, scales, slots) -> None:
-    """A quantized cache's INT8 write at consecutive slots from slots[0] (`ref.write_int8`): on CUDA one Triton
-    launch, the quantization fused with the store."""
-    if _use_triton(x):
-        from .kv_write import write_int8 as triton_write
-
-        return _triton("write_int8", lambda: triton_write(x, codes, scales, slots),
-                       lambda: ref.write_int8(x, codes, scales, slots))
-    ref.write_int8(x, codes, scales, slots)
-
-
 def write_int8_pair(k, v, codes, scales, slots) -> None:
-    """A layer's K into codes[0], scales[0] and V into codes[1], scales[1] (`write_int8` of each): on CUDA one
-    Triton launch for both."""
+    """A quantized cache's INT8 write of a layer's K into codes[0], scales[0] and V into codes[1], scales[1] at the
+    consecutive slots from slots[0] (`ref.write_int8` of each): on CUDA one Triton launch for both, the quantization
+    fused with the stores."""
     if _use_triton(k):
         from .kv_write import write_int8_pair as triton_write
 
         return _triton("write_int8_pair", lambda: triton_write(k, v, codes, scales, slots),
-                       lambda: [ref.write_int8(x, codes[i], scales[i], slots) for i, x in enumerate((k, v))])
+                       lambda: _int8_each(k, v, codes, scales, slots))
+    _int8_each(k, v, codes, scales, slots)
+
+
+def _int8_each(k, v, codes, scales, slots) -> None:
     for i, x in enumerate((k, v)):
         ref.write_int8(x, codes[i], scales[i], slots)
 

@@ -77,16 +77,13 @@ def random_model_files(name: str):
     (`gguf_file.write_metadata_only`, as bench/gpu_prepare.sh writes one for a lent GPU machine)."""
     import os
 
-    from llmrun.loading import ModelFiles, ModelSource, open_model
+    from llmrun.gguf_file import GGUFFile
+    from llmrun.loading import ModelFiles, ModelSource, embedded_model_path
+    from llmrun.tokenizer import tokenizer_from_gguf
 
     config = shape_config(name)
-    if tokenizer_file := os.environ.get("LLMRUN_RANDOM_TOKENIZER"):
-        from llmrun.gguf_file import GGUFFile
-        from llmrun.tokenizer import tokenizer_from_gguf
-
-        tokenizer = tokenizer_from_gguf(GGUFFile(tokenizer_file).metadata)
-    else:
-        tokenizer = open_model("smollm2").tokenizer
+    source = os.environ.get("LLMRUN_RANDOM_TOKENIZER") or embedded_model_path()
+    tokenizer = tokenizer_from_gguf(GGUFFile(source).metadata)
     return ModelFiles(ModelSource(f"random:{name}", Path(f"random:{name}"), "random"), config, tokenizer)
 
 

@@ -32,8 +32,8 @@ def triton_everywhere(monkeypatch):
     ran = set()
     for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rope_"), (activation, "silu_mul"),
                          (decode_attention, "decode_attention"), (decode_attention, "quantized_decode_attention"),
-                         (triton_quant_matmul, "quant_linear"), (kv_write, "write_int8"), (kv_write, "write_int8_pair"),
-                         (kv_write, "write_int4"), (kv_write, "write_dense")]:
+                         (triton_quant_matmul, "quant_linear"), (kv_write, "write_int8_pair"), (kv_write, "write_int4"),
+                         (kv_write, "write_dense")]:
         def spy(*args, _f=getattr(module, name), _name=name, **kwargs):
             ran.add(_name)
             return _f(*args, **kwargs)
