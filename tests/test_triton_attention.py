@@ -21,6 +21,10 @@ from . import kv_views
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 ATOL = {torch.float32: 1e-5, torch.float16: 3e-4, torch.bfloat16: 1e-2}
+# fp32 kernel against the fp32 reference (rather than against fp64 with the reference's own error as the margin):
+# each rounds its own way, and at these shapes (outputs up to ~3) the reference alone is ~4e-6 from fp64; an H200
+# measured 1.7e-5 between the two (test_mass_over_a_quantized_cache[None-8], 2026-11-26), the interpreter ~2e-6
+FP32_VS_REFERENCE = 3e-5
 in_buffer = kv_views.in_buffer
 random_keys_values = functools.partial(kv_views.random_keys_values, device=DEVICE)
 quantized_cache = functools.partial(kv_views.quantized_cache, device=DEVICE)
@@ -302,7 +306,7 @@ def test_mass_adds_the_reference_mass(B, T, Hq, Hkv, S, D, window, split_len):
     mass = mass_buffer(B, Hkv, S)
     before = mass.clone()
     got = decode_attention(q, k, v, window, split_len=split_len, mass=mass)
-    assert (got - ref.attention(q, k, v, window)).abs().max().item() <= ATOL[torch.float32]
+    assert (got - ref.attention(q, k, v, window)).abs().max().item() <= FP32_VS_REFERENCE
     check_mass(mass, before, q, k, window)
 
 
@@ -315,7 +319,7 @@ def test_mass_over_a_quantized_cache(bits, split_len):
     mass = mass_buffer(B, Hkv, S)
     before = mass.clone()
     got = quantized_decode_attention(q, kv, window, split_len=split_len, mass=mass)
-    assert (got - ref.quantized_attention(q, kv, window)).abs().max().item() <= ATOL[torch.float32]
+    assert (got - ref.quantized_attention(q, kv, window)).abs().max().item() <= FP32_VS_REFERENCE
     check_mass(mass, before, q, ref.dequantize_kv(kv)[0], window)
 
 
@@ -331,12 +335,12 @@ def test_dispatch(bits):
     for mass in (None, mass_buffer(B, Hkv, S)):
         before = None if mass is None else mass.clone()
         got = kernels.quantized_attention(q, kv, window, mass=mass)
-        assert (got - ref.quantized_attention(q, kv, window)).abs().max().item() <= ATOL[torch.float32]
+        assert (got - ref.quantized_attention(q, kv, window)).abs().max().item() <= FP32_VS_REFERENCE
         if mass is not None:
             assert (mass - before - ref.quantized_attention_mass(q, kv, window)).abs().max().item() <= 1e-5 * T * Hq
             mass.copy_(before)
         got = kernels.attention(q, k, v, window, mass=mass)
-        assert (got - ref.attention(q, k, v, window)).abs().max().item() <= ATOL[torch.float32]
+        assert (got - ref.attention(q, k, v, window)).abs().max().item() <= FP32_VS_REFERENCE
         if mass is not None:
             check_mass(mass, before, q, k, window)
 
