@@ -8,7 +8,9 @@ The step is llmrun's own decode step (`Engine.decode`) at a fixed position: the 
 so every timed step attends over the same keys. Timed with device events, median of --steps after a warm-up:
   graph   the step as llmrun runs it (a CUDA graph replayed; eager where graphs are off)
   eager   the same step with graphs off: launch overheads on top of the kernels
-  kernels the sum of the step's kernels' own durations (torch.profiler, one eager step), and how many it launches
+  kernels the sum of the step's kernels' own durations (torch.profiler over one step as the graph replays it; over
+          an eager step where graphs are off or the profiler sees no kernel inside the replay), and how many
+          it launches. An eager step writes the cache by the host path (no fused writes): other kernels.
   floor   the bytes a step must read (weights once, the cache's keys in use) over a device copy's bandwidth
 graph - kernels is time the GPU spends between kernels (or short of the bandwidth a kernel could draw): what
 fusing launches would win; kernels - floor, what faster kernels would. The table of kernels groups them by name.
@@ -57,8 +59,8 @@ def timed_steps(engine, token: int, steps: int) -> list[float]:
 
 
 def kernel_table(engine, token: int) -> tuple[list[dict], int]:
-    """(rows by kernel name: calls and microseconds per step, slowest first; kernels a step launches) of one eager
-    decode step. On a CPU, the profiler's top-level operators."""
+    """(rows by kernel name: calls and microseconds per step, slowest first; kernels a step launches) of one decode
+    step as the engine runs it (a graph's replay, or eager). On a CPU, the profiler's top-level operators."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
@@ -108,9 +110,13 @@ def main() -> int:
         engine.prefill(workload.prompt)
         token = workload.prompt[-1]
         graph = timed_steps(engine, token, args.steps)
+        table, launches = kernel_table(engine, token) if engine.graphs is not None else ([], 0)
+        kernels_of = "graph replay"
         graphs, engine.graphs = engine.graphs, None
         eager = timed_steps(engine, token, args.steps)
-        table, launches = kernel_table(engine, token)
+        if not launches:  # graphs off, or kernels inside a replay unseen by this profiler
+            table, launches = kernel_table(engine, token)
+            kernels_of = "eager step"
         engine.graphs = graphs
     kv_per_token = engine.cache.nbytes // engine.cache.max_len
     read = weight_bytes_read_per_token(engine.loaded) + kv_per_token * (len(engine.tokens) + 1)
@@ -118,7 +124,7 @@ def main() -> int:
     name = args.random_weights and f"random:{args.random_weights}" or args.model
     figures = {
         "graph_step_s": statistics.median(graph), "eager_step_s": statistics.median(eager),
-        "kernels_step_s": sum(r["us"] for r in table) / 1e6, "launches": launches,
+        "kernels_step_s": sum(r["us"] for r in table) / 1e6, "launches": launches, "kernels_of": kernels_of,
         "bytes_per_step": read, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "floor_step_s": read / bandwidth,
     }
     doc = {"model": name, "config": vars(settings) | {"prompt_tokens": args.prompt_tokens},
@@ -134,7 +140,7 @@ def main() -> int:
         "|---|---|---|",
         *(f"| {label} | {ms(figures[key])} | {figures[key] / figures['floor_step_s']:.2f}x |" for label, key in
           (("graph" if doc["graphs"] else "graph (off: eager)", "graph_step_s"), ("eager", "eager_step_s"),
-           (f"kernels ({launches} launches)", "kernels_step_s"), ("floor", "floor_step_s"))),
+           (f"kernels ({launches} launches, {kernels_of})", "kernels_step_s"), ("floor", "floor_step_s"))),
         "",
         f"floor: {read / 1e9:.3f} GB a step at {figures['copy_bandwidth_gb_s']} GB/s (a device copy, this run)",
         "",

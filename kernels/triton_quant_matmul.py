@@ -10,8 +10,9 @@ W (N, K) is cut along K in groups of G (32, 64 or 128) sharing one fp16 scale d 
 
 Two paths, chosen by the number of activation rows M:
 - decode and verification (M <= 16): `_gemv_kernel`, one program per BLOCK_N output columns and per slice of K,
-  for up to 8 rows a launch (a speculative block of 9-16 takes two). It dequantizes each weight tile in registers
-  to fp32 once and reuses it for every row of x, so W is read once per launch and never materialized. When N
+  for up to 8 rows a launch (a speculative block of 9-16 takes two). It dequantizes W's tiles in registers to
+  fp32, never materialized; the rows of x take turns over the program's tiles, the first reading them from memory
+  and the others from L2, so that each row's sums are the same code whatever the rows beside it. When N
   alone gives too few programs, K is split: each slice writes an fp32 partial sum (split_k, M, N) and
   `_sum_splits_kernel` adds them up in slice order and rounds to x's dtype, one launch (no atomics, so the result
   does not depend on scheduling). In a decode step each launch costs a few microseconds whatever its work.
@@ -82,36 +83,59 @@ def _gemv_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Rows M of x times BLOCK_N columns of W over one slice of K.
+
+    W's tile is 2-d with a row per (column of W, block of 32 along K): a row is one block's bytes (16 for 4 bits, one
+    128-bit load; 32 for 8), with x's 32 values for the block loaded in the same layout. Products accumulate in an
+    fp32 tile of that shape, summed along K by plain adds; the sums across threads come once, after the loop (the
+    kernel before 2026-11-26 reduced each step's tile across threads, a barrier a step, and drew ~5% of an H200's
+    bandwidth).
+
+    x's rows run one after the other over the same code, each re-reading the tile (from L2 after the first row):
+    a row's sums are taken in one order whatever the rows beside it, as greedy speculative decoding needs."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    n_mask = offs_n < N
-    rows = tl.arange(0, BLOCK_M)
+    NB: tl.constexpr = BLOCK_K // 32  # blocks of 32 columns a step
+    WIDTH: tl.constexpr = 16 if BITS == 4 else 32  # a block's bytes: 32 nibbles, or 32 int8
+    tile = tl.arange(0, BLOCK_N * NB)  # tile row: (column of W, block)
+    offs_n = pid_n * BLOCK_N + tile // NB
+    n_ok = offs_n < N
+    block = tile % NB
+    byte = tl.arange(0, WIDTH)[None, :]
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        # one weight tile, dequantized once, serves every row of x; row r's sums land in acc[r] by a select
-        if BITS == 4:
-            w_lo, w_hi, k_lo, k_ok = _w4_tile(qs_ptr, d_ptr, m_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
-                                              GROUP, HAS_M, BLOCK_K)
-            for r in tl.static_range(BLOCK_M):
-                x_ok = k_ok & (r < M)
-                x_lo = tl.load(x_ptr + r * stride_xm + k_lo, mask=x_ok, other=0).to(tl.float32)
-                x_hi = tl.load(x_ptr + r * stride_xm + k_lo + 16, mask=x_ok, other=0).to(tl.float32)
-                part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)  # (BLOCK_N,)
-                acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
-        else:
-            w, k, k_ok = _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn, GROUP, BLOCK_K)
-            for r in tl.static_range(BLOCK_M):
-                x_r = tl.load(x_ptr + r * stride_xm + k, mask=k_ok & (r < M), other=0).to(tl.float32)
-                part = tl.sum(w * x_r[None, :], axis=1)
-                acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
-    if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
-        if pid_k == 0:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + pid_k * stride_os + rows[:, None] * N + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & n_mask[None, :])
+    for r in tl.static_range(BLOCK_M):
+        if r < M:
+            acc = tl.zeros((BLOCK_N * NB, WIDTH), dtype=tl.float32)
+            for k0 in range(k_begin, k_end, BLOCK_K):
+                col = tl.multiple_of(k0, 32) + 32 * block  # (BLOCK_N * NB,) the block's first column
+                ok = n_ok & (col < k_end)  # whole blocks: K, k0 and the split points are multiples of 32
+                # the block's scale (and offset) at every byte of it: loaded in the tile's own layout, where a
+                # load of one per block is moved into it through shared memory, a barrier every step (sm_90 SASS)
+                at = (offs_n * stride_dn + col // GROUP)[:, None] + 0 * byte
+                scale = tl.load(d_ptr + at, mask=ok[:, None], other=0).to(tl.float32)  # (BLOCK_N * NB, WIDTH)
+                x_at = x_ptr + r * stride_xm + col[:, None] + byte
+                if BITS == 4:
+                    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col // 2)[:, None] + byte, mask=ok[:, None],
+                                other=0)
+                    if HAS_M:
+                        offset = tl.load(m_ptr + at, mask=ok[:, None], other=0).to(tl.float32)
+                    else:
+                        offset = -8.0 * scale
+                    w_lo = scale * (q & 0xF).to(tl.float32) + offset  # columns col + byte
+                    w_hi = scale * (q >> 4).to(tl.float32) + offset  # columns col + 16 + byte
+                    x_lo = tl.load(x_at, mask=ok[:, None], other=0).to(tl.float32)
+                    x_hi = tl.load(x_at + 16, mask=ok[:, None], other=0).to(tl.float32)
+                    acc += w_lo * x_lo + w_hi * x_hi
+                else:
+                    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + col[:, None] + byte, mask=ok[:, None], other=0)
+                    acc += scale * q.to(tl.float32) * tl.load(x_at, mask=ok[:, None], other=0).to(tl.float32)
+            total = tl.sum(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, NB)), axis=1)  # (BLOCK_N,)
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
+                if pid_k == 0:
+                    total += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+            tl.store(out_ptr + pid_k * stride_os + r * N + n, total.to(out_ptr.dtype.element_ty), mask=n < N)
 
 
 @triton.jit
@@ -148,10 +172,13 @@ def _sum_splits_kernel(parts_ptr, y_ptr, split_k, numel, BLOCK: tl.constexpr):
 
 
 # Shared memory is no limit here, unlike the attention kernel's: without a tl.dot nothing is copied ahead into it,
-# and each config takes BLOCK_M * BLOCK_N fp32 there (<= 4 KB compiled for sm_80 and sm_90) to sum across warps.
+# and each config takes at most BLOCK_N fp32 per warp there to sum across warps (<= 1 KB compiled for sm_90). The
+# tiles give each thread one or two rows of (column, block of 32): 16 or 32 bytes of 4-bit W a step (72 to 166
+# registers compiled for sm_90, no spills, whatever the rows of x: they take turns).
 _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-    for bn, bk, w in [(16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8)]
+    for bn, bk, w in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8),
+                      (32, 256, 8)]
 ]
 _INTERPRETER_BLOCKS = {"BLOCK_N": 256, "BLOCK_K": 512}  # the interpreter costs per program and op, hardly per element
 
