@@ -2,9 +2,9 @@
 step writes a layer's INT8 cache in one launch and its INT4 cache in two, rather than the twenty-odd small kernels of
 the torch code (each a node of the step's CUDA graph); a float cache's K and V go in one launch too.
 `kernels.ref.write_int8` and `kernels.ref.write_int4` are the specification, and the arithmetic is theirs bit for
-bit: fp32 division rounded to nearest (`div_rn`, where `/` in Triton is an approximation), products rounded before
-the rounding add (`_times`: a GPU would fuse them), fp16 scales rounded to nearest even, codes rounded half to even as
-torch.round.
+bit: fp32 division rounded to nearest (`div_rn`, where `/` in Triton is an approximation), products rounded to fp32
+before they are rounded to codes (`_round_product`: a GPU would fuse the two), fp16 scales rounded to nearest even,
+codes rounded half to even as torch.round.
 
 The T new tokens sit at consecutive slots [s, s + T) (s = slots[0], read on the device: one launch serves a CUDA
 graph at any position). INT8 and INT4 values: one program per (token, batch x head), a row quantized per group of
@@ -28,17 +28,13 @@ _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)
 
 
 @triton.jit
-def _round_half_even(x):
-    """torch.round for |x| < 2^22: adding 1.5 * 2^23 leaves no fraction bits, so the fp32 add rounds to even."""
-    return (x + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _times(x, y):
-    """x * y rounded to fp32 by itself. A product whose only use is an add compiles to one fused multiply-add on a
-    GPU (`fma.rn.f32`: the product unrounded), so `_round_half_even(x * y)` would round the exact product where
-    torch.round rounds the fp32 one, and codes at a half differ (H200, 2026-11-26). An fma with 0 is the product."""
-    return tl.math.fma(x, y, 0.0)
+def _round_product(x, y):
+    """torch.round(x * y) for |x * y| < 2^22, the product rounded to fp32 first: adding 1.5 * 2^23 leaves no
+    fraction bits, so the fp32 add rounds half to even. The product is an fma with 0: a plain one whose only use is
+    that add compiles to one fused multiply-add on a GPU (`fma.rn.f32`, the product unrounded), and codes at a
+    half differed from torch's (H200, 2026-11-26); LLVM folds an fma with 1 back into that add, so the product's
+    fma it is."""
+    return (tl.math.fma(x, y, 0.0) + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -68,7 +64,7 @@ def _int8_rows_kernel(X0, X1, Codes, Scales, Slots, stride_xb, stride_xh, stride
     else:
         x = tl.load(X1 + row, mask=ok, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.max(tl.abs(x), 1), 127.0).to(tl.float16)  # (BLOCK_G,)
-    codes = tl.minimum(tl.maximum(_round_half_even(_times(x, _inverse(scale)[:, None])), -127.0), 127.0)
+    codes = tl.minimum(tl.maximum(_round_product(x, _inverse(scale)[:, None]), -127.0), 127.0)
     tl.store(Codes + n * stride_cn + b * stride_cb + h * stride_ch + slot * stride_cs + d, codes.to(tl.int8), mask=ok)
     tl.store(Scales + n * stride_sn + b * stride_sb + h * stride_sh + slot * stride_ss + g, scale,
              mask=g * GROUP < D)
@@ -101,7 +97,7 @@ def _int4_scale(lo, hi):
 @triton.jit
 def _int4_codes(x, lo, inverse):
     """round((x - lo) * inverse) clamped to [0, 15], as uint8."""
-    return tl.minimum(tl.maximum(_round_half_even(_times(x - lo.to(tl.float32), inverse)), 0.0), 15.0).to(tl.uint8)
+    return tl.minimum(tl.maximum(_round_product(x - lo.to(tl.float32), inverse), 0.0), 15.0).to(tl.uint8)
 
 
 @triton.jit

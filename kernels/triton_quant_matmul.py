@@ -104,6 +104,9 @@ def _gemv_kernel(
     byte = tl.arange(0, WIDTH)[None, :]
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the output columns
+    if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
+        bias = tl.load(bias_ptr + n, mask=(n < N) & (pid_k == 0), other=0.0).to(tl.float32)
     for r in tl.static_range(BLOCK_M):
         if r < M:
             acc = tl.zeros((BLOCK_N * NB, WIDTH), dtype=tl.float32)
@@ -131,10 +134,8 @@ def _gemv_kernel(
                     q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + col[:, None] + byte, mask=ok[:, None], other=0)
                     acc += scale * q.to(tl.float32) * tl.load(x_at, mask=ok[:, None], other=0).to(tl.float32)
             total = tl.sum(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, NB)), axis=1)  # (BLOCK_N,)
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
-                if pid_k == 0:
-                    total += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                total += bias
             tl.store(out_ptr + pid_k * stride_os + r * N + n, total.to(out_ptr.dtype.element_ty), mask=n < N)
 
 

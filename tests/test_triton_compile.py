@@ -494,8 +494,8 @@ def launched():
 
 @pytest.fixture(scope="module")
 def compiled(launched, tmp_path_factory):
-    """{(spec, arch): (shared memory bytes, error, seconds, PTX findings)} of the chosen specs on both targets, and on each target
-    the split kernel's configs at the edge of its shared memory."""
+    """{(spec, arch): (shared memory bytes, error, seconds, PTX findings)} of the chosen specs on both targets, and
+    on each target the split kernel's configs at the edge of its shared memory."""
     chosen = launched if os.environ.get("LLMRUN_COMPILE_ALL") == "1" else _choose(launched) + _device_steps(launched)
     jobs = [(s, arch) for s in chosen for arch, _ in TARGETS.values()]
     jobs += [(s, arch) for arch, limit in TARGETS.values() for s in _at_the_limit(launched, arch, limit)]
@@ -528,7 +528,8 @@ def test_kernels_compile_and_fit_shared_memory(target, compiled):
 def test_quantized_writes_round_the_fp32_product(target, compiled):
     """The KV writes' codes are round(x * inverse) of the fp32 product, as `ref.write_int8` / `write_int4` round it,
     on the GPU too: no rounding add fused with the product into one fma (it was, and on an H200 their bit-for-bit
-    tests failed 14 times on fp16 and bf16 inputs, 2026-11-26). Checked in the PTX of every compiled launch of kv_write."""
+    tests failed 14 times on fp16 and bf16 inputs, 2026-11-26). Checked in the PTX of every compiled launch of
+    kv_write."""
     arch = TARGETS[target][0]
     writes = {spec: findings for (spec, a), (_, error, _, findings) in compiled.items()
               if a == arch and spec.module.endswith("kv_write") and error is None}
