@@ -14,7 +14,8 @@
 # timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (default: all); and
 # bench/gpu_lease.sh, every step in one call, each under a time limit of its own. GPU_RESUME=1 goes on where the
 # committed results of the same GPU model stop: a run whose JSON bench/results/ holds, or a test its logs record as
-# passed, is left out; GPU_RERUN="NAME ..." names runs to measure again all the same.
+# passed, is left out; GPU_RERUN="NAME ..." names runs to measure again all the same, and GPU_RETEST="PATTERN ..."
+# tests (any whose id holds a PATTERN, e.g. a file whose kernel changed since) to run again.
 # (`timeout` inside the call's limit: a call killed at its limit never reaches its tar, and every JSON is lost; the
 # speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
 # give it one SHAPE a call.)
@@ -117,6 +118,10 @@ bench() {  # bench OUT_NAME ARGS...: one `llmrun bench --json` run into $results
     fi
 }
 
+not_retested() {  # the lines of stdin (test ids) that hold none of GPU_RETEST's patterns
+    if [ -n "${GPU_RETEST:-}" ]; then grep -v -F "${GPU_RETEST// /$'\n'}" || true; else cat; fi
+}
+
 run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output also kept in $results/$stamp-$gpu-NAME.log
     # -v: each test's outcome is in the log as it ends, also when a time limit stops the run. With GPU_RESUME=1,
     # the tests that bench/results/'s logs from this GPU record as passed are left out.
@@ -124,7 +129,7 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output a
     shift
     if [ "${GPU_RESUME:-0}" = 1 ]; then
         mapfile -t passed < <(cat bench/results/*-"$gpu"-tests*.log "$results"/*-"$gpu"-tests*.log 2>/dev/null | grep -E '(^| )PASSED( |$)' \
-            | grep -o 'tests/[^ ]*::[^ ]*' | sort -u | sed 's/^/--deselect=/')
+            | grep -o 'tests/[^ ]*::[^ ]*' | sort -u | not_retested | sed 's/^/--deselect=/')
         echo "gpu.sh: ${#passed[@]} tests passed before on this GPU: left out (GPU_RESUME=1)" >&2
     fi
     python3 -m pytest -v -rs "${passed[@]}" "$@" 2>&1 | tee "$log" || { echo "gpu.sh: GPU TESTS FAILED (above, and in" \

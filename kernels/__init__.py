@@ -270,9 +270,18 @@ def _plus(y, bias):
 
 
 def quant_rows(ids, qs, d, m, bits: int, dtype):
-    """Rows `ids` (...) of W (N, K) in blocks -> (..., K) in `dtype`: an embedding lookup."""
+    """Rows `ids` (...) of W (N, K) in blocks -> (..., K) in `dtype`: an embedding lookup (on CUDA one launch)."""
+    if _use_triton(ids):
+        from .triton_quant_matmul import dequantize
+
+        return _triton("quant_rows", lambda: dequantize(qs, d, m, bits, 32, dtype, ids=ids),
+                       lambda: _ref_quant_rows(ids, qs, d, m, bits, dtype))
     if _use_cpu_kernels(ids, dtype):
         return cpu.quant_rows(ids, qs, d, m, bits)
+    return _ref_quant_rows(ids, qs, d, m, bits, dtype)
+
+
+def _ref_quant_rows(ids, qs, d, m, bits: int, dtype):
     flat = ids.reshape(-1)
     w = ref.dequantize_blocks(qs[flat], d[flat], None if m is None else m[flat], bits)
     return w.reshape(*ids.shape, -1).to(dtype)

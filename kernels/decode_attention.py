@@ -346,6 +346,15 @@ def _configs_that_fit(configs, named_args, **kwargs):
 
 
 @cache
+def _unused(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A stand-in for a tensor argument the kernel does not read this launch, of the dtype the argument has when it
+    is read. Triton's autotuner adds every tensor argument's dtype to its key: a stand-in of another dtype (q's,
+    say, for the fp32 split buffers or the int32 key count) would tune a config of its own, by timing, for a
+    direct launch, an eager step or a graph's, and their rows would round differently."""
+    return torch.empty(1, dtype=dtype, device=device)
+
+
+@cache
 def _split_launcher(cuda: bool):
     """(kernel, fixed launch settings): autotuned over BLOCK_N, warps and stages on CUDA, fixed otherwise."""
     if not cuda:
@@ -456,21 +465,22 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
     num_splits = triton.cdiv(S, split_len) - first_split
     direct = num_splits == 1
     if direct:
-        mid_o = mid_lse = out  # unused
+        mid_o = mid_lse = _unused(q.device, torch.float32)
     else:
         mid_o = torch.empty(B, T, Hq, num_splits, BLOCK_D, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, T, Hq, num_splits, dtype=torch.float32, device=q.device)
     if mass is None:
-        lse = scores = out  # unused
+        lse = scores = _unused(q.device, torch.float32)
     else:
         assert mass.shape == (B, Hkv, S) and mass.dtype == torch.float32 and mass.stride(-1) == 1, \
             (mass.shape, mass.dtype, mass.stride())
         lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)  # each row's log2-sum-exp
         scores = torch.empty(B, Hkv, T * G, keys, dtype=torch.float32, device=q.device)  # log2 units, keys [lo, S)
 
+    count = _unused(q.device, torch.int32) if length is None else length
     kernel, settings = _split_launcher(q.is_cuda)
     kernel[(B * Hkv, num_splits, m_blocks)](
-        q, *cache, out, mid_o, mid_lse, lse, scores, out if length is None else length,
+        q, *cache, out, mid_o, mid_lse, lse, scores, count,
         q.stride(0), q.stride(1), q.stride(2),
         *(stride for x in cache for stride in x.stride()[:3]),
         out.stride(0), out.stride(1), out.stride(2),
@@ -487,7 +497,7 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
     if mass is not None:
         BLOCK_S = 128
         _mass_kernel[(B * Hkv, triton.cdiv(keys, BLOCK_S))](
-            scores, lse, mass, out if length is None else length, mass.stride(0), mass.stride(1), T, Hkv, G, keys,
+            scores, lse, mass, count, mass.stride(0), mass.stride(1), T, Hkv, G, keys,
             lo, window or 0, HAS_WINDOW=window is not None, DEVICE_LEN=length is not None,
             BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S,
         )

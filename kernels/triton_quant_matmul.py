@@ -141,23 +141,25 @@ def _gemv_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    qs_ptr, d_ptr, m_ptr, w_ptr,
+    qs_ptr, d_ptr, m_ptr, ids_ptr, w_ptr,
     N, K, stride_qn, stride_dn,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_IDS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Row n of the (N, K) output: W's row n, or with HAS_IDS W's row ids[n] (an embedding lookup)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = offs_n < N
-    w_row = w_ptr + offs_n[:, None] * K  # W is contiguous (N, K)
+    rows = tl.load(ids_ptr + offs_n, mask=n_mask, other=0) if HAS_IDS else offs_n
+    w_row = w_ptr + offs_n[:, None] * K  # the output is contiguous (N, K)
     if BITS == 4:
-        w_lo, w_hi, k_lo, k_ok = _w4_tile(qs_ptr, d_ptr, m_ptr, offs_n, n_mask, k0, K, stride_qn, stride_dn,
+        w_lo, w_hi, k_lo, k_ok = _w4_tile(qs_ptr, d_ptr, m_ptr, rows, n_mask, k0, K, stride_qn, stride_dn,
                                           GROUP, HAS_M, BLOCK_K)
         mask = n_mask[:, None] & k_ok[None, :]
         tl.store(w_row + k_lo[None, :], w_lo.to(w_ptr.dtype.element_ty), mask=mask)
         tl.store(w_row + k_lo[None, :] + 16, w_hi.to(w_ptr.dtype.element_ty), mask=mask)
     else:
-        w, k, k_ok = _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, K, stride_qn, stride_dn, GROUP, BLOCK_K)
+        w, k, k_ok = _w8_tile(qs_ptr, d_ptr, rows, n_mask, k0, K, stride_qn, stride_dn, GROUP, BLOCK_K)
         tl.store(w_row + k[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & k_ok[None, :])
 
 
@@ -256,19 +258,24 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
     return y
 
 
-def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """Packed W -> W (N, K) in `dtype`, each weight computed in fp32 then rounded once (`dequantize_groups`).
+def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed W -> W (N, K) in `dtype`, each weight computed in fp32 then rounded once (`dequantize_groups`); with
+    `ids` (int64, any shape), only those rows: (*ids.shape, K), an embedding lookup that reads no other row.
     Runs the Triton kernel; qs, d, m as in `dequantize_groups`, on one device."""
-    N = qs.shape[0]
     K = qs.shape[1] * (2 if bits == 4 else 1)
+    flat = None if ids is None else ids.reshape(-1).contiguous()
+    N = qs.shape[0] if flat is None else flat.numel()
     w = torch.empty((N, K), device=qs.device, dtype=dtype)
     block_n, block_k = (32, 128) if qs.is_cuda else (128, 512)
+    if flat is not None and qs.is_cuda:
+        block_n = min(block_n, max(1, triton.next_power_of_2(N)))  # a decode step's one row: one block of programs
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
-    _dequantize_kernel[grid](
-        qs, d, d if m is None else m, w, N, K, qs.stride(0), d.stride(0),
-        BITS=bits, GROUP=group, HAS_M=m is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
-    return w
+    if N:
+        _dequantize_kernel[grid](
+            qs, d, d if m is None else m, qs if flat is None else flat, w, N, K, qs.stride(0), d.stride(0),
+            BITS=bits, GROUP=group, HAS_M=m is not None, HAS_IDS=flat is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        )
+    return w if ids is None else w.reshape(*ids.shape, K)
 
 
 def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,

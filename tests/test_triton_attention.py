@@ -157,6 +157,44 @@ def test_autotuner_drops_configs_that_cannot_fit(monkeypatch):
     assert tuner.prune_configs(meta) == [module.SPLIT_CONFIGS[0]]
 
 
+@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_launch_of_a_cache_has_one_autotuner_key(bits, dtype, monkeypatch):
+    """Triton's autotuner keys on the named arguments and on every tensor argument's dtype, and picks a config by
+    timing. A cache's launches must all share one key, or a direct launch and a split one, an eager step and a
+    CUDA graph's (the key count on the device), with and without H2O's mass, could each tune a BLOCK_N of their
+    own, and a row's sums would change order between them (an H200 saw a graph's step and the eager step leave
+    different caches, 2026-11-26). Recorded on the interpreter's launches: the key's arguments and the dtypes."""
+    keys = set()
+    key_args = ["BLOCK_D", "BITS", "GROUP", "HAS_WINDOW", "PRECISION"]
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                dtypes = tuple(str(a.dtype) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+                keys.add((dtypes, *(kwargs[k] for k in key_args)))
+                return module._split_kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_split_launcher", lambda cuda: (Spy(), {"BLOCK_N": 64, "num_warps": 4}))
+    B, Hq, Hkv, D, capacity = 1, 4, 2, 64, 608
+    k, v = cache_views(B, Hkv, capacity, D, dtype)
+
+    def attend(T, S, **kwargs):
+        q = torch.randn(B, T, Hq, D, device=DEVICE).to(dtype)
+        if bits == 0:
+            return decode_attention(q, k[:, :, :S], v[:, :, :S], **kwargs)
+        kv = quantized_cache(bits, B, Hkv, S, D, S // ref.KEY_GROUP * ref.KEY_GROUP, dtype)
+        return quantized_decode_attention(q, kv, **kwargs)
+
+    length = torch.tensor([300], dtype=torch.int32, device=DEVICE)
+    attend(1, 40)  # one split: the direct launch
+    attend(4, 300)  # two splits and the combine
+    attend(1, capacity, length=length)  # a graph's step: the capacity, the key count on the device
+    attend(4, 300, mass=mass_buffer(B, Hkv, 300))  # H2O
+    assert len(keys) == 1, keys
+
+
 # --- a quantized cache (ref.QuantizedKV), and the attention mass ------------------------------------------------------
 
 

@@ -99,7 +99,8 @@ def test_a_verification_block_gives_each_row_a_one_token_steps_logits(tmp_path, 
 def test_a_decode_step_adds_each_residual_inside_a_norm(tmp_path, triton_everywhere, monkeypatch):
     """Launches cost a decode step time of their own on a GPU (bench/GPU_NOTES.md): every residual add runs inside
     the RMSNorm that follows it, the last one inside the final norm. A step of L layers: one plain RMSNorm (the
-    first layer's), 2 L adds with a norm, and not one residual add on its own."""
+    first layer's), 2 L adds with a norm, and not one residual add on its own; nor any other add: the quantized
+    embedding's lookup is one kernel too (an H200 found the plain-PyTorch dequantization's add here, 2026-11-26)."""
     from llmrun.kernels import norm
 
     model = random_model(dataclasses.replace(CONFIGS["llama"], head_dim=32))

@@ -71,6 +71,22 @@ def test_dequantize_kernel(bits, offsets, group):
     assert torch.equal(tqm.dequantize(qs, d, m, bits, group, torch.float16), W.half())
 
 
+@pytest.mark.parametrize("ids", [[5], [[36, 0, 5], [5, 5, 17]], []])
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_dequantize_rows(bits, offsets, ids):
+    """An embedding lookup (kernels.quant_rows on CUDA): the rows `ids`, in ids' shape, repeats and all, each
+    weight as the whole W's dequantization gives it; no other row of W is read (those are NaN scales here)."""
+    qs, d, m = random_planes(37, 384, bits, offsets, 32, seed=3)
+    W = tqm.dequantize_groups(qs, d, m, bits, 32)
+    ids = torch.tensor(ids, dtype=torch.int64, device=DEVICE)
+    unread = torch.ones(37, dtype=torch.bool, device=DEVICE)
+    unread[ids.reshape(-1)] = False
+    d[unread] = float("nan")
+    for dtype in (torch.float32, torch.float16):
+        got = tqm.dequantize(qs, d, m, bits, 32, dtype, ids=ids)
+        assert got.shape == (*ids.shape, 384) and torch.equal(got, W[ids].to(dtype))
+
+
 # (N, K, group) with group dividing K; the largest shape is marked slow
 SHAPES = [(1, 64, 32), (1, 64, 64), (7, 96, 32), (100, 576, 32), (100, 576, 64),
           pytest.param(576, 1536, 32, marks=pytest.mark.slow), pytest.param(576, 1536, 128, marks=pytest.mark.slow)]
@@ -123,6 +139,37 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(bits, offsets):
     block = tqm.quant_linear(x, qs, d, m, bits, 32)
     for rows in range(1, tqm.VERIFY_ROWS):
         assert torch.equal(tqm.quant_linear(x[-rows:], qs, d, m, bits, 32), block[-rows:]), rows
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("split_k", [None, 3])
+def test_every_row_count_has_one_autotuner_key(bias, split_k, monkeypatch):
+    """The GPU half of the test above: Triton's autotuner keys on the named arguments and every tensor argument's
+    dtype, and picks a config by timing, so every row count of a weight must launch with one key (else a
+    verification block could tune a BLOCK_K of its own and sum its rows in another order). Recorded on the
+    interpreter's launches."""
+    keys = set()
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                N, K, k_split = args[7:10]
+                dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+                keys.add((dtypes, N, K, k_split, kwargs["BITS"], kwargs["GROUP"]))
+                return tqm._gemv_kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tqm, "_gemv_launcher", lambda cuda: (Spy(), tqm._INTERPRETER_BLOCKS))
+    qs, d, m = random_planes(96, 320, 4, True, 32, seed=0)
+    b = torch.randn(96, device=DEVICE).half() if bias else None
+    for rows in range(1, tqm.VERIFY_ROWS + 1):
+        x = torch.randn(rows, 320, device=DEVICE).half()
+        if split_k is None:
+            tqm.quant_linear(x, qs, d, m, 4, 32, b)
+        else:  # as quant_linear launches them, with a split of K that needs the partial sums
+            for chunk in x.split(tqm.DECODE_ROWS):
+                tqm._gemv(chunk, qs, d, m, 4, 32, split_k, b)
+    assert len(keys) == 1, keys
+
 
 
 @pytest.mark.parametrize("M", [2, 12])
