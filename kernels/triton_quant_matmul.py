@@ -11,8 +11,8 @@ W (N, K) is cut along K in groups of G (32, 64 or 128) sharing one fp16 scale d 
 Two paths, chosen by the number of activation rows M:
 - decode and verification (M <= 16): `_gemv_kernel`, one program per BLOCK_N output columns and per slice of K,
   for up to 8 rows a launch (a speculative block of 9-16 takes two). It dequantizes W's tiles in registers to
-  fp32, never materialized; the rows of x take turns over the program's tiles, the first reading them from memory
-  and the others from L2, so that each row's sums are the same code whatever the rows beside it. When N
+  fp32, never materialized, once for all the rows; the rows of x take turns over each tile, so that each row's
+  sums are the same code whatever the rows beside it. When N
   alone gives too few programs, K is split: each slice writes an fp32 partial sum (split_k, M, N) and
   `_sum_splits_kernel` adds them up in slice order and rounds to x's dtype, one launch (no atomics, so the result
   does not depend on scheduling). In a decode step each launch costs a few microseconds whatever its work.
@@ -85,58 +85,72 @@ def _gemv_kernel(
 ):
     """Rows M of x times BLOCK_N columns of W over one slice of K.
 
-    W's tile is 2-d with a row per (column of W, block of 32 along K): a row is one block's bytes (16 for 4 bits, one
-    128-bit load; 32 for 8), with x's 32 values for the block loaded in the same layout. Products accumulate in an
-    fp32 tile of that shape, summed along K by plain adds; the sums across threads come once, after the loop (the
-    kernel before 2026-11-26 reduced each step's tile across threads, a barrier a step, and drew ~5% of an H200's
-    bandwidth).
+    W's tile is 2-d with a row per (column of W, block of 32 along K, 8-byte chunk of the block): 8 bytes of W (16
+    nibbles: columns first + 0..7 low and first + 16 + 0..7 high; or 8 int8), one 64-bit load, and x's 8 values
+    for each half alike, one 128-bit load in 16 bits. A thread holds whole tile rows, so a row of x's products is
+    summed along the chunk within the thread and added to that row's fp32 sums, (tile, M): nothing crosses
+    threads, and nothing waits at a barrier, inside the loop (sm_90 SASS checked here); the sums across the chunks
+    of a column come once, after it. (The kernel of 2026-11-25 reduced each step's tile across threads, a barrier
+    a step: ~5% of an H200's bandwidth; the next one kept (column, block) rows of 16 bytes, whose fp32 products
+    span two threads, and re-read and re-dequantized the tile for every row of x: a 9-row verification block
+    cost 5 one-token steps.)
 
-    x's rows run one after the other over the same code, each re-reading the tile (from L2 after the first row):
-    a row's sums are taken in one order whatever the rows beside it, as greedy speculative decoding needs."""
+    The tile is dequantized once a step; x's rows then take turns over it, the same code for each, so a row's sums
+    are taken in one order whatever the rows beside it, as greedy speculative decoding needs. BLOCK_M is always
+    DECODE_ROWS (rows from M on skipped at run time): one compiled kernel for every M, whose sums across a column's
+    tile rows after the loop follow one layout (a BLOCK_M of M's own could lay them out, and add them, otherwise)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB: tl.constexpr = BLOCK_K // 32  # blocks of 32 columns a step
-    WIDTH: tl.constexpr = 16 if BITS == 4 else 32  # a block's bytes: 32 nibbles, or 32 int8
-    tile = tl.arange(0, BLOCK_N * NB)  # tile row: (column of W, block)
-    offs_n = pid_n * BLOCK_N + tile // NB
+    CH: tl.constexpr = 2 if BITS == 4 else 4  # 8-byte chunks of a block: 32 nibbles, or 32 int8
+    tile = tl.arange(0, BLOCK_N * NB * CH)  # tile row: (column of W, block, chunk)
+    offs_n = pid_n * BLOCK_N + tile // (NB * CH)
     n_ok = offs_n < N
-    block = tile % NB
-    byte = tl.arange(0, WIDTH)[None, :]
+    block = (tile // CH) % NB
+    chunk = tile % CH
+    byte = tl.arange(0, 8)[None, :]
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the output columns
-    if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
-        bias = tl.load(bias_ptr + n, mask=(n < N) & (pid_k == 0), other=0.0).to(tl.float32)
-    for r in tl.static_range(BLOCK_M):
-        if r < M:
-            acc = tl.zeros((BLOCK_N * NB, WIDTH), dtype=tl.float32)
-            for k0 in range(k_begin, k_end, BLOCK_K):
-                col = tl.multiple_of(k0, 32) + 32 * block  # (BLOCK_N * NB,) the block's first column
-                ok = n_ok & (col < k_end)  # whole blocks: K, k0 and the split points are multiples of 32
-                # the block's scale (and offset) at every byte of it: loaded in the tile's own layout, where a
-                # load of one per block is moved into it through shared memory, a barrier every step (sm_90 SASS)
-                at = (offs_n * stride_dn + col // GROUP)[:, None] + 0 * byte
-                scale = tl.load(d_ptr + at, mask=ok[:, None], other=0).to(tl.float32)  # (BLOCK_N * NB, WIDTH)
-                x_at = x_ptr + r * stride_xm + col[:, None] + byte
+    rows = tl.arange(0, BLOCK_M)[None, :]
+    acc = tl.zeros((BLOCK_N * NB * CH, BLOCK_M), dtype=tl.float32)  # each row of x's sums, in the tile's layout
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        col = tl.multiple_of(k0, 32) + 32 * block  # (tile,) the block's first column
+        ok = (n_ok & (col < k_end))[:, None]  # whole blocks: K, k0 and the split points are multiples of 32
+        at = (offs_n * stride_dn + col // GROUP)[:, None]  # the block's scale (and offset): (tile, 1)
+        scale = tl.load(d_ptr + at, mask=ok, other=0).to(tl.float32)
+        if BITS == 4:
+            first = col + 8 * chunk  # columns first + byte (low nibbles) and first + 16 + byte (high)
+            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col // 2 + 8 * chunk)[:, None] + byte, mask=ok,
+                        other=0)
+            if HAS_M:
+                offset = tl.load(m_ptr + at, mask=ok, other=0).to(tl.float32)
+            else:
+                offset = -8.0 * scale
+            w_lo = scale * (q & 0xF).to(tl.float32) + offset
+            w_hi = scale * (q >> 4).to(tl.float32) + offset
+        else:
+            first = col + 8 * chunk  # columns first + byte
+            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + first[:, None] + byte, mask=ok, other=0)
+            w_lo = scale * q.to(tl.float32)
+            w_hi = w_lo  # (unused)
+        # x's rows over the dequantized tile in turn, the same code for each: a row's products summed along the
+        # chunk within a thread, then added to the row's own sums (the other rows add 0, exactly)
+        for r in tl.static_range(BLOCK_M):
+            if r < M:
+                x_at = x_ptr + r * stride_xm + first[:, None] + byte
+                x_lo = tl.load(x_at, mask=ok, other=0).to(tl.float32)
                 if BITS == 4:
-                    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col // 2)[:, None] + byte, mask=ok[:, None],
-                                other=0)
-                    if HAS_M:
-                        offset = tl.load(m_ptr + at, mask=ok[:, None], other=0).to(tl.float32)
-                    else:
-                        offset = -8.0 * scale
-                    w_lo = scale * (q & 0xF).to(tl.float32) + offset  # columns col + byte
-                    w_hi = scale * (q >> 4).to(tl.float32) + offset  # columns col + 16 + byte
-                    x_lo = tl.load(x_at, mask=ok[:, None], other=0).to(tl.float32)
-                    x_hi = tl.load(x_at + 16, mask=ok[:, None], other=0).to(tl.float32)
-                    acc += w_lo * x_lo + w_hi * x_hi
+                    x_hi = tl.load(x_at + 16, mask=ok, other=0).to(tl.float32)
+                    part = tl.sum(tl.fma(w_hi, x_hi, w_lo * x_lo), axis=1)
                 else:
-                    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + col[:, None] + byte, mask=ok[:, None], other=0)
-                    acc += scale * q.to(tl.float32) * tl.load(x_at, mask=ok[:, None], other=0).to(tl.float32)
-            total = tl.sum(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, NB)), axis=1)  # (BLOCK_N,)
-            if HAS_BIAS:
-                total += bias
-            tl.store(out_ptr + pid_k * stride_os + r * N + n, total.to(out_ptr.dtype.element_ty), mask=n < N)
+                    part = tl.sum(w_lo * x_lo, axis=1)
+                acc += tl.where(rows == r, part[:, None], 0.0)
+    total = tl.sum(tl.reshape(acc, (BLOCK_N, NB * CH, BLOCK_M)), axis=1)  # (BLOCK_N, BLOCK_M)
+    if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
+        total += tl.load(bias_ptr + n, mask=(n < N) & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pid_k * stride_os + rows * N + n[:, None], total.to(out_ptr.dtype.element_ty),
+             mask=(rows < M) & (n[:, None] < N))
 
 
 @triton.jit
@@ -175,9 +189,10 @@ def _sum_splits_kernel(parts_ptr, y_ptr, split_k, numel, BLOCK: tl.constexpr):
 
 
 # Shared memory is no limit here, unlike the attention kernel's: without a tl.dot nothing is copied ahead into it,
-# and each config takes at most BLOCK_N fp32 per warp there to sum across warps (<= 1 KB compiled for sm_90). The
-# tiles give each thread one or two rows of (column, block of 32): 16 or 32 bytes of 4-bit W a step (72 to 166
-# registers compiled for sm_90, no spills, whatever the rows of x: they take turns).
+# and each config takes at most BLOCK_N * BLOCK_M fp32 to sum across warps after the loop (<= 4 KB compiled for
+# sm_90). The tiles give each thread one to four 8-byte rows of W a step: 80 to 217 registers with the sums of
+# DECODE_ROWS rows of x (sm_90, 4- and 8-bit, no spills), which caps no occupancy: the grid is about two programs
+# an SM (`_default_split_k`).
 _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8),
@@ -247,7 +262,7 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         x2, qs, d, d if m is None else m, d if bias is None else bias, out,
         M, N, K, k_split,
         x2.stride(0), qs.stride(0), d.stride(0), out.stride(0),
-        BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M),
+        BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, BLOCK_M=DECODE_ROWS,
         **blocks,
     )
     if split_k == 1:

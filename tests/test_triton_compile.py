@@ -231,8 +231,9 @@ def _attention(shape, dtype):
 
 def _quant_matmul(shape, dtype):
     """Each linear layer of the model in blocks of 32 (GGUF's Q4_1, Q4_0, Q8_0) for 1 to 16 rows of activations (the
-    GEMV kernel, split-K by SM count, 8 rows a launch) and for 17 (W dequantized for torch.matmul); AWQ's groups of
-    64 and 128 through the kernel's own API (the model's layers hold blocks of 32)."""
+    GEMV kernel, split-K by SM count, 8 rows a launch) and for 17 (W dequantized for torch.matmul), and the
+    embedding's rows looked up; AWQ's groups of 64 and 128 through the kernel's own API (the model's layers hold
+    blocks of 32)."""
     from llmrun import kernels
     from llmrun.kernels.triton_quant_matmul import quant_linear
 
@@ -242,8 +243,11 @@ def _quant_matmul(shape, dtype):
     for bits, offsets in ((4, True), (4, False), (8, False)):
         for N, K in linears:
             qs, d, m = _planes(N, K, bits, offsets, 32)
-            for M in (1, 2, 3, 8, 13) + (prefill if N == dim else ()):  # BLOCK_M 1, 2, 4, 8; 13: 8 then 5
+            for M in (1, 2, 3, 8, 13) + (prefill if N == dim else ()):  # 13: a launch of 8 rows, then one of 5
                 kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits)
+            if N == vocab:  # the embedding's lookup (a tied head's table), a decode step's and a prompt's
+                for T in (1, 17):
+                    kernels.quant_rows(torch.zeros(1, T, dtype=torch.long), qs, d, m, bits, dtype)
         for group in (64, 128):
             N, K = min((N, K) for N, K in linears if K % group == 0)
             for M in (1, 8) + prefill:
@@ -409,10 +413,21 @@ def _device_steps(specs):
 
 
 # What the tests look for in a launch's PTX: code that compiles, yet computes otherwise than the interpreter does
-PTX_FINDINGS = {
+def _in_loops(ptx: str) -> str:
+    """The PTX from the first loop's head to the last branch back to a head (between loops too, if several)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\$(\w+):", line))}
+    back = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+            if (m := re.search(r"\bbra(?:\.uni)?\s+\$(\w+);", line)) and labels.get(m.group(1), i) < i]
+    return "\n".join(lines[min(h for h, _ in back) : max(i for _, i in back)]) if back else ""
+
+
+PTX_FINDINGS = {  # name -> whether a kernel's PTX shows it
     # round half to even by adding and subtracting 1.5 * 2^23 (kv_write's codes): fused into an fma with the product
     # before it, the exact product is rounded rather than its fp32 value, as the reference rounds
-    "rounding add fused with a product": re.compile(r"fma\.rn\.f32\s[^;]*,\s*0f4B400000;"),
+    "rounding add fused with a product": re.compile(r"fma\.rn\.f32\s[^;]*,\s*0f4B400000;").search,
+    # threads waiting for each other, or trading values, every step of a loop (the GEMV's must not)
+    "barrier or shuffle in a loop": lambda ptx: bool(re.search(r"\bbar\.sync|\bshfl\.", _in_loops(ptx))),
 }
 
 
@@ -432,7 +447,7 @@ def _compile_one(job):
         compiled = triton.compile(source, target=target, options=dict(options))
     except Exception as e:  # noqa: BLE001 - any compiler error is the finding
         return None, f"{type(e).__name__}: {e}", time.perf_counter() - start, ()
-    findings = tuple(name for name, pattern in PTX_FINDINGS.items() if pattern.search(compiled.asm["ptx"]))
+    findings = tuple(name for name, shows in PTX_FINDINGS.items() if shows(compiled.asm["ptx"]))
     return compiled.metadata.shared, None, time.perf_counter() - start, findings
 
 
@@ -536,6 +551,20 @@ def test_quantized_writes_round_the_fp32_product(target, compiled):
     assert {spec.name for spec in writes} >= {"_int8_rows_kernel", "_int4_values_kernel", "_int4_keys_kernel"}
     fused = [spec.describe() for spec, findings in writes.items() if "rounding add fused with a product" in findings]
     assert not fused, f"{len(fused)} of {len(writes)} launches fuse the rounding add:\n" + "\n".join(fused)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_gemv_loop_neither_waits_nor_shuffles(target, compiled):
+    """The W4A16/W8A16 GEMV's loop over K: each thread sums its own tile rows, with no barrier and no shuffle inside
+    it, for every row count (kernels/triton_quant_matmul.py; its versions that reduced across threads in the loop
+    drew ~5% of an H200's bandwidth, 2026-11-26). Checked in the PTX of every compiled launch of it."""
+    arch = TARGETS[target][0]
+    gemvs = {spec: findings for (spec, a), (_, error, _, findings) in compiled.items()
+             if a == arch and spec.name == "_gemv_kernel" and error is None}
+    assert gemvs
+    waiting = [spec.describe() for spec, findings in gemvs.items() if "barrier or shuffle in a loop" in findings]
+    assert not waiting, f"{len(waiting)} of {len(gemvs)} GEMV launches wait or shuffle in the loop:\n" + \
+        "\n".join(waiting)
 
 
 @pytest.mark.parametrize("target", TARGETS)
