@@ -25,6 +25,7 @@ The 4-bit kernels never interleave nibbles: the low nibbles of a tile's bytes ar
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -219,12 +220,16 @@ def _sm_count(device_index: int) -> int:
 
 
 def _default_split_k(x: torch.Tensor, N: int, K: int) -> int:
-    """Slices of K so that roughly two programs per SM run, each still covering at least 512 columns of K."""
+    """Slices of K so that roughly LLMRUN_GEMV_PROGRAMS_PER_SM (default 2) programs of 64 columns per SM run, each
+    still covering at least LLMRUN_GEMV_MIN_SLICE (default 512) columns of K. The two variables are there for the
+    GPU profiles to measure other splits (`bench/gpu.sh`); a weight's split never depends on M."""
     if not x.is_cuda:
         return 1
+    per_sm, min_slice = (int(os.environ.get(f"LLMRUN_GEMV_{name}", default))
+                         for name, default in (("PROGRAMS_PER_SM", 2), ("MIN_SLICE", 512)))
     programs = triton.cdiv(N, 64)
     split = 1
-    while programs * split * 2 <= 2 * _sm_count(x.device.index or 0) and K // (split * 2) >= 512:
+    while programs * split * 2 <= per_sm * _sm_count(x.device.index or 0) and K // (split * 2) >= min_slice:
         split *= 2
     return split
 

@@ -443,8 +443,9 @@ def environment(device: str) -> dict:
                                     cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             commit = None
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("LLMRUN_GEMV_")}  # a profile's variant
     return {"device_name": name, "cpu_count": os.cpu_count(), "torch": torch.__version__, "triton": triton_version,
-            "llmrun": __version__, "commit": commit, "python": platform.python_version()}
+            "llmrun": __version__, "commit": commit, "python": platform.python_version(), **settings}
 
 
 def write_run(out: Path, doc: dict, table: str) -> None:

@@ -656,7 +656,9 @@ def test_profile_script_on_a_cpu(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["model"] == "random:smollm2-135m" and not doc["graphs"] and doc["config"]["prompt_tokens"] == 40
     assert 0 < doc["floor_step_s"] < doc["eager_step_s"] and doc["graph_step_s"] > 0
-    assert 0.5 * doc["eager_step_s"] < doc["kernels_step_s"] <= 1.5 * doc["eager_step_s"]
+    # one profiled step against the median of 3 timed ones: wide bounds, for a CI machine's other workers (at 0.5 the
+    # profiled step once fell under half the median on 2 busy cores)
+    assert 0.25 * doc["eager_step_s"] < doc["kernels_step_s"] <= 2 * doc["eager_step_s"]
     assert doc["launches"] == sum(r["calls"] for r in doc["kernels"]) > 30 and doc["kernels_of"] == "eager step"
     assert doc["bytes_per_step"] > shapes.shape_config("smollm2-135m").n_params * 4 * 0.8  # fp32 weights, read once
     assert "| kernel | calls | us / step | share |" in done.stdout == out.with_suffix(".md").read_text()

@@ -140,6 +140,22 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(bits, offsets):
     for rows in range(1, tqm.VERIFY_ROWS):
         assert torch.equal(tqm.quant_linear(x[-rows:], qs, d, m, bits, 32), block[-rows:]), rows
 
+def test_split_k_follows_the_sms_and_the_profiles_settings(monkeypatch):
+    """K is split until about LLMRUN_GEMV_PROGRAMS_PER_SM programs of 64 columns run per SM (default 2), no slice
+    under LLMRUN_GEMV_MIN_SLICE columns (default 512); never on a CPU. Shapes of llama3.2-1b on an H100's 132 SMs."""
+    class FakeCuda:
+        is_cuda = True
+        device = torch.device("cpu")
+
+    monkeypatch.setattr(tqm, "_sm_count", lambda index: 132)
+    split = lambda N, K: tqm._default_split_k(FakeCuda(), N, K)  # noqa: E731
+    assert (split(3072, 2048), split(2048, 8192), split(16384, 2048), split(128256, 2048)) == (4, 8, 1, 1)
+    assert tqm._default_split_k(torch.zeros(1, 2048), 3072, 2048) == 1
+    monkeypatch.setenv("LLMRUN_GEMV_PROGRAMS_PER_SM", "8")
+    monkeypatch.setenv("LLMRUN_GEMV_MIN_SLICE", "128")
+    assert (split(3072, 2048), split(2048, 8192), split(16384, 2048), split(128256, 2048)) == (16, 32, 4, 1)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("split_k", [None, 3])
 def test_every_row_count_has_one_autotuner_key(bias, split_k, monkeypatch):
