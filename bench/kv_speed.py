@@ -89,7 +89,8 @@ def main() -> None:
                     finally:
                         del engine
                         bench.release(device)
-                    print(f"{n} tokens, {c}: {figures['decode_tok_s']['median']:.1f} tok/s", file=sys.stderr)
+                    print(f"{n} tokens, {c}: {figures['decode_tok_s']['median']:.1f} tok/s"
+                          + "".join(f"; {note}" for note in figures["notes"]), file=sys.stderr)
                     if round_:
                         runs[c].append(figures)
             del loaded

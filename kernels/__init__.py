@@ -27,7 +27,7 @@ def reference_ops(on: bool = True):
     finally:
         _reference = before
 
-__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "quant_matmul",
+__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "failed", "quant_matmul",
            "quant_rows", "quantized_attention", "rms_norm", "silu_mul", "triton_serves", "write_dense", "write_int4",
            "write_int8_pair"]
 
@@ -43,6 +43,11 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 _failed: set[str] = set()  # Triton kernels that failed to build here: their reference op serves instead
+
+
+def failed() -> list[str]:
+    """The Triton kernels that failed here so far, whose PyTorch reference ops run instead (a benchmark's note)."""
+    return sorted(_failed)
 
 
 def _triton(name: str, run, fallback):

@@ -331,8 +331,20 @@ def run_figures(engine, workload, runs: list[Run], tokens_per_step: float | None
         "acceptance_rate": None if acceptance_rate is None else round(acceptance_rate, 4),
         "tokens_per_step": None if tokens_per_step is None else round(tokens_per_step, 3),
         "speculative": None,  # with a drafter: the comparison with plain decoding
-        "notes": list(engine.loaded.notes),  # e.g. why the fast path is off
+        # e.g. why the fast path is off, a Triton kernel that failed (its slow reference ran), graphs that failed
+        "notes": list(engine.loaded.notes) + run_notes(engine),
     }
+
+
+def run_notes(engine) -> list[str]:
+    """What a run's figures should say of how it ran, beyond the settings: fallbacks taken while it ran."""
+    from llmrun import kernels
+
+    notes = [f"the Triton kernel {name} failed here: its PyTorch reference ran instead" for name in kernels.failed()]
+    graphs = getattr(engine, "graphs", None)
+    if graphs is not None and graphs.failed:
+        notes.append(f"capturing CUDA graphs failed ({graphs.failed}): decode steps ran eagerly")
+    return notes
 
 
 def measure_settings(files, settings: Settings, workload, compiled: bool = False) -> dict:

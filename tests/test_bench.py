@@ -682,3 +682,19 @@ def test_kv_speed_script_runs_every_format_on_one_load(tmp_path):
     formats = [r["runs"][0]["memory"]["kv_format"] for r in doc["rows"]]
     assert formats[1:] == ["int8", "int4"] and formats[0] != "int8"
     assert "| 40 | int4 |" in out.with_suffix(".md").read_text()
+
+
+def test_a_runs_notes_name_its_fallbacks(monkeypatch):
+    """A figure taken on a fallback says so: a Triton kernel that failed (its slow reference ran) and CUDA graphs
+    whose capture failed (eager steps), beside the load's own notes; none when nothing fell back."""
+    from types import SimpleNamespace
+
+    from llmrun import kernels
+
+    engine = SimpleNamespace(graphs=SimpleNamespace(failed=None))
+    monkeypatch.setattr(kernels, "_failed", set())
+    assert bench.run_notes(engine) == []
+    monkeypatch.setattr(kernels, "_failed", {"decode_attention"})
+    engine.graphs.failed = "RuntimeError: out of memory"
+    notes = bench.run_notes(engine)
+    assert len(notes) == 2 and "decode_attention failed" in notes[0] and "out of memory" in notes[1]

@@ -52,6 +52,10 @@ def test_rope_in_place_on_a_slice_of_fused_heads(dtype, B, T, H, D):
     assert got.data_ptr() == fused.data_ptr()
     assert_within_torch_error(got, want, same)
     assert torch.equal(fused[:, :, H:], rest)
+    # tables in x's dtype, as the model hands them, read as their fp32 values: the bits of the upcast tables
+    x = torch.randn(B, T, H, D, device=DEVICE).to(dtype)
+    rounded = rope_(x.clone(), cos.to(dtype), sin.to(dtype))
+    assert torch.equal(rounded, rope_(x.clone(), cos.to(dtype).float(), sin.to(dtype).float()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
