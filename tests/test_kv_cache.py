@@ -173,6 +173,29 @@ def test_each_row_of_an_int4_block_reads_the_keys_one_token_steps_read(start, T,
     assert seen == T
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bits, start, T", [(4, 700, 512), (4, 63, 33), (4, 37, ref.RECENT - ref.KEY_GROUP + 1),
+                                            (4, 100, 600), (4, 95, 1), (8, 100, 40)])
+def test_the_fallbacks_runs_dequantize_the_cache_once(bits, start, T, dtype):
+    """`kernels.dequantized_row_blocks` (prefill's attention over a quantized cache on a GPU): each run of rows the
+    keys and values of `ref.quantized_row_blocks`, in `dtype`, bit for bit, though it dequantizes the cache once
+    and writes over only the key groups that fill between runs. (100, 600): a block past the rings, whose first
+    rows read codes."""
+    from llmrun.kernels import dequantized_row_blocks
+
+    S = start + T
+    k, v = random_kv(S)
+    cache = KVCache(L, B, H, S, D, torch.float32, "cpu", kv_format=f"int{bits}")
+    write(cache, k, v, [start])
+    kv, _, _ = write(cache, k, v, [T], start=start)
+    want = list(ref.quantized_row_blocks(kv, T))
+    got = [(r0, r1, k_read.clone(), v_read.clone()) for r0, r1, k_read, v_read in dequantized_row_blocks(kv, T, dtype)]
+    assert [(r0, r1) for r0, r1, _, _ in got] == [(r0, r1) for r0, r1, _, _ in want]
+    assert len(want) > (bits == 4 and T > 32)  # INT4 blocks over group boundaries come in several runs
+    for (r0, _, k_got, v_got), (_, _, k_want, v_want) in zip(got, want):
+        assert torch.equal(k_got, k_want.to(dtype)) and torch.equal(v_got, v_want.to(dtype)), r0
+
+
 def test_a_long_int4_block_reads_codes_where_the_rings_lost_the_exact_keys():
     """A block longer than the rings serve: rows whose one-token keys and values are gone read the codes instead."""
     assert ref.RECENT == 576  # the positions below follow from it
