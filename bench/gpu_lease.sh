@@ -15,8 +15,10 @@
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (about 50 s) (its step
 #           times also feed `bench/replay.py simulate` here, for all of them)
 #   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV (bench/kv_speed.py): not in this lease
-#           (8k is committed; 32k takes more than 150 s), a second call on the warm machine if time is left:
-#           GPU_RESUME=1 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_KV_REPEAT=1 GPU_STEPS=kv timeout 400 bash bench/gpu.sh
+#           (32k takes more than 150 s), a second call on the warm machine if time is left, 8k measured again for
+#           INT4's prefill (c60f1e8: the cache dequantized once a chunk, not 16 times):
+#           GPU_RESUME=1 GPU_RERUN=llama3.1-8b-kv-speed-8192 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_KV_REPEAT=1 \
+#               GPU_STEPS=kv timeout 400 bash bench/gpu.sh
 # What the H200 took on 2026-11-26 (bench/results/*-lease3.log, *-lease4.log): the 1B `--compare` runs and the run
 # without graphs 144 s, the W4A16 `--compare` alone more than 90 s from a cold start (77 s warm); the four profiles
 # about 130 s; the kernel test files 49 s (+ start-up), the model files far longer (14 of 73 tests in 120 s: they
