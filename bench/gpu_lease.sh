@@ -44,16 +44,17 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 export GPU_RESUME=1
 # measured again: what the GEMV's third version (6c314d3: the tile dequantized once for every row of x, no barrier
 # or shuffle in its loop) changes, against the fourth lease's 509.3 tok/s, its 1.40 ms of GEMV a 1B step, and the
-# Qwen pair's 9-token block at 5.03 steps; and the 1B bf16 step without RoPE's two table copies a layer (dccaf4c),
-# against 789.1 tok/s and a 1.218 ms graph step (bench/GPU_NOTES.md has the predictions); the tests of what
+# Qwen pair's 9-token block at 5.03 steps; the 1B bf16 step without RoPE's two table copies a layer (dccaf4c),
+# against 789.1 tok/s and a 1.218 ms graph step; the 8B's INT8 attention with its scales loaded once a group
+# (against 701 us a step at 8k) (bench/GPU_NOTES.md has the predictions); the tests of what
 # changed since (the GEMV, the attention's autotuner key, the embedding's lookup) run again though they passed
 export GPU_RERUN="llama3.2-1b-auto-p128-n128 llama3.2-1b-int4-p128-n128 profile-llama3.2-1b-p128"
-GPU_RERUN+=" profile-llama3.2-1b-p128-weights-int4 qwen-pair-replay-int4"
+GPU_RERUN+=" profile-llama3.2-1b-p128-weights-int4 qwen-pair-replay-int4 profile-llama3.1-8b-p8000-kv-int8"
 export GPU_RETEST="test_triton_quant_matmul test_triton_attention test_triton_model test_cuda_graphs"
 GPU_PROMPTS=128 step 170 speed llama3.2-1b
-step 120 profile
+step 150 profile
 GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 100 replay
-PYTEST_ADDOPTS="-n 12" step 160 tests
+PYTEST_ADDOPTS="-n 12" step 130 tests
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete
 cat "$RESULTS/lease.log" >&2

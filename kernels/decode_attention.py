@@ -54,7 +54,13 @@ _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)  # positions per INT4 key scale
 
 
 @triton.jit
-def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, mask,
+def _spread(x, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+    """(BLOCK_N, BLOCK_D / GROUP) -> (BLOCK_N, BLOCK_D): each value repeated over its group of GROUP channels."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, n_ok, D,
              BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, DTYPE: tl.constexpr):
     """One (BLOCK_N, BLOCK_D) tile of K or V at positions offs_n, as the dot product consumes it (in DTYPE).
 
@@ -62,40 +68,56 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
     BITS 8: int8 code * the fp16 scale of its (position, group of GROUP channels). BITS 4: bytes holding channels 2i
     (low nibble) and 2i + 1 (high); code * scale + min, scale and min per (position, channel group), or with
     PER_CHANNEL (INT4 keys) per (group of KEY_GROUP positions, channel)."""
+    mask = n_ok[:, None] & (offs_d < D)[None, :]  # positions n_ok, channels below D
     if BITS == 0:
         x = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0.0)
     else:
         if PER_CHANNEL:
-            scale_row, scale_col = offs_n[:, None] // _KEY_GROUP, offs_d[None, :]
+            scale_at = offs_n[:, None] // _KEY_GROUP * stride_scale_s + offs_d[None, :]
+            scale = tl.load(scale_base + scale_at, mask=mask, other=0.0).to(tl.float32)
         else:
-            scale_row, scale_col = offs_n[:, None], offs_d[None, :] // GROUP
-        scale = tl.load(scale_base + scale_row * stride_scale_s + scale_col, mask=mask, other=0.0).to(tl.float32)
+            # one load a (position, group of GROUP channels), spread over the group in registers: loaded at every
+            # channel, each thread issued as many 16-bit loads as the tile has channels (an H200's INT8 attention
+            # took 701 us a step at 8k positions against bf16's 396, for half the bytes)
+            BLOCK_N: tl.constexpr = offs_n.shape[0]
+            BLOCK_D: tl.constexpr = offs_d.shape[0]
+            groups = tl.arange(0, BLOCK_D // GROUP)
+            scale_at = offs_n[:, None] * stride_scale_s + groups[None, :]
+            group_mask = n_ok[:, None] & (groups * GROUP < D)[None, :]
+            scale = _spread(tl.load(scale_base + scale_at, mask=group_mask, other=0.0).to(tl.float32), BLOCK_N,
+                            BLOCK_D, GROUP)
         if BITS == 8:
             codes = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0)
             x = codes.to(tl.float32) * scale
         else:
             packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
             codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte is read for both channels
-            lo = tl.load(min_base + scale_row * stride_min_s + scale_col, mask=mask, other=0.0).to(tl.float32)
+            if PER_CHANNEL:
+                min_at = offs_n[:, None] // _KEY_GROUP * stride_min_s + offs_d[None, :]
+                lo = tl.load(min_base + min_at, mask=mask, other=0.0).to(tl.float32)
+            else:
+                min_at = offs_n[:, None] * stride_min_s + groups[None, :]
+                lo = _spread(tl.load(min_base + min_at, mask=group_mask, other=0.0).to(tl.float32), BLOCK_N, BLOCK_D,
+                             GROUP)
             x = codes.to(tl.float32) * scale + lo
     return x.to(DTYPE)
 
 
 @triton.jit
 def _load_tile(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, ring_base, stride_ring_s, ring,
-               offs_n, offs_d, mask, n_quantized, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
-               DTYPE: tl.constexpr):
+               offs_n, offs_d, n_ok, D, n_quantized, BITS: tl.constexpr, GROUP: tl.constexpr,
+               PER_CHANNEL: tl.constexpr, DTYPE: tl.constexpr):
     """A tile of K or V: INT4 positions before n_quantized are codes (PER_CHANNEL: keys' scales), the later ones
     full precision in the ring (of `ring` slots, position s at s % ring)."""
     if BITS == 4:
         old = offs_n < n_quantized  # (BLOCK_N,)
         x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d,
-                     mask & old[:, None], BITS, GROUP, PER_CHANNEL, DTYPE)
+                     n_ok & old, D, BITS, GROUP, PER_CHANNEL, DTYPE)
         recent = tl.load(ring_base + (offs_n % ring)[:, None] * stride_ring_s + offs_d[None, :],
-                         mask=mask & (offs_n >= n_quantized)[:, None], other=0.0)
+                         mask=(n_ok & (offs_n >= n_quantized))[:, None] & (offs_d < D)[None, :], other=0.0)
         x = tl.where(old[:, None], x, recent.to(DTYPE))
     else:
-        x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, mask,
+        x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, n_ok, D,
                      BITS, GROUP, False, DTYPE)  # INT8 scales are per token
     return x
 
@@ -164,9 +186,8 @@ def _split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        kv_mask = n_ok[:, None] & d_ok[None, :]
         k = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs, ring,
-                       offs_n, offs_d, kv_mask, nq_lo, BITS, GROUP, True, q.dtype)  # (BLOCK_N, BLOCK_D)
+                       offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, True, q.dtype)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if BITS == 4:  # rows disagree on some positions here: codes up to nq_hi are loaded too
             mixed = (n0 < nq_hi) & (n0 + BLOCK_N > nq_lo)
@@ -175,7 +196,7 @@ def _split_kernel(
         coded = offs_n[None, :] < row_nq[:, None]  # (BLOCK_M, BLOCK_N): what each row reads as codes
         if mixed:
             k_codes = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
-                                 ring, offs_n, offs_d, kv_mask, nq_hi, BITS, GROUP, True, q.dtype)
+                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, True, q.dtype)
             s_codes = tl.dot(q, tl.trans(k_codes), input_precision=PRECISION)
             s = tl.where(coded, s_codes, s)
         s = s * qk_scale
@@ -193,10 +214,10 @@ def _split_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs, ring,
-                       offs_n, offs_d, kv_mask, nq_lo, BITS, GROUP, False, q.dtype)
+                       offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, False, q.dtype)
         if mixed:
             v_codes = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs,
-                                 ring, offs_n, offs_d, kv_mask, nq_hi, BITS, GROUP, False, q.dtype)
+                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, False, q.dtype)
             pv = tl.dot(tl.where(coded, p, 0.0).to(v.dtype), v_codes, input_precision=PRECISION)
             pv += tl.dot(tl.where(coded, 0.0, p).to(v.dtype), v, input_precision=PRECISION)
         else:
@@ -312,7 +333,7 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
       ahead).
     - Live through the loop: q (BLOCK_M, BLOCK_D) as a dot operand, and 8 bytes per row for reductions.
     - In turn within a step, the largest counted: the dequantized K tile (BLOCK_N, BLOCK_D) (two, codes and exact,
-      for INT4 on Hopper); the dequantized V tile with the probabilities p (BLOCK_M, BLOCK_N), which the
+      for INT4 on Hopper; none for INT8 under 16-bit q, whose tiles go from registers into the MMA); the dequantized V tile with the probabilities p (BLOCK_M, BLOCK_N), which the
       warpgroup MMA takes from registers (INT4 with fp32 q: both of p's parts, the rows' codes and exact shares,
       staged for the FMA dots side by side); or the fp32 scores (BLOCK_M, BLOCK_N) on their way to the mass buffer.
     """
@@ -321,7 +342,9 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
     per_key = (sizes["KScale"] + sizes["KMin"] + sizes["KRecent"] + sizes["VRecent"] if BITS == 4
                else sizes["K"] + sizes["V"])
     copies = num_stages if wgmma and BITS == 0 else num_stages - 1
-    tile = BLOCK_N * BLOCK_D * q_bytes if BITS else 0  # a dequantized K or V tile
+    # a dequantized K or V tile; INT8's, under 16-bit q, goes from registers into the MMA (its codes read from the
+    # copies ahead in the dot's layout, the scales spread over their groups in registers)
+    tile = BLOCK_N * BLOCK_D * q_bytes if BITS and not (BITS == 8 and q_bytes == 2) else 0
     p = 0 if wgmma else BLOCK_M * BLOCK_N * q_bytes * (2 if BITS == 4 and q_bytes == 4 else 1)
     step = max(tile * (2 if BITS == 4 and wgmma else 1), tile + p, BLOCK_M * BLOCK_N * 4 * SCORES)
     return copies * BLOCK_N * BLOCK_D * per_key + BLOCK_M * BLOCK_D * q_bytes + 8 * BLOCK_M + step
