@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -149,16 +148,11 @@ def main() -> int:
         *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "
           f"{r['us'] / 1e6 / max(figures['kernels_step_s'], 1e-12):.0%} |" for r in table[: args.top]),
     ]
-    text = "\n".join(lines)
-    print(text)
     if args.out is None:
         device = doc["environment"]["device_name"].replace(" ", "-") if settings.device == "cuda" else "cpu"
         safe = name.replace(":", "-").replace("/", "-")
         args.out = HERE / "results" / f"{datetime.date.today()}-{device}-profile-{safe}.json"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(text + "\n")
-    print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}", file=sys.stderr)
+    bench.write_run(args.out, doc, "\n".join(lines) + "\n")
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -108,11 +107,7 @@ def main() -> None:
     if args.out is None:
         where = f"{env['device_name'].replace(' ', '-')}" if device == "cuda" else f"cpu{args.threads}"
         args.out = HERE / ("results" if device == "cuda" else "runs") / f"{date}-{where}-kv-speed.json"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
-    print(f"wrote {args.out}", file=sys.stderr)
+    bench.write_run(args.out, doc, "\n".join(table) + "\n")
 
 
 if __name__ == "__main__":

@@ -54,9 +54,24 @@ _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)  # positions per INT4 key scale
 
 
 @triton.jit
-def _spread(x, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
-    """(BLOCK_N, BLOCK_D / GROUP) -> (BLOCK_N, BLOCK_D): each value repeated over its group of GROUP channels."""
-    return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP)), (BLOCK_N, BLOCK_D))
+def _group_values(base, stride_s, offs_n, offs_d, n_ok, D, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """A quantized tile's fp16 scales (or minimums), as fp32 (BLOCK_N, BLOCK_D): with PER_CHANNEL (INT4 keys) one per
+    (group of KEY_GROUP positions, channel); else one per (position, group of GROUP channels), loaded once and
+    spread over its group in registers (loaded at every channel, each thread issued as many 16-bit loads as the
+    tile has channels: an H200's INT8 attention took 701 us a step at 8k positions against bf16's 396, for half
+    the bytes)."""
+    if PER_CHANNEL:
+        at = offs_n[:, None] // _KEY_GROUP * stride_s + offs_d[None, :]
+        x = tl.load(base + at, mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+    else:
+        BLOCK_N: tl.constexpr = offs_n.shape[0]
+        BLOCK_D: tl.constexpr = offs_d.shape[0]
+        groups = tl.arange(0, BLOCK_D // GROUP)
+        mask = n_ok[:, None] & (groups * GROUP < D)[None, :]
+        per_group = tl.load(base + offs_n[:, None] * stride_s + groups[None, :], mask=mask, other=0.0)
+        x = tl.reshape(tl.broadcast_to(per_group.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP)),
+                       (BLOCK_N, BLOCK_D))
+    return x
 
 
 @triton.jit
@@ -72,33 +87,14 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
     if BITS == 0:
         x = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0.0)
     else:
-        if PER_CHANNEL:
-            scale_at = offs_n[:, None] // _KEY_GROUP * stride_scale_s + offs_d[None, :]
-            scale = tl.load(scale_base + scale_at, mask=mask, other=0.0).to(tl.float32)
-        else:
-            # one load a (position, group of GROUP channels), spread over the group in registers: loaded at every
-            # channel, each thread issued as many 16-bit loads as the tile has channels (an H200's INT8 attention
-            # took 701 us a step at 8k positions against bf16's 396, for half the bytes)
-            BLOCK_N: tl.constexpr = offs_n.shape[0]
-            BLOCK_D: tl.constexpr = offs_d.shape[0]
-            groups = tl.arange(0, BLOCK_D // GROUP)
-            scale_at = offs_n[:, None] * stride_scale_s + groups[None, :]
-            group_mask = n_ok[:, None] & (groups * GROUP < D)[None, :]
-            scale = _spread(tl.load(scale_base + scale_at, mask=group_mask, other=0.0).to(tl.float32), BLOCK_N,
-                            BLOCK_D, GROUP)
+        scale = _group_values(scale_base, stride_scale_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
         if BITS == 8:
             codes = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0)
             x = codes.to(tl.float32) * scale
         else:
             packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
             codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte is read for both channels
-            if PER_CHANNEL:
-                min_at = offs_n[:, None] // _KEY_GROUP * stride_min_s + offs_d[None, :]
-                lo = tl.load(min_base + min_at, mask=mask, other=0.0).to(tl.float32)
-            else:
-                min_at = offs_n[:, None] * stride_min_s + groups[None, :]
-                lo = _spread(tl.load(min_base + min_at, mask=group_mask, other=0.0).to(tl.float32), BLOCK_N, BLOCK_D,
-                             GROUP)
+            lo = _group_values(min_base, stride_min_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
             x = codes.to(tl.float32) * scale + lo
     return x.to(DTYPE)
 
@@ -333,8 +329,8 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
       ahead).
     - Live through the loop: q (BLOCK_M, BLOCK_D) as a dot operand, and 8 bytes per row for reductions.
     - In turn within a step, the largest counted: the dequantized K tile (BLOCK_N, BLOCK_D) (two, codes and exact,
-      for INT4 on Hopper; none for INT8 under 16-bit q, whose tiles go from registers into the MMA); the dequantized V tile with the probabilities p (BLOCK_M, BLOCK_N), which the
-      warpgroup MMA takes from registers (INT4 with fp32 q: both of p's parts, the rows' codes and exact shares,
+      for INT4 on Hopper; none for INT8 under 16-bit q, whose tiles go from registers into the MMA); the
+      dequantized V tile with the probabilities p (BLOCK_M, BLOCK_N), which the warpgroup MMA takes from registers (INT4 with fp32 q: both of p's parts, the rows' codes and exact shares,
       staged for the FMA dots side by side); or the fp32 scores (BLOCK_M, BLOCK_N) on their way to the mass buffer.
     """
     q_bytes = sizes["Q"]

@@ -120,8 +120,8 @@ def _gemv_kernel(
         ok = (n_ok & (col < k_end))[:, None]  # whole blocks: K, k0 and the split points are multiples of 32
         at = (offs_n * stride_dn + col // GROUP)[:, None]  # the block's scale (and offset): (tile, 1)
         scale = tl.load(d_ptr + at, mask=ok, other=0).to(tl.float32)
+        first = col + 8 * chunk  # the chunk's columns: first + byte (4 bits: low nibbles; high ones 16 further)
         if BITS == 4:
-            first = col + 8 * chunk  # columns first + byte (low nibbles) and first + 16 + byte (high)
             q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col // 2 + 8 * chunk)[:, None] + byte, mask=ok,
                         other=0)
             if HAS_M:
@@ -131,10 +131,8 @@ def _gemv_kernel(
             w_lo = scale * (q & 0xF).to(tl.float32) + offset
             w_hi = scale * (q >> 4).to(tl.float32) + offset
         else:
-            first = col + 8 * chunk  # columns first + byte
             q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + first[:, None] + byte, mask=ok, other=0)
             w_lo = scale * q.to(tl.float32)
-            w_hi = w_lo  # (unused)
         # x's rows over the dequantized tile in turn, the same code for each: a row's products summed along the
         # chunk within a thread, then added to the row's own sums (the other rows add 0, exactly)
         for r in tl.static_range(BLOCK_M):

@@ -469,7 +469,7 @@ def write_run(out: Path, doc: dict, table: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     out.with_suffix(".md").write_text(table)
-    print(table)
+    print(table, end="" if table.endswith("\n") else "\n")
     print(f"wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
 
 
