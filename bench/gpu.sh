@@ -95,8 +95,9 @@ done_before() {  # done_before NAME: with GPU_RESUME=1, whether NAME's JSON from
     local folder f folders=("$results")
     [[ " ${GPU_RERUN:-} " == *" $1 "* ]] || folders+=(bench/results)
     for folder in "${folders[@]}"; do
-        for f in "$folder"/*-"$gpu"-"$1".json; do  # a whole JSON document: a run stopped midway is run again
-            if [ -f "$f" ] && python3 -c "import json, sys; json.load(open(sys.argv[1]))" "$f" 2>/dev/null; then
+        for f in "$folder"/*-"$gpu"-"$1".json; do  # a whole, complete document: a run stopped midway is run again
+            if [ -f "$f" ] && python3 -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('partial', False))" \
+                    "$f" 2>/dev/null; then
                 echo "gpu.sh: $1 skipped: $f holds it (GPU_RESUME=1)" >&2
                 return 0
             fi

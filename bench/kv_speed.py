@@ -13,7 +13,8 @@ on CUDA its own graphs) runs on them: an 8B shape's configurations cost seconds 
 
 Writes the JSON (every run's figures, the environment, the load average) to --out (default
 bench/runs/DATE-cpuTHREADS-kv-speed.json, on a GPU bench/results/DATE-GPU-kv-speed.json) and the Markdown table
-beside it; prints the table.
+beside it after every round (round 0, the warm-up, is not counted), with "partial": true until the last; prints
+the table each time.
 """
 
 from __future__ import annotations
@@ -69,7 +70,12 @@ def main() -> None:
     else:
         files = open_model(args.model)
     configs = args.configs.split(",")
-    rows, table = [], ["| prompt tokens | config | decode tok/s (median) | vs " + configs[0] + " |", "|---|---|---|---|"]
+    if args.out is None:
+        date, where = datetime.date.today().isoformat(), f"cpu{args.threads}"
+        if bench.resolve(bench.Settings(args.device, args.dtype, "auto", args.threads, 1), 1).device == "cuda":
+            where = torch.cuda.get_device_name().replace(" ", "-")
+        args.out = HERE / ("runs" if where.startswith("cpu") else "results") / f"{date}-{where}-kv-speed.json"
+    done: list[dict] = []  # the rows of the prompt lengths measured
     device = "cpu"
     for n in args.prompt_tokens:
         ctx = n + args.new_tokens + 64
@@ -80,7 +86,7 @@ def main() -> None:
         runs = {c: [] for c in configs}
         with bench.torch_threads(base.threads):
             loaded = bench.load(files, base)
-            for round_ in range(args.repeat + 1):  # round 0 warms up
+            for round_ in range(args.repeat + 1):  # round 0 warms up (compiles, tunes, captures): not counted
                 for c in configs:
                     engine = bench.open_engine(files, settings_for(c, base), loaded)
                     try:
@@ -89,26 +95,41 @@ def main() -> None:
                         del engine
                         bench.release(device)
                     print(f"{n} tokens, {c}: {figures['decode_tok_s']['median']:.1f} tok/s"
+                          + (f" (round {round_})" if round_ else " (warm-up round, not counted)")
                           + "".join(f"; {note}" for note in figures["notes"]), file=sys.stderr)
                     if round_:
                         runs[c].append(figures)
+                if round_:  # written after every round: a run stopped by a time limit keeps what it measured
+                    complete = round_ == args.repeat and n == args.prompt_tokens[-1]
+                    write(args, files, load, device, done + rows_of(n, configs, runs), complete)
             del loaded
             bench.release(device)
-        base_tok_s = statistics.median(f["decode_tok_s"]["median"] for f in runs[configs[0]])
-        for c in configs:
-            tok_s = statistics.median(f["decode_tok_s"]["median"] for f in runs[c])
-            rows.append({"prompt_tokens": n, "config": c, "decode_tok_s": tok_s, "ratio": tok_s / base_tok_s,
-                         "runs": runs[c]})
-            table.append(f"| {n} | {c} | {tok_s:.1f} | {tok_s / base_tok_s:.2f}x |")
-    env = bench.environment(device)
-    doc = {"command": " ".join(sys.argv), "model": files.source.spec, "environment": env,
-           "load_average_start": load, "threads": args.threads, "new_tokens": args.new_tokens, "rows": rows}
-    date = datetime.date.today().isoformat()
-    if args.out is None:
-        where = f"{env['device_name'].replace(' ', '-')}" if device == "cuda" else f"cpu{args.threads}"
-        args.out = HERE / ("results" if device == "cuda" else "runs") / f"{date}-{where}-kv-speed.json"
-    bench.write_run(args.out, doc, "\n".join(table) + "\n")
+        done += rows_of(n, configs, runs)
 
+
+def rows_of(n: int, configs: list[str], runs: dict[str, list[dict]]) -> list[dict]:
+    """One prompt length's rows: each configuration's median decode tok/s over its rounds, and its ratio to the
+    first configuration's."""
+    base_tok_s = statistics.median(f["decode_tok_s"]["median"] for f in runs[configs[0]])
+    rows = []
+    for c in configs:
+        tok_s = statistics.median(f["decode_tok_s"]["median"] for f in runs[c])
+        rows.append({"prompt_tokens": n, "config": c, "decode_tok_s": tok_s, "ratio": tok_s / base_tok_s,
+                     "rounds": len(runs[c]), "runs": runs[c]})
+    return rows
+
+
+def write(args, files, load: float, device: str, rows: list[dict], complete: bool) -> None:
+    """The JSON document and its table; `partial` (true until the last round of the last prompt length) tells a
+    resumed lease (`bench/gpu.sh`, GPU_RESUME) to measure it again."""
+    configs = args.configs.split(",")
+    table = ["| prompt tokens | config | decode tok/s (median) | vs " + configs[0] + " | rounds |", "|---|---|---|---|---|"]
+    table += [f"| {r['prompt_tokens']} | {r['config']} | {r['decode_tok_s']:.1f} | {r['ratio']:.2f}x | {r['rounds']} |"
+              for r in rows]
+    doc = {"command": " ".join(sys.argv), "model": files.source.spec, "environment": bench.environment(device),
+           "load_average_start": load, "threads": args.threads, "new_tokens": args.new_tokens,
+           "partial": not complete, "rows": rows}
+    bench.write_run(args.out, doc, "\n".join(table) + "\n")
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)

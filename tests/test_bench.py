@@ -666,17 +666,21 @@ def test_profile_script_on_a_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_kv_speed_script_runs_every_format_on_one_load(tmp_path):
-    """bench/kv_speed.py on a random shape: every cache format's engine on the weights it loaded once."""
+    """bench/kv_speed.py on a random shape: every cache format's engine on the weights it loaded once; the record
+    written after each counted round (partial until the last), the warm-up round's lines marked as such."""
     import subprocess
     from pathlib import Path
 
     out = tmp_path / "kv.json"
     script = Path(__file__).resolve().parent.parent / "bench" / "kv_speed.py"
     done = subprocess.run([sys.executable, str(script), "--random-weights", "smollm2-135m", "--prompt-tokens", "40",
-                           "--new-tokens", "4", "--repeat", "1", "--threads", "2", "--configs", "auto,int8,int4",
+                           "--new-tokens", "4", "--repeat", "2", "--threads", "2", "--configs", "auto,int8,int4",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
+    assert done.stderr.count("warm-up round, not counted") == 3 and done.stderr.count("(round 2)") == 3
+    assert done.stdout.count("| 40 | int4 |") == 2 and done.stderr.count(f"wrote {out}") == 2
     doc = json.loads(out.read_text())
+    assert doc["partial"] is False and [r["rounds"] for r in doc["rows"]] == [2, 2, 2]
     assert doc["model"] == "random:smollm2-135m" and [r["config"] for r in doc["rows"]] == ["auto", "int8", "int4"]
     assert doc["rows"][0]["ratio"] == 1.0 and all(r["decode_tok_s"] > 0 for r in doc["rows"])
     formats = [r["runs"][0]["memory"]["kv_format"] for r in doc["rows"]]
