@@ -414,12 +414,13 @@ def _device_steps(specs):
 
 # What the tests look for in a launch's PTX: code that compiles, yet computes otherwise than the interpreter does
 def _in_loops(ptx: str) -> str:
-    """The PTX from the first loop's head to the last branch back to a head (between loops too, if several)."""
+    """The PTX of every loop: from each branch back to a label, the lines from that label on (not what lies between
+    one loop and the next: the GEMV's split-K slices meet at a barrier between its two loops)."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\$(\w+):", line))}
     back = [(labels[m.group(1)], i) for i, line in enumerate(lines)
             if (m := re.search(r"\bbra(?:\.uni)?\s+\$(\w+);", line)) and labels.get(m.group(1), i) < i]
-    return "\n".join(lines[min(h for h, _ in back) : max(i for _, i in back)]) if back else ""
+    return "\n".join("\n".join(lines[h:i]) for h, i in back)
 
 
 PTX_FINDINGS = {  # name -> whether a kernel's PTX shows it

@@ -112,6 +112,30 @@ def test_gemv_split_k(bits, offsets, split_k):
     check_close(tqm._gemv(x, qs, d, m, bits, 64, split_k=split_k), x, tqm.dequantize_groups(qs, d, m, bits, 64))
 
 
+@pytest.mark.parametrize("split_k", [2, 5])
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_the_last_slice_sums_every_slice_in_order(bits, offsets, split_k):
+    """Split K in one launch: the slice that finishes last adds every slice's fp32 sums in slice order (bit for bit
+    each slice's own product, summed 0, 1, ...) and sets its counters back to 0, so the next launch starts afresh.
+    (Which slice is last differs on a GPU; here the programs run in order.)"""
+    N, K, group = 70, 640, 32
+    qs, d, m = random_planes(N, K, bits, offsets, group, seed=split_k)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)  # fp32: the slices' sums themselves
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    step = K // split_k // 32 * 32 + (32 if (K // split_k) % 32 else 0)  # the kernel's slice: whole blocks of 32
+    want = torch.zeros(3, N, device=DEVICE)
+    for k0 in range(0, K, step):  # each slice alone, unsplit, the first with the bias
+        k1 = min(k0 + step, K)
+        packed = qs[:, k0 // 2 : k1 // 2] if bits == 4 else qs[:, k0:k1]
+        part = tqm._gemv(x[:, k0:k1].contiguous(), packed.contiguous(), d[:, k0 // group : k1 // group].contiguous(),
+                         None if m is None else m[:, k0 // group : k1 // group].contiguous(), bits, group, 1,
+                         bias if k0 == 0 else None)
+        want += part
+    for _ in range(2):  # twice: the second launch finds the counters as the first found them
+        assert torch.equal(tqm._gemv(x, qs, d, m, bits, group, split_k, bias), want)
+        assert not tqm._split_counters(x.device).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M, split_k", [(1, None), (3, 3), (13, 2), (33, None)])  # decode, split K, 2 launches, GEMM
 def test_the_bias_is_added_once(M, split_k, dtype, monkeypatch):
@@ -168,7 +192,7 @@ def test_every_row_count_has_one_autotuner_key(bias, split_k, monkeypatch):
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                N, K, k_split = args[7:10]
+                N, K, k_split = args[9:12]
                 dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
                 keys.add((dtypes, N, K, k_split, kwargs["BITS"], kwargs["GROUP"]))
                 return tqm._gemv_kernel[grid](*args, **kwargs)
