@@ -45,7 +45,8 @@
 #   profile Where a decode step's time goes (bench/gpu_profile.py): the step through CUDA graphs and eagerly, the
 #           sum of its kernels' own times and their count, the bandwidth floor, the kernels by name; llama3.2-1b at
 #           128 positions (bf16, then W4A16), llama3.1-8b at 8000 (bf16 KV, then int8); last the 1B W4A16 with the
-#           GEMV's K split further (LLMRUN_GEMV_PROGRAMS_PER_SM=8, LLMRUN_GEMV_MIN_SLICE=128).
+#           GEMV's K split further (LLMRUN_GEMV_PROGRAMS_PER_SM=8, LLMRUN_GEMV_MIN_SLICE=128), and 1B bf16 with its
+#           float matmuls on the GEMV instead of cuBLAS (LLMRUN_GEMV_FLOAT=1).
 #   kv      The KV cache formats at long context (issue 7): decode speed at 8k and 32k positions for bf16, int8 and
 #           int4 KV on the 8B shape (quantized KV reads fewer bytes per step), bench/kv_speed.py: one load a length.
 #   memory  The longest context each KV format could hold beside llama3.1-8b's weights (bf16, and 4-bit blocks),
@@ -192,6 +193,12 @@ if [[ $steps == *" profile "* ]]; then
     name=profile-llama3.2-1b-p128-weights-int4-split8x128
     done_before "$name" || LLMRUN_GEMV_PROGRAMS_PER_SM=8 LLMRUN_GEMV_MIN_SLICE=128 python3 bench/gpu_profile.py \
         --random-weights llama3.2-1b --prompt-tokens 128 --weights int4 --out "$results/$stamp-$gpu-$name.json" \
+        || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
+    # the float matmuls through the GEMV instead of cuBLAS (hypothesis 2: cuBLAS's M = 1 matmuls at the 1B shape's
+    # small sizes run well under the bandwidth)
+    name=profile-llama3.2-1b-p128-gemv-float
+    done_before "$name" || LLMRUN_GEMV_FLOAT=1 python3 bench/gpu_profile.py --random-weights llama3.2-1b \
+        --prompt-tokens 128 --out "$results/$stamp-$gpu-$name.json" \
         || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
 fi
 if [[ $steps == *" kv "* ]]; then

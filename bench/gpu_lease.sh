@@ -9,7 +9,7 @@
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
 #   speed   llama3.2-1b at a 128-token prompt, bf16 then W4A16, `--compare`; then bf16 without CUDA graphs
 #   profile where a decode step's time goes (bench/gpu_profile.py): 1B and 8B, bf16, int8 KV, W4A16 (and W4A16
-#           with the GEMV's K split further)
+#           with the GEMV's K split further; 1B bf16 with its float matmuls on the GEMV, not cuBLAS)
 #   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
 #           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1)
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (about 50 s) (its step
@@ -52,9 +52,9 @@ export GPU_RERUN="llama3.2-1b-auto-p128-n128 llama3.2-1b-int4-p128-n128 profile-
 GPU_RERUN+=" profile-llama3.2-1b-p128-weights-int4 qwen-pair-replay-int4 profile-llama3.1-8b-p8000-kv-int8"
 export GPU_RETEST="test_triton_quant_matmul test_triton_attention test_triton_model test_cuda_graphs"
 GPU_PROMPTS=128 step 170 speed llama3.2-1b
-step 150 profile
-GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 100 replay
-PYTEST_ADDOPTS="-n 12" step 130 tests
+step 170 profile
+GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 90 replay
+PYTEST_ADDOPTS="-n 12" step 120 tests
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete
 cat "$RESULTS/lease.log" >&2

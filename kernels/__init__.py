@@ -4,10 +4,12 @@ Triton still runs), the C kernels of `kernels.cpu` for fp32 tensors on the CPU w
 the reference ops elsewhere."""
 
 import dataclasses
+import os
 import warnings
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from . import cpu, ref
 
@@ -27,9 +29,9 @@ def reference_ops(on: bool = True):
     finally:
         _reference = before
 
-__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "failed", "quant_matmul",
-           "quant_rows", "quantized_attention", "rms_norm", "silu_mul", "triton_serves", "write_dense", "write_int4",
-           "write_int8_pair"]
+__all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "failed", "linear",
+           "quant_matmul", "quant_rows", "quantized_attention", "rms_norm", "silu_mul", "triton_serves", "write_dense",
+           "write_int4", "write_int8_pair"]
 
 
 def _use_cpu_kernels(x: torch.Tensor, dtype=None) -> bool:
@@ -279,6 +281,18 @@ def cpu_kernels_serve(x: torch.Tensor) -> bool:
     """Whether the C kernels serve x (fp32 on the CPU, kernels built, not inside `reference_ops`): where callers
     outside kernels/ (the KV cache's INT4 writes) take their C path."""
     return _use_cpu_kernels(x)
+
+
+def linear(x, weight, bias=None):
+    """x (..., K) @ weight^T (+ bias) -> (..., N): a float linear layer. cuBLAS (F.linear), except on CUDA with
+    LLMRUN_GEMV_FLOAT=1, where up to 16 rows in 16 bits run the Triton GEMV (`triton_quant_matmul.float_linear`): an
+    experiment the GPU profiles measure against cuBLAS (`bench/gpu.sh`), not the default until one wins."""
+    if (_use_triton(x) and os.environ.get("LLMRUN_GEMV_FLOAT") == "1" and x.numel() <= 16 * x.shape[-1]
+            and x.shape[-1] % 32 == 0 and weight.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)):
+        from .triton_quant_matmul import float_linear
+
+        return _triton("float_linear", lambda: float_linear(x, weight, bias), lambda: F.linear(x, weight, bias))
+    return F.linear(x, weight, bias)
 
 
 def quant_matmul(x, qs, d, m, bits: int, bias=None):

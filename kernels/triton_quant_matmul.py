@@ -90,9 +90,10 @@ def _gemv_kernel(
     slice's fp32 sums go to parts (SPLIT_K, M, N) and the last slice of a column block to finish, as count (one
     int32 a column block, 0 before the launch and after it) tells, sums them into out.
 
-    W's tile is 2-d with a row per (column of W, block of 32 along K, 8-byte chunk of the block): 8 bytes of W (16
+    W's tile is 2-d with a row per (column of W, block of 32 along K, chunk of the block): 8 bytes of W (16
     nibbles: columns first + 0..7 low and first + 16 + 0..7 high; or 8 int8), one 64-bit load, and x's 8 values
-    for each half alike, one 128-bit load in 16 bits. A thread holds whole tile rows, so a row of x's products is
+    for each half alike, one 128-bit load in 16 bits. BITS 16: W itself in x's dtype (no scales), 8 columns a
+    chunk, one 128-bit load in 16 bits (`float_linear`). A thread holds whole tile rows, so a row of x's products is
     summed along the chunk within the thread and added to that row's fp32 sums, (tile, M): nothing crosses
     threads, and nothing waits at a barrier, inside the loop (sm_90 SASS checked here); the sums across the chunks
     of a column come once, after it. (The kernel of 2026-11-25 reduced each step's tile across threads, a barrier
@@ -107,7 +108,7 @@ def _gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB: tl.constexpr = BLOCK_K // 32  # blocks of 32 columns a step
-    CH: tl.constexpr = 2 if BITS == 4 else 4  # 8-byte chunks of a block: 32 nibbles, or 32 int8
+    CH: tl.constexpr = 2 if BITS == 4 else 4  # chunks of 8 columns a block: 32 nibbles, or 32 int8 or floats
     tile = tl.arange(0, BLOCK_N * NB * CH)  # tile row: (column of W, block, chunk)
     offs_n = pid_n * BLOCK_N + tile // (NB * CH)
     n_ok = offs_n < N
@@ -123,8 +124,12 @@ def _gemv_kernel(
         col = tl.multiple_of(k0, 32) + 32 * block  # (tile,) the block's first column
         ok = (n_ok & (col < k_end))[:, None]  # whole blocks: K, k0 and the split points are multiples of 32
         at = (offs_n * stride_dn + col // GROUP)[:, None]  # the block's scale (and offset): (tile, 1)
-        scale = tl.load(d_ptr + at, mask=ok, other=0).to(tl.float32)
         first = col + 8 * chunk  # the chunk's columns: first + byte (4 bits: low nibbles; high ones 16 further)
+        if BITS == 16:  # float weights, as they are
+            w_lo = tl.load(qs_ptr + offs_n[:, None] * stride_qn + first[:, None] + byte, mask=ok, other=0)
+            w_lo = w_lo.to(tl.float32)
+        else:
+            scale = tl.load(d_ptr + at, mask=ok, other=0).to(tl.float32)
         if BITS == 4:
             q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col // 2 + 8 * chunk)[:, None] + byte, mask=ok,
                         other=0)
@@ -134,7 +139,7 @@ def _gemv_kernel(
                 offset = -8.0 * scale
             w_lo = scale * (q & 0xF).to(tl.float32) + offset
             w_hi = scale * (q >> 4).to(tl.float32) + offset
-        else:
+        elif BITS == 8:
             q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + first[:, None] + byte, mask=ok, other=0)
             w_lo = scale * q.to(tl.float32)
         # x's rows over the dequantized tile in turn, the same code for each: a row's products summed along the
@@ -293,6 +298,29 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         BLOCK_M=DECODE_ROWS, **blocks,
     )
     return y
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) for up to VERIFY_ROWS rows of x, weight (N, K) in x's dtype (fp16 or bf16: a tile
+    row of 8 fp32 weights would span two threads), K a multiple of 32: the GEMV above on float weights (BITS 16),
+    fp32 sums rounded once, bias added in them. For cuBLAS's M = 1
+    matmuls that fall short of the bandwidth at small sizes (an H200's 1B qkv and o: 5.8 µs each for 12.6 and
+    8.4 MB; `bench/GPU_NOTES.md`, hypothesis 2). `kernels.linear` runs it only when asked (LLMRUN_GEMV_FLOAT=1)."""
+    N, K = weight.shape
+    if (weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16) or K % 32 or x.shape[-1] != K
+            or x.numel() // K > VERIFY_ROWS):
+        raise ValueError(f"float_linear takes up to {VERIFY_ROWS} rows of x (..., K) and weight (N, K), both fp16 or "
+                         f"bf16, K a multiple of 32; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    y = x2.new_empty(x2.shape[0], N)
+    for r0 in range(0, x2.shape[0], DECODE_ROWS):
+        _gemv(x2[r0 : r0 + DECODE_ROWS], weight, weight, None, 16, 32, bias=bias, out=y[r0 : r0 + DECODE_ROWS])
+    return y.reshape(*x.shape[:-1], N)
 
 
 def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:

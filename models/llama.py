@@ -3,8 +3,8 @@
 
 Module names are ours (`layers.3.attn.qkv`); loaders map HF and GGUF tensor names onto them explicitly,
 concatenating the q/k/v and gate/up projections that checkpoints store apart.
-Linear layers are plain `nn.Linear` here; the loader swaps in `models.quant` layers for weights it keeps
-quantized.
+Linear layers are `nn.Linear` run through `kernels.linear` (`Linear`); the loader swaps in `models.quant` layers for
+weights it keeps quantized.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import dataclasses
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from llmrun import kernels
 
@@ -23,6 +22,13 @@ from .quant import QuantEmbedding, QuantLinear
 
 
 STACK_MAX_TOKENS = 16  # forwards of up to this many tokens run through the CPU's whole-stack call
+
+
+class Linear(nn.Linear):
+    """An `nn.Linear` whose forward is `kernels.linear`, the one dispatch point for float matmuls."""
+
+    def forward(self, x):
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -41,8 +47,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # q, k and v projections as one matmul: rows [q (Hq*D); k (Hkv*D); v (Hkv*D)]
-        self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.attention_bias)
-        self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.qkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.attention_bias)
+        self.o = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x, cos, sin, start_pos: int, cache, window):
         B, T, _ = x.shape
@@ -70,8 +76,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ffn_dim = cfg.ffn_dim
-        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # rows [gate; up]: one matmul
-        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gate_up = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # rows [gate; up]: one matmul
+        self.down = Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x):
         gate_up = self.gate_up(x)
@@ -122,7 +128,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Divisors of the RoPE frequencies (GGUF `rope_freqs`, Llama 3.1); None when the config says it all.
         self.rope_freq_factors: list[float] | None = None
         self._cos = self._sin = None  # (positions, D) fp32 tables, grown on demand
@@ -251,5 +257,5 @@ class Transformer(nn.Module):
         elif isinstance(self.embed, QuantEmbedding):
             logits = self.embed.project(x)  # tied, quantized
         else:
-            logits = F.linear(x, self.embed.weight)
+            logits = kernels.linear(x, self.embed.weight)
         return logits.float()

@@ -143,6 +143,7 @@ def _record(sm_count):
         mp.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         mp.setattr(triton_quant_matmul, "_sm_count", lambda index: sm_count)
         mp.setattr(kernels, "_triton", lambda name, run, fallback: run())  # no silent fallback to PyTorch
+        mp.setenv("LLMRUN_GEMV_FLOAT", "1")  # float linears through the GEMV too (an experiment GPU profiles run)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny tensors: threads only contend
         try:
@@ -233,7 +234,7 @@ def _quant_matmul(shape, dtype):
     """Each linear layer of the model in blocks of 32 (GGUF's Q4_1, Q4_0, Q8_0) for 1 to 16 rows of activations (the
     GEMV kernel, split-K by SM count, 8 rows a launch) and for 17 (W dequantized for torch.matmul), and the
     embedding's rows looked up; AWQ's groups of 64 and 128 through the kernel's own API (the model's layers hold
-    blocks of 32)."""
+    blocks of 32); and each linear layer on float weights through the GEMV (LLMRUN_GEMV_FLOAT=1)."""
     from llmrun import kernels
     from llmrun.kernels.triton_quant_matmul import quant_linear
 
@@ -252,6 +253,10 @@ def _quant_matmul(shape, dtype):
             N, K = min((N, K) for N, K in linears if K % group == 0)
             for M in (1, 8) + prefill:
                 quant_linear(torch.zeros(1, M, K, dtype=dtype), *_planes(N, K, bits, offsets, group), bits, group)
+    for N, K in linears:  # float weights (LLMRUN_GEMV_FLOAT=1): the GEMV without scales
+        w = torch.empty(N, K, dtype=dtype)  # never read: no memory for the vocabulary's rows
+        for M in (1, 8, 13):
+            kernels.linear(torch.zeros(1, M, K, dtype=dtype), w)
 
 
 def _planes(N, K, bits, offsets, group):

@@ -136,6 +136,60 @@ def test_the_last_slice_sums_every_slice_in_order(bits, offsets, split_k):
         assert not tqm._split_counters(x.device).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+@pytest.mark.parametrize("N, K, M, split_k", [(1, 32, 1, None), (70, 576, 3, 3), (257, 96, 8, None),
+                                              (33, 2048, 13, 4), (130, 320, 16, 2)])
+def test_float_linear(N, K, M, split_k, dtype, monkeypatch):
+    """The GEMV on 16-bit float weights (BITS 16, LLMRUN_GEMV_FLOAT=1): x @ W^T + b within the tolerance rule, any
+    N, K a multiple of 32, 1 to 16 rows, split K or not; each row the bits it has alone."""
+    if split_k:
+        monkeypatch.setattr(tqm, "_default_split_k", lambda x, N, K: split_k)
+    g = torch.Generator().manual_seed(N + K + M)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, dtype)
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(N, generator=g).to(DEVICE, dtype)
+    got = tqm.float_linear(x, w, bias)
+    want = x.float() @ w.float().T + bias.float()
+    torch_err = ((x @ w.T + bias).float() - want).abs().max().item()
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert (got.float() - want).abs().max().item() <= 2 * torch_err + ATOL[dtype] * want.abs().max().item()
+    for r in (0, M - 1):
+        assert torch.equal(tqm.float_linear(x[r : r + 1], w, bias)[0], got[r])
+
+
+def test_float_linear_refuses_what_it_cannot_run():
+    w = torch.zeros(8, 64, device=DEVICE).half()
+    for x, weight in [(torch.zeros(1, 64, device=DEVICE), w), (torch.zeros(1, 64, device=DEVICE), w.float()),
+                      (torch.zeros(17, 64, device=DEVICE).half(), w),
+                      (torch.zeros(1, 48, device=DEVICE).half(), w[:, :48])]:
+        with pytest.raises(ValueError, match="float_linear takes up to 16 rows"):
+            tqm.float_linear(x, weight)
+
+
+def test_linear_runs_the_gemv_only_when_asked(monkeypatch):
+    """`kernels.linear`: F.linear, unless on CUDA (faked here) with LLMRUN_GEMV_FLOAT=1 and at most 16 rows in 16
+    bits whose K divides into blocks of 32; never inside `reference_ops`."""
+    import torch.nn.functional as F
+
+    from llmrun import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "_use_triton", lambda x: not kernels._reference)
+    monkeypatch.setattr(tqm, "float_linear", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
+    w = torch.randn(40, 64).half()
+    for rows in (1, 16, 17):
+        kernels.linear(torch.randn(1, rows, 64).half(), w)
+    assert calls == []
+    monkeypatch.setenv("LLMRUN_GEMV_FLOAT", "1")
+    for rows in (1, 16, 17):
+        kernels.linear(torch.randn(1, rows, 64).half(), w)
+    kernels.linear(torch.randn(1, 1, 48).half(), torch.randn(40, 48).half())  # K not in blocks of 32
+    kernels.linear(torch.randn(1, 1, 64), w.float())  # fp32
+    with kernels.reference_ops():
+        kernels.linear(torch.randn(1, 1, 64).half(), w)
+    assert calls == [(1, 1, 64), (1, 16, 64)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M, split_k", [(1, None), (3, 3), (13, 2), (33, None)])  # decode, split K, 2 launches, GEMM
 def test_the_bias_is_added_once(M, split_k, dtype, monkeypatch):
