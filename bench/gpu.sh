@@ -10,7 +10,8 @@
 # '_' and '-'); a summary table of the runs of this call comes last. For the lent machine (no package index, at
 # most 64 MiB carried a call, at most 8 files back from $OUT), `bash bench/gpu_prepare.sh` here fills .whl/ and
 # .gpu-model/ and prints the calls to make, one a step, each tarring its results into $OUT.
-# A shorter lease: GPU_PROMPTS (the speed step's prompt lengths, default "128 8000"), GPU_KV_REPEAT (the kv step's
+# A shorter lease: GPU_PROMPTS (the speed step's prompt lengths, default "128 8000"), GPU_WEIGHTS (its weights,
+# default "auto int4"), GPU_KV_REPEAT (the kv step's
 # timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (default: all); and
 # bench/gpu_lease.sh, every step in one call, each under a time limit of its own. GPU_RESUME=1 goes on where the
 # committed results of the same GPU model stop: a run whose JSON bench/results/ holds, or a test its logs record as
@@ -44,9 +45,9 @@
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
 #   profile Where a decode step's time goes (bench/gpu_profile.py): the step through CUDA graphs and eagerly, the
 #           sum of its kernels' own times and their count, the bandwidth floor, the kernels by name; llama3.2-1b at
-#           128 positions (bf16, then W4A16), llama3.1-8b at 8000 (bf16 KV, then int8); last the 1B W4A16 with the
-#           GEMV's K split further (LLMRUN_GEMV_PROGRAMS_PER_SM=8, LLMRUN_GEMV_MIN_SLICE=128), and 1B bf16 with its
-#           float matmuls on the GEMV instead of cuBLAS (LLMRUN_GEMV_FLOAT=1).
+#           128 positions (bf16, W4A16, W4A16 with the GEMV's K split further: LLMRUN_GEMV_PROGRAMS_PER_SM=8,
+#           LLMRUN_GEMV_MIN_SLICE=128, bf16 with its float matmuls on the GEMV instead of cuBLAS: LLMRUN_GEMV_FLOAT=1),
+#           llama3-8b at 128, llama3.1-8b at 8000 (int8 KV, then bf16).
 #   kv      The KV cache formats at long context (issue 7): decode speed at 8k and 32k positions for bf16, int8 and
 #           int4 KV on the 8B shape (quantized KV reads fewer bytes per step), bench/kv_speed.py: one load a length.
 #   memory  The longest context each KV format could hold beside llama3.1-8b's weights (bf16, and 4-bit blocks),
@@ -169,7 +170,7 @@ if [[ $steps == *" sweep "* ]]; then
 fi
 if [[ $steps == *" speed "* ]]; then
     for shape in "${shapes[@]}"; do
-        for weights in auto int4; do
+        for weights in ${GPU_WEIGHTS:-auto int4}; do
             for prompt in ${GPU_PROMPTS:-128 8000}; do
                 bench "$shape-$weights-p$prompt-n128" --random-weights "$shape" --weights "$weights" \
                     --prompt-tokens "$prompt" --new-tokens 128 --ctx 8192 --compare
@@ -180,26 +181,24 @@ if [[ $steps == *" speed "* ]]; then
         --prompt-tokens 128 --new-tokens 128 --ctx 8192
 fi
 if [[ $steps == *" profile "* ]]; then
-    # name SHAPE PROMPT [ARGS...]: where a decode step's time goes (bench/gpu_profile.py)
-    for run in "llama3.2-1b 128" "llama3.1-8b 8000" "llama3.1-8b 8000 --kv int8" "llama3.2-1b 128 --weights int4"; do
-        set -- $run
-        name="profile-$1-p$2${3:+-${3#--}-$4}"
-        done_before "$name" && continue
-        python3 bench/gpu_profile.py --random-weights "$1" --prompt-tokens "$2" "${@:3}" \
+    profile() {  # profile SUFFIX SHAPE PROMPT [ARGS...]: where a decode step's time goes (bench/gpu_profile.py), under
+        # the variables set before the call; in the order below, so that a step cut off by its limit keeps the first
+        local name="profile-$2-p$3${4:+-${4#--}-$5}$1"
+        done_before "$name" && return 0
+        python3 bench/gpu_profile.py --random-weights "$2" --prompt-tokens "$3" "${@:4}" \
             --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
-    done
+    }
+    profile "" llama3.2-1b 128
+    profile "" llama3.2-1b 128 --weights int4
     # the W4A16 GEMV with K split further: about 8 programs an SM, slices down to 128 columns (about 2 by default,
     # 512: too few loads in flight to cover the memory's latency?)
-    name=profile-llama3.2-1b-p128-weights-int4-split8x128
-    done_before "$name" || LLMRUN_GEMV_PROGRAMS_PER_SM=8 LLMRUN_GEMV_MIN_SLICE=128 python3 bench/gpu_profile.py \
-        --random-weights llama3.2-1b --prompt-tokens 128 --weights int4 --out "$results/$stamp-$gpu-$name.json" \
-        || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
+    LLMRUN_GEMV_PROGRAMS_PER_SM=8 LLMRUN_GEMV_MIN_SLICE=128 profile -split8x128 llama3.2-1b 128 --weights int4
     # the float matmuls through the GEMV instead of cuBLAS (hypothesis 2: cuBLAS's M = 1 matmuls at the 1B shape's
     # small sizes run well under the bandwidth)
-    name=profile-llama3.2-1b-p128-gemv-float
-    done_before "$name" || LLMRUN_GEMV_FLOAT=1 python3 bench/gpu_profile.py --random-weights llama3.2-1b \
-        --prompt-tokens 128 --out "$results/$stamp-$gpu-$name.json" \
-        || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
+    LLMRUN_GEMV_FLOAT=1 profile -gemv-float llama3.2-1b 128
+    profile "" llama3-8b 128  # issue 4's headline shape at a short context: its graph step against the floor
+    profile "" llama3.1-8b 8000 --kv int8
+    profile "" llama3.1-8b 8000
 fi
 if [[ $steps == *" kv "* ]]; then
     # llama3.1-8b: llama3-8b's shape with a 128k context. bench/kv_speed.py loads the weights once a prompt length and

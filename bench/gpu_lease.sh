@@ -7,9 +7,10 @@
 #     LLMRUN_COMMIT=$(git rev-parse --short HEAD) RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf $OUT/r.tgz -C /tmp/r .
 #
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
-#   speed   llama3.2-1b at a 128-token prompt, bf16 then W4A16, `--compare`; then bf16 without CUDA graphs
-#   profile where a decode step's time goes (bench/gpu_profile.py): 1B and 8B, bf16, int8 KV, W4A16 (and W4A16
-#           with the GEMV's K split further; 1B bf16 with its float matmuls on the GEMV, not cuBLAS)
+#   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare` (its bf16 torch.compile baseline included)
+#   profile where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16 (and W4A16 with the GEMV's
+#           K split further; bf16 with its float matmuls on the GEMV, not cuBLAS), llama3-8b at 128 positions,
+#           llama3.1-8b at 8000 with int8 KV
 #   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
 #           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1)
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (about 50 s) (its step
@@ -24,7 +25,7 @@
 # about 130 s; the kernel test files 49 s (+ start-up), the model files far longer (14 of 73 tests in 120 s: they
 # autotune every kernel at every shape); the replay 50 s; kv_speed at 8k 110 s for two rounds, at 32k more than
 # 150 s for one (left out here). The memory step's figures are committed; the embedded model's file travels in two
-# calls and is left out. The steps' limits total 550 s: give the call 580.
+# calls and is left out. The steps' limits total 520 s: give the call 580.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export RESULTS=${RESULTS:-bench/results}
@@ -43,16 +44,18 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 
 export GPU_RESUME=1
 # measured again: what the GEMV's third version (6c314d3: the tile dequantized once for every row of x, no barrier
-# or shuffle in its loop) changes, against the fourth lease's 509.3 tok/s, its 1.40 ms of GEMV a 1B step, and the
-# Qwen pair's 9-token block at 5.03 steps; the 1B bf16 step without RoPE's two table copies a layer (dccaf4c),
-# against 789.1 tok/s and a 1.218 ms graph step; the 8B's INT8 attention with its scales loaded once a group
-# (against 701 us a step at 8k) (bench/GPU_NOTES.md has the predictions); the tests of what
-# changed since (the GEMV, the attention's autotuner key, the embedding's lookup) run again though they passed
-export GPU_RERUN="llama3.2-1b-auto-p128-n128 llama3.2-1b-int4-p128-n128 profile-llama3.2-1b-p128"
-GPU_RERUN+=" profile-llama3.2-1b-p128-weights-int4 qwen-pair-replay-int4 profile-llama3.1-8b-p8000-kv-int8"
+# or shuffle in its loop) and its split-K summed in its own launch (3935e34) change, against the fourth lease's 509.3
+# tok/s, its 1.40 ms of GEMV a 1B step, and the Qwen pair's 9-token block at 5.03 steps; the 1B bf16 step without
+# RoPE's two table copies a layer (dccaf4c), against a 1.218 ms graph step (the profile; its `llmrun bench` is left
+# for a later lease); the 8B's INT8 attention with its scales loaded once a group (against 701 us a step at 8k).
+# New: the 1B's float matmuls on the GEMV (LLMRUN_GEMV_FLOAT=1) against cuBLAS, and llama3-8b's graph step at 128
+# positions against its floor (issue 4's headline shape). bench/GPU_NOTES.md has the predictions. The tests of what
+# changed since (the GEMV, the attention's autotuner key, the embedding's lookup) run again though they passed.
+export GPU_RERUN="llama3.2-1b-int4-p128-n128 profile-llama3.2-1b-p128 profile-llama3.2-1b-p128-weights-int4"
+GPU_RERUN+=" qwen-pair-replay-int4 profile-llama3.1-8b-p8000-kv-int8"
 export GPU_RETEST="test_triton_quant_matmul test_triton_attention test_triton_model test_cuda_graphs"
-GPU_PROMPTS=128 step 170 speed llama3.2-1b
-step 170 profile
+GPU_WEIGHTS=int4 GPU_PROMPTS=128 step 110 speed llama3.2-1b
+step 200 profile
 GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 90 replay
 PYTEST_ADDOPTS="-n 12" step 120 tests
 # a run cut off by its step's limit leaves its JSON empty or half-written

@@ -35,7 +35,7 @@ run() {  # run N STEPS [SHAPE...]: the command of device call N, its results tar
 cat <<CALLS
 
 A 15-minute lease (the machine's start included): one device call, carry [".whl", ".gpu-model/tokenizer.gguf"],
-timeout_s 580 (its steps' limits total 550), going on where bench/results/ stops (bench/gpu_lease.sh); while the
+timeout_s 580 (its steps' limits total 520), going on where bench/results/ stops (bench/gpu_lease.sh); while the
 machine is warm (30 s) and the budget allows, a second call for the KV step (the command is in gpu_lease.sh's
 header); then give the machine back:
      LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf \$OUT/r.tgz -C /tmp/r .
