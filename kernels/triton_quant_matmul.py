@@ -79,6 +79,30 @@ def _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
 
 
 @triton.jit
+def _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0, k_end, stride_qn, stride_dn,
+              BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr):
+    """`_gemv_kernel`'s tile of W for the step at column k0, as stored -> (q (tile, 8), scale (tile, 1), offset
+    (tile, 1)): the codes (or BITS 16 the weights) and each tile row's block scale and offset in fp16 (0 where not
+    read: BITS 16, no offsets, or past k_end)."""
+    col = tl.multiple_of(k0, 32) + 32 * block
+    ok = (n_ok & (col < k_end))[:, None]
+    at = (offs_n * stride_dn + col // GROUP)[:, None]
+    if BITS == 4:  # the chunk's 8 bytes: low nibbles columns first + 0..7, high ones 16 further
+        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col // 2 + 8 * chunk)[:, None] + byte, mask=ok, other=0)
+    else:
+        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col + 8 * chunk)[:, None] + byte, mask=ok, other=0)
+    if BITS == 16:
+        scale = tl.zeros(at.shape, dtype=tl.float16)
+    else:
+        scale = tl.load(d_ptr + at, mask=ok, other=0)
+    if HAS_M:
+        offset = tl.load(m_ptr + at, mask=ok, other=0)
+    else:
+        offset = tl.zeros(at.shape, dtype=tl.float16)
+    return q, scale, offset
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr,
     M, N, K, K_SPLIT, SPLIT_K,  # K_SPLIT: a multiple of 32, the slice of K one program covers; SPLIT_K slices
@@ -120,28 +144,32 @@ def _gemv_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the output columns
     rows = tl.arange(0, BLOCK_M)[None, :]
     acc = tl.zeros((BLOCK_N * NB * CH, BLOCK_M), dtype=tl.float32)  # each row of x's sums, in the tile's layout
+    # W's tile for a step is loaded a step ahead (raw bytes and scales, few registers): its loads are in flight
+    # while the step before is computed, rather than each step waiting out the memory's latency from its start
+    q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k_begin, k_end, stride_qn,
+                                 stride_dn, BITS, GROUP, HAS_M)
     for k0 in range(k_begin, k_end, BLOCK_K):
         col = tl.multiple_of(k0, 32) + 32 * block  # (tile,) the block's first column
         ok = (n_ok & (col < k_end))[:, None]  # whole blocks: K, k0 and the split points are multiples of 32
-        at = (offs_n * stride_dn + col // GROUP)[:, None]  # the block's scale (and offset): (tile, 1)
         first = col + 8 * chunk  # the chunk's columns: first + byte (4 bits: low nibbles; high ones 16 further)
+        q_now, scale_now, offset_now = q, scale, offset
+        q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0 + BLOCK_K, k_end,
+                                     stride_qn, stride_dn, BITS, GROUP, HAS_M)  # the next step's (none past k_end)
         if BITS == 16:  # float weights, as they are
-            w_lo = tl.load(qs_ptr + offs_n[:, None] * stride_qn + first[:, None] + byte, mask=ok, other=0)
-            w_lo = w_lo.to(tl.float32)
+            w_lo = q_now.to(tl.float32)
+            w_hi = w_lo  # (unused)
         else:
-            scale = tl.load(d_ptr + at, mask=ok, other=0).to(tl.float32)
-        if BITS == 4:
-            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col // 2 + 8 * chunk)[:, None] + byte, mask=ok,
-                        other=0)
+            scale_now = scale_now.to(tl.float32)
             if HAS_M:
-                offset = tl.load(m_ptr + at, mask=ok, other=0).to(tl.float32)
+                offset_now = offset_now.to(tl.float32)
             else:
-                offset = -8.0 * scale
-            w_lo = scale * (q & 0xF).to(tl.float32) + offset
-            w_hi = scale * (q >> 4).to(tl.float32) + offset
-        elif BITS == 8:
-            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + first[:, None] + byte, mask=ok, other=0)
-            w_lo = scale * q.to(tl.float32)
+                offset_now = -8.0 * scale_now
+            if BITS == 4:
+                w_lo = scale_now * (q_now & 0xF).to(tl.float32) + offset_now
+                w_hi = scale_now * (q_now >> 4).to(tl.float32) + offset_now
+            else:
+                w_lo = scale_now * q_now.to(tl.float32)
+                w_hi = w_lo  # (unused)
         # x's rows over the dequantized tile in turn, the same code for each: a row's products summed along the
         # chunk within a thread, then added to the row's own sums (the other rows add 0, exactly)
         for r in tl.static_range(BLOCK_M):
