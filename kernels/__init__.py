@@ -196,7 +196,13 @@ def dequantized_row_blocks(kv: ref.QuantizedKV, T: int, dtype: torch.dtype):
     between them, [nq before, nq), which are written over in place. So the runs' k, v are views of one buffer:
     use each before taking the next. (A 512-token prompt chunk has 16 runs; dequantizing the whole cache for each
     made an H200's INT4 prefill 18x slower than bf16's.)"""
-    if kv.bits == 8:
+    if kv.bits == 8:  # one run; on CUDA one launch for K and V (five torch passes over fp32 each otherwise)
+        if _use_triton(kv.k) and kv.k.stride() == kv.v.stride() and kv.k_scale.stride() == kv.v_scale.stride():
+            from .kv_dequantize import int8_pair
+
+            yield 0, T, *_triton("kv_dequantize", lambda: int8_pair(kv.k, kv.v, kv.k_scale, kv.v_scale, dtype),
+                                 lambda: tuple(x.to(dtype) for x in ref.dequantize_kv(kv)))
+            return
         for r0, r1, k, v in ref.quantized_row_blocks(kv, T):
             yield r0, r1, k.to(dtype), v.to(dtype)
         return

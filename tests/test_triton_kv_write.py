@@ -133,3 +133,44 @@ def test_int4_write_quantizes_a_group_as_the_group_quantizer():
     codes, scale, lo = ref.quantize_int4_channels(keys)
     assert torch.equal(layer[0][:, :, 32:64], codes) and torch.equal(layer[2][:, :, 1], scale[:, :, 0])
     assert torch.equal(layer[3][:, :, 1], lo[:, :, 0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, H, S, C, D", [(1, 3, 1, 40, 64), (1, 1, 300, 310, 80), (2, 2, 65, 65, 96),
+                                           (1, 8, 1000, 1100, 128), (1, 2, 20, 20, 256)])
+def test_int8_dequantized_whole_is_the_reference_bit_for_bit(dtype, B, H, S, C, D):
+    """kv_dequantize.int8_pair: a layer's INT8 keys and values (views of the first S of C slots of a larger buffer),
+    dequantized in one launch to the reference's values (`ref.dequantize_int8`, rounded once to dtype)."""
+    from llmrun.kernels import kv_dequantize
+
+    group = ref.kv_group(D)
+    codes = garbage_like((3, 2, B, H, C, D), torch.int8, 5)[1]
+    scales = (garbage_like((3, 2, B, H, C, D // group), torch.float16, 6)[1].abs() * 0.05).to(torch.float16)
+    k, v = (x[:, :, :S] for x in codes)
+    k_scale, v_scale = (x[:, :, :S] for x in scales)
+    got_k, got_v = kv_dequantize.int8_pair(k, v, k_scale, v_scale, dtype)
+    assert got_k.is_contiguous() and got_k.dtype == dtype and got_k.shape == (B, H, S, D)
+    assert torch.equal(got_k, ref.dequantize_int8(k, k_scale).to(dtype))
+    assert torch.equal(got_v, ref.dequantize_int8(v, v_scale).to(dtype))
+
+
+def test_a_prompt_over_an_int8_cache_reads_it_dequantized_in_one_launch(monkeypatch):
+    """`kernels.quantized_attention` for a prompt chunk (more than 16 rows) over an INT8 cache on CUDA (faked here)
+    attends over the one-launch dequantization, and gives what it gives over the reference's."""
+    from llmrun import kernels
+    from llmrun.kernels import kv_dequantize
+
+    B, H, S, T, D = 1, 2, 70, 20, 64
+    group = ref.kv_group(D)
+    codes = garbage_like((2, B, H, 80, D), torch.int8, 7)
+    scales = (garbage_like((2, B, H, 80, D // group), torch.float16, 8).abs() * 0.05).to(torch.float16)
+    kv = ref.QuantizedKV(8, codes[0, :, :, :S], codes[1, :, :, :S], scales[0, :, :, :S], scales[1, :, :, :S])
+    q = torch.randn(B, T, 4, D).to(DEVICE)
+    want = kernels.quantized_attention(q, kv)
+    calls = []
+    real = kv_dequantize.int8_pair
+    monkeypatch.setattr(kv_dequantize, "int8_pair", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "_use_triton", lambda x: True)
+    monkeypatch.setattr(kernels, "_cpu_reads", lambda q, kv, mass: False)  # the C kernels would read the codes
+    got = kernels.quantized_attention(q, kv)
+    assert calls == [1] and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
