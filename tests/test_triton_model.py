@@ -32,8 +32,8 @@ def triton_everywhere(monkeypatch):
     ran = set()
     for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rope_"), (activation, "silu_mul"),
                          (decode_attention, "decode_attention"), (decode_attention, "quantized_decode_attention"),
-                         (triton_quant_matmul, "quant_linear"), (kv_write, "write_int8_pair"), (kv_write, "write_int4"),
-                         (kv_write, "write_dense")]:
+                         (triton_quant_matmul, "quant_linear"), (triton_quant_matmul, "float_linear"),
+                         (kv_write, "write_int8_pair"), (kv_write, "write_int4"), (kv_write, "write_dense")]:
         def spy(*args, _f=getattr(module, name), _name=name, **kwargs):
             ran.add(_name)
             return _f(*args, **kwargs)
@@ -94,6 +94,37 @@ def test_a_verification_block_gives_each_row_a_one_token_steps_logits(tmp_path, 
     block = run(packed, tokens, [30, 9], kv_format)[30:]
     steps = run(packed, tokens, [30] + [1] * 9, kv_format)[30:]
     assert torch.equal(block, steps)
+
+
+@pytest.mark.slow
+def test_float_weights_on_the_gemv(tmp_path, triton_everywhere, row_by_row_dot, monkeypatch):
+    """LLMRUN_GEMV_FLOAT=1 (an experiment the GPU profiles measure): a float model's decode steps and verification
+    blocks run their linear layers on the GEMV. fp16 (the GEMV takes 16-bit weights): the logits of the same model
+    on F.linear, within fp16's rounding, and a block of 9 tokens gives each row, bit for bit, a one-token step's."""
+    from llmrun.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "SPLIT_LEN", 16)
+    model = random_model(dataclasses.replace(CONFIGS["qwen2"], head_dim=32))  # q/k/v biases: added in the GEMV
+    path = write_gguf(tmp_path / "tiny-qwen2-F16.gguf", model, qtype="F16")
+    plain = load_model(str(path), DEVICE, "fp16", "auto").model
+    tokens = torch.randint(0, model.config.vocab_size, (1, 39), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def run16(pieces):
+        cache = KVCache.for_model(plain, 64, torch.float16, DEVICE)
+        out, start = [], 0
+        with torch.no_grad():
+            for size in pieces:
+                out.append(plain(tokens[:, start : start + size], start, cache)[0])
+                start += size
+        return torch.cat(out)[30:]
+
+    want = run16([30, 9])
+    assert "float_linear" not in triton_everywhere
+    monkeypatch.setenv("LLMRUN_GEMV_FLOAT", "1")
+    block, steps = run16([30, 9]), run16([30] + [1] * 9)
+    assert "float_linear" in triton_everywhere
+    assert torch.equal(block, steps)
+    torch.testing.assert_close(block, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 def test_a_decode_step_adds_each_residual_inside_a_norm(tmp_path, triton_everywhere, monkeypatch):
