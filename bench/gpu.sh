@@ -43,8 +43,10 @@
 #           (llmrun against the plain-PyTorch bf16 path, eager and through torch.compile(mode="reduce-overhead"),
 #           same prompt ids); and the first SHAPE's short bf16 run
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
-#   profile Where a decode step's time goes (bench/gpu_profile.py): the step through CUDA graphs and eagerly, the
-#           sum of its kernels' own times and their count, the bandwidth floor, the kernels by name; llama3.2-1b at
+#   profile First each decode matmul of llama3.2-1b alone (GPU_GEMV_SHAPES), every way it can run, against its
+#           bytes (bench/gemv.py). Then where a decode step's time goes (bench/gpu_profile.py): the step through
+#           CUDA graphs and eagerly, the sum of its kernels' own times and their count, the bandwidth floor, the
+#           kernels by name; llama3.2-1b at
 #           128 positions (bf16, W4A16, W4A16 with the GEMV's K split further: LLMRUN_GEMV_PROGRAMS_PER_SM=8,
 #           LLMRUN_GEMV_MIN_SLICE=128, bf16 with its float matmuls on the GEMV instead of cuBLAS: LLMRUN_GEMV_FLOAT=1),
 #           llama3-8b at 128, llama3.1-8b at 8000 (int8 KV, then bf16).
@@ -188,6 +190,12 @@ if [[ $steps == *" profile "* ]]; then
         python3 bench/gpu_profile.py --random-weights "$2" --prompt-tokens "$3" "${@:4}" \
             --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     }
+    # each decode matmul alone, every way it can run (cuBLAS, the GEMV on bf16, 4- and 8-bit weights), one token
+    # and a 9-token block, against its bytes: the GEMV's distance from its floor per matrix (bench/gemv.py)
+    name=gemv-${GPU_GEMV_SHAPES:-llama3.2-1b}
+    name=${name// /-}
+    done_before "$name" || python3 bench/gemv.py --shapes ${GPU_GEMV_SHAPES:-llama3.2-1b} --rows 1 9 \
+        --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     profile "" llama3.2-1b 128
     profile "" llama3.2-1b 128 --weights int4
     # the W4A16 GEMV with K split further: about 8 programs an SM, slices down to 128 columns (about 2 by default,

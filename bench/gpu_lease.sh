@@ -8,7 +8,8 @@
 #
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
 #   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare` (its bf16 torch.compile baseline included)
-#   profile where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16 (and W4A16 with the GEMV's
+#   profile each 1B decode matmul alone, every way it runs (bench/gemv.py: cuBLAS, the GEMV on bf16, W4A16, W8A16,
+#           1 row and 9); where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16 (and W4A16 with the GEMV's
 #           K split further; bf16 with its float matmuls on the GEMV, not cuBLAS), llama3-8b at 128 positions,
 #           llama3.1-8b at 8000 with int8 KV
 #   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'

@@ -688,6 +688,28 @@ def test_kv_speed_script_runs_every_format_on_one_load(tmp_path):
     assert "| 40 | int4 |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
+def test_gemv_script_times_every_variant_of_each_matrix(tmp_path):
+    """bench/gemv.py on a CPU (the interpreter: a check that it runs): each (matrix, rows, variant) timed against
+    its bytes' floor, the weights' bytes as each format stores them."""
+    import subprocess
+    from pathlib import Path
+
+    out = tmp_path / "gemv.json"
+    script = Path(__file__).resolve().parent.parent / "bench" / "gemv.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--shapes", "smollm2-135m", "--matrices",
+                           "o", "--rows", "1", "9", "--reps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    got = {(r["variant"], r["rows"]): r for r in doc["rows"]}
+    assert set(got) == {(v, m) for v in ("cublas", "gemv-float", "w4a16", "w8a16") for m in (1, 9)}
+    assert got["cublas", 1]["bytes"] == 576 * 576 * 2 and got["w8a16", 1]["bytes"] == 576 * 576 + 576 * 18 * 2
+    assert got["w4a16", 1]["bytes"] == 576 * 288 + 2 * 576 * 18 * 2
+    assert all(r["seconds"] > 0 and r["floor_seconds"] > 0 for r in doc["rows"])
+    assert "| smollm2-135m | o | 576 x 576 | 9 | w4a16 |" in out.with_suffix(".md").read_text()
+
+
 def test_a_runs_notes_name_its_fallbacks(monkeypatch):
     """A figure taken on a fallback says so: a Triton kernel that failed (its slow reference ran) and CUDA graphs
     whose capture failed (eager steps), beside the load's own notes; none when nothing fell back."""
