@@ -47,7 +47,8 @@
 #           bytes (bench/gemv.py). Then where a decode step's time goes (bench/gpu_profile.py): the step through
 #           CUDA graphs and eagerly, the sum of its kernels' own times and their count, the bandwidth floor, the
 #           kernels by name; llama3.2-1b at
-#           128 positions (bf16, W4A16, W4A16 with the GEMV's K split further: LLMRUN_GEMV_PROGRAMS_PER_SM=8,
+#           128 positions (bf16, W4A16, both with programmatic dependent launch: LLMRUN_PDL=1,
+#           W4A16 with the GEMV's K split further: LLMRUN_GEMV_PROGRAMS_PER_SM=8,
 #           LLMRUN_GEMV_MIN_SLICE=128, bf16 with its float matmuls on the GEMV instead of cuBLAS: LLMRUN_GEMV_FLOAT=1),
 #           llama3-8b at 128, llama3.1-8b at 8000 (int8 KV, then bf16).
 #   kv      The KV cache formats at long context (issue 7): decode speed at 8k and 32k positions for bf16, int8 and
@@ -198,6 +199,9 @@ if [[ $steps == *" profile "* ]]; then
         --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     profile "" llama3.2-1b 128
     profile "" llama3.2-1b 128 --weights int4
+    # programmatic dependent launch: each kernel launched to overlap the one before (kernels/pdl.py)
+    LLMRUN_PDL=1 profile -pdl llama3.2-1b 128 --weights int4
+    LLMRUN_PDL=1 profile -pdl llama3.2-1b 128
     # the W4A16 GEMV with K split further: about 8 programs an SM, slices down to 128 columns (about 2 by default,
     # 512: too few loads in flight to cover the memory's latency?)
     LLMRUN_GEMV_PROGRAMS_PER_SM=8 LLMRUN_GEMV_MIN_SLICE=128 profile -split8x128 llama3.2-1b 128 --weights int4

@@ -9,7 +9,8 @@
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
 #   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare` (its bf16 torch.compile baseline included)
 #   profile each 1B decode matmul alone, every way it runs (bench/gemv.py: cuBLAS, the GEMV on bf16, W4A16, W8A16,
-#           1 row and 9); where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16 (and W4A16 with the GEMV's
+#           1 row and 9); where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16, both again
+#           with programmatic dependent launch (LLMRUN_PDL=1) (and W4A16 with the GEMV's
 #           K split further; bf16 with its float matmuls on the GEMV, not cuBLAS), llama3-8b at 128 positions,
 #           llama3.1-8b at 8000 with int8 KV
 #   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
@@ -49,15 +50,17 @@ export GPU_RESUME=1
 # tok/s, its 1.40 ms of GEMV a 1B step, and the Qwen pair's 9-token block at 5.03 steps; the 1B bf16 step without
 # RoPE's two table copies a layer (dccaf4c), against a 1.218 ms graph step (the profile; its `llmrun bench` is left
 # for a later lease); the 8B's INT8 attention with its scales loaded once a group (against 701 us a step at 8k).
-# New: the 1B's float matmuls on the GEMV (LLMRUN_GEMV_FLOAT=1) against cuBLAS, and llama3-8b's graph step at 128
-# positions against its floor (issue 4's headline shape). bench/GPU_NOTES.md has the predictions. The tests of what
-# changed since (the GEMV, the attention's autotuner key, the embedding's lookup) run again though they passed.
+# New: each 1B matmul alone (bench/gemv.py), programmatic dependent launch (LLMRUN_PDL=1) against plain launches,
+# the 1B's float matmuls on the GEMV (LLMRUN_GEMV_FLOAT=1) against cuBLAS, and llama3-8b's graph step at 128
+# positions against its floor (issue 4's headline shape); the profiles in that order, the last cut first.
+# bench/GPU_NOTES.md has the predictions. The tests of what changed since (the GEMV, PDL, the attention's autotuner
+# key, the embedding's lookup) run again though they passed.
 export GPU_RERUN="llama3.2-1b-int4-p128-n128 profile-llama3.2-1b-p128 profile-llama3.2-1b-p128-weights-int4"
 GPU_RERUN+=" qwen-pair-replay-int4 profile-llama3.1-8b-p8000-kv-int8"
 export GPU_RETEST="test_triton_quant_matmul test_triton_attention test_triton_model test_cuda_graphs"
 GPU_WEIGHTS=int4 GPU_PROMPTS=128 step 110 speed llama3.2-1b
-step 200 profile
-GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 90 replay
+step 220 profile
+GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 70 replay
 PYTEST_ADDOPTS="-n 12" step 120 tests
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete

@@ -10,9 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, F, row_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, F, row_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -28,5 +31,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     assert g2.stride(1) == 1 and u2.stride(1) == 1 and g2.stride(0) == u2.stride(0)
     out = torch.empty(*gate.shape[:-1], F, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(F))
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](g2, u2, out, F, g2.stride(0), BLOCK=block)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](g2, u2, out, F, g2.stride(0), BLOCK=block,
+                                                            **pdl.options(gate))
     return out

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ref
+from . import pdl, ref
 
 SPLIT_LEN = 256  # keys per split: splits start at its multiples (every BLOCK_N divides it)
 BLOCK_M = 16  # query rows (tokens x grouped heads) per program, the least tl.dot takes; more rows, more programs
@@ -134,8 +134,9 @@ def _split_kernel(
     T, S, Hkv, G, D, lo, first_split, split_len, window, qk_scale, nq_lo, nq_hi, ring,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
     SCORES: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     n_keys, keys_lo = S - lo, lo  # Scores' rows: keys [lo, S) as the host counts them (with DEVICE_LEN all S)
     if DEVICE_LEN:  # a CUDA graph's step: S (the keys in use) is read here; the splits cover the buffer's capacity
         S = tl.load(SLen)
@@ -243,12 +244,13 @@ def _combine_kernel(
     MidO, MidLse, Out, Lse,
     stride_ob, stride_ot, stride_oh,
     T, Hq, n_splits, first_split, D,
-    WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """The output of one (b, t, h): the splits' outputs weighted by exp2(their lse - the largest). Split j of the
     keys adds into slot j % CHUNK of a (CHUNK, BLOCK_D) accumulator, chunk after chunk from the one holding the first
     split, then one reduction of fixed shape sums the slots: a split that exists for some rows of a block and not
     for others (or not in a one-token step) adds exact zeros and moves nothing else."""
+    pdl.wait(PDL)
     row = tl.program_id(0)  # (b * T + t) * Hq + h
     b = row // (T * Hq)
     t = (row // Hq) % T
@@ -285,10 +287,12 @@ def _mass_kernel(
     Scores, Lse, Mass, SLen, stride_mb, stride_mh,
     T, Hkv, G, keys, lo, window,
     HAS_WINDOW: tl.constexpr, DEVICE_LEN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Mass[b, kv head, lo + j] += sum over the T * G rows of the head of exp2(Scores[b, head, row, j] - lse(row)),
     for j < keys; with DEVICE_LEN (lo 0, keys the capacity) for the keys the split kernel scored: those in use
     (SLen) from the earliest any row sees."""
+    pdl.wait(PDL)
     pid_bh = tl.program_id(0)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
@@ -507,17 +511,18 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
         DEVICE_LEN=length is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
+        **pdl.options(q),
     )
     if not direct:
         _combine_kernel[(B * T * Hq,)](
             mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), T, Hq, num_splits, first_split,
-            D, WRITE_LSE=mass is not None, CHUNK=COMBINE_CHUNK, BLOCK_D=BLOCK_D,
+            D, WRITE_LSE=mass is not None, CHUNK=COMBINE_CHUNK, BLOCK_D=BLOCK_D, **pdl.options(q),
         )
     if mass is not None:
         BLOCK_S = 128
         _mass_kernel[(B * Hkv, triton.cdiv(keys, BLOCK_S))](
             scores, lse, mass, count, mass.stride(0), mass.stride(1), T, Hkv, G, keys,
             lo, window or 0, HAS_WINDOW=window is not None, DEVICE_LEN=length is not None,
-            BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S,
+            BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S, **pdl.options(q),
         )
     return out

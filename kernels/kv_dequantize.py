@@ -11,12 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _int8_kernel(K, V, KScale, VScale, KOut, VOut, stride_b, stride_h, stride_s, stride_sb, stride_sh, stride_ss,
-                 H, S, D, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                 H, S, D, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Positions [s0, s0 + BLOCK_S) of (batch x head) bh of K (program axis 2 = 0) or V (1): codes (BLOCK_S, D) times
     the scale of their (position, group of GROUP channels), into the contiguous (B, H, S, D) output."""
+    pdl.wait(PDL)
     bh = tl.program_id(0)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     which = tl.program_id(2)
@@ -51,6 +54,6 @@ def int8_pair(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: 
         block_s = 64 if k.is_cuda else 256  # the interpreter pays per program, hardly per element
         _int8_kernel[(B * H, triton.cdiv(S, block_s), 2)](
             k, v, k_scale, v_scale, k_out, v_out, *k.stride()[:3], *k_scale.stride()[:3], H, S, D,
-            GROUP=group, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D),
+            GROUP=group, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D), **pdl.options(k),
         )
     return k_out, v_out

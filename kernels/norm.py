@@ -11,19 +11,22 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, dim, x_stride, y_stride, eps,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     ADD: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # weights: no kernel writes them
+    pdl.wait(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:
         x += tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(h_ptr + row * dim + cols, x.to(h_ptr.dtype.element_ty), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * dim + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -39,7 +42,7 @@ def _launch(x, y, weight, eps):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is not None else out
     _rms_norm_kernel[(x2.shape[0],)](x2, y2, weight, h, out, dim, x2.stride(0), y2.stride(0), eps,
-                                      ADD=y is not None, BLOCK=triton.next_power_of_2(dim))
+                                      ADD=y is not None, BLOCK=triton.next_power_of_2(dim), **pdl.options(x))
     return h, out
 
 

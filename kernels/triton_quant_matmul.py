@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ref
+from . import pdl, ref
 
 DECODE_ROWS = 8  # rows of x one GEMV launch serves
 VERIFY_ROWS = 16  # up to this many rows (a speculative verification block) run as GEMVs of DECODE_ROWS rows each:
@@ -108,7 +108,7 @@ def _gemv_kernel(
     M, N, K, K_SPLIT, SPLIT_K,  # K_SPLIT: a multiple of 32, the slice of K one program covers; SPLIT_K slices
     stride_xm, stride_qn, stride_dn, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows M of x times BLOCK_N columns of W over one slice of K, into out (M, N); with SPLIT (SPLIT_K > 1) each
     slice's fp32 sums go to parts (SPLIT_K, M, N) and the last slice of a column block to finish, as count (one
@@ -148,6 +148,7 @@ def _gemv_kernel(
     # while the step before is computed, rather than each step waiting out the memory's latency from its start
     q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k_begin, k_end, stride_qn,
                                  stride_dn, BITS, GROUP, HAS_M)
+    pdl.wait(PDL)  # W's first tile is on its way while the kernel before finishes; x and the outputs wait for it
     for k0 in range(k_begin, k_end, BLOCK_K):
         col = tl.multiple_of(k0, 32) + 32 * block  # (tile,) the block's first column
         ok = (n_ok & (col < k_end))[:, None]  # whole blocks: K, k0 and the split points are multiples of 32
@@ -207,9 +208,10 @@ def _dequantize_kernel(
     qs_ptr, d_ptr, m_ptr, ids_ptr, w_ptr,
     N, K, stride_qn, stride_dn,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_IDS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row n of the (N, K) output: W's row n, or with HAS_IDS W's row ids[n] (an embedding lookup)."""
+    pdl.wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = offs_n < N
@@ -323,7 +325,7 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         M, N, K, k_split, split_k,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        BLOCK_M=DECODE_ROWS, **blocks,
+        BLOCK_M=DECODE_ROWS, **blocks, **pdl.options(x2),
     )
     return y
 
@@ -367,6 +369,7 @@ def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype, ids: torch.T
         _dequantize_kernel[grid](
             qs, d, d if m is None else m, qs if flat is None else flat, w, N, K, qs.stride(0), d.stride(0),
             BITS=bits, GROUP=group, HAS_M=m is not None, HAS_IDS=flat is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+            **pdl.options(qs),
         )
     return w if ids is None else w.reshape(*ids.shape, K)
 

@@ -455,7 +455,8 @@ def environment(device: str) -> dict:
                                     cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             commit = None
-    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("LLMRUN_GEMV_")}  # a profile's variant
+    settings = {k: v for k, v in sorted(os.environ.items())  # a profile's variant
+                if k.startswith("LLMRUN_GEMV_") or k == "LLMRUN_PDL"}
     return {"device_name": name, "cpu_count": os.cpu_count(), "torch": torch.__version__, "triton": triton_version,
             "llmrun": __version__, "commit": commit, "python": platform.python_version(), **settings}
 

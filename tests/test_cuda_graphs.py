@@ -153,6 +153,45 @@ def test_graphs_replay_the_eager_steps(tmp_path, dtype, qtype, kv_format, evict)
     assert graphed.cache.evicted == eager.cache.evicted and (evict is None) == (eager.cache.evicted == 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, qtype, kv_format, evict, gemv_float", [
+    ("bf16", "Q4_1", "bf16", None, False), ("bf16", None, "int8", None, True), ("fp32", "Q4_1", "int4", None, False),
+    ("bf16", "Q8_0", "int4", "h2o", False),
+])
+def test_pdl_launches_give_the_plain_launches_bits(tmp_path, monkeypatch, dtype, qtype, kv_format, evict, gemv_float):
+    """On Hopper: with programmatic dependent launch (LLMRUN_PDL=1) each kernel may start while the one before it
+    finishes, waiting only where it reads or writes the step's data; the logits, eager and through CUDA graphs,
+    steps, blocks and a rollback, are those of plain launches bit for bit (the same kernels and configs: any
+    difference is a kernel touching data before its wait)."""
+    from llmrun.generate import Engine
+    from llmrun.kernels import pdl
+    from llmrun.kv_cache import Eviction
+
+    if torch.cuda.get_device_capability()[0] < 9 or pdl.gdc_wait is None:
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with grid dependency control")
+    if gemv_float:
+        monkeypatch.setenv("LLMRUN_GEMV_FLOAT", "1")
+    model = random_model(dataclasses.replace(CONFIGS["qwen2"], head_dim=32))
+    loaded = load_model(str(write_gguf(tmp_path / "m.gguf", model, qtype=qtype)), "cuda", dtype, "auto")
+    eviction = Eviction(evict, 64) if evict else None
+    engines = [Engine(loaded, 128, kv_format=kv_format, eviction=eviction) for _ in range(2)]  # [PDL, plain]
+    ids = torch.randint(0, model.config.vocab_size, (2048,), generator=torch.Generator().manual_seed(5)).tolist()
+    ops = [("run", 16), ("run", 1), ("run", 1), ("run", 9), ("back", 4), ("run", 3), *[("run", 1)] * 30]
+    with torch.no_grad():
+        for op, n in ops:
+            if op == "back":
+                for engine in engines:
+                    engine.rollback(len(engine.tokens) - n)
+                continue
+            piece = ids[len(engines[1].tokens) : len(engines[1].tokens) + n]
+            out = []
+            for engine, on in zip(engines, ("1", "0")):
+                monkeypatch.setenv("LLMRUN_PDL", on)
+                out.append(engine.forward(piece, last_only=False))
+            assert torch.equal(out[0], out[1]), (op, n, len(engines[1].tokens))
+    assert engines[0].graphs is not None and engines[0].graphs.failed is None
+
+
 @pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize("T, S, window, split_len", [(1, 1, None, None), (4, 33, None, 128), (16, 300, 7, 100),
                                                      (5, 200, 50, 200), (3, 130, None, 512), (9, 64, None, None)])

@@ -118,7 +118,7 @@ def _record(sm_count):
     from triton.runtime.jit import JITFunction
 
     from llmrun import kernels
-    from llmrun.kernels import decode_attention, triton_quant_matmul
+    from llmrun.kernels import decode_attention, pdl, triton_quant_matmul
 
     bind, specs = _binder(), {}
 
@@ -144,6 +144,8 @@ def _record(sm_count):
         mp.setattr(triton_quant_matmul, "_sm_count", lambda index: sm_count)
         mp.setattr(kernels, "_triton", lambda name, run, fallback: run())  # no silent fallback to PyTorch
         mp.setenv("LLMRUN_GEMV_FLOAT", "1")  # float linears through the GEMV too (an experiment GPU profiles run)
+        mp.setenv("LLMRUN_PDL", "1")  # and programmatic dependent launch (another): as sm_90 launches them,
+        mp.setattr(pdl, "_capable", lambda index: True)  # an sm_80 launch without it (`_on_target`)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny tensors: threads only contend
         try:
@@ -404,6 +406,14 @@ def _at_the_limit(specs, arch, limit):
     return [spec for _, spec in chosen.values()]
 
 
+def _on_target(spec, arch):
+    """The launch as it is on sm_{arch}: without programmatic dependent launch before sm_90 (`pdl.options`)."""
+    if arch >= 90:
+        return spec
+    params = tuple((name, kind, False if name == "PDL" else value) for name, kind, value in spec.params)
+    return dataclasses.replace(spec, params=params, options=tuple(o for o in spec.options if o[0] != "launch_pdl"))
+
+
 def _device_steps(specs):
     """The split kernel's smallest launch with a device-side key count (a CUDA graph's step) per cache format: the
     cover shows each value of BITS and of DEVICE_LEN, not each pair, and INT4's count its code spans there."""
@@ -429,12 +439,24 @@ def _in_loops(ptx: str) -> str:
     return "\n".join("\n".join(lines[h:i]) for h, i in back)
 
 
+def _before_wait(ptx: str) -> str | None:
+    """The PTX before a kernel's first grid dependency wait (PDL), or None if it has none."""
+    at = ptx.find("griddepcontrol.wait")
+    return None if at < 0 else ptx[:at]
+
+
 PTX_FINDINGS = {  # name -> whether a kernel's PTX shows it
     # round half to even by adding and subtracting 1.5 * 2^23 (kv_write's codes): fused into an fma with the product
     # before it, the exact product is rounded rather than its fp32 value, as the reference rounds
     "rounding add fused with a product": re.compile(r"fma\.rn\.f32\s[^;]*,\s*0f4B400000;").search,
     # threads waiting for each other, or trading values, every step of a loop (the GEMV's must not)
     "barrier or shuffle in a loop": lambda ptx: bool(re.search(r"\bbar\.sync|\bshfl\.", _in_loops(ptx))),
+    # programmatic dependent launch: the kernel may run while the one before finishes, so it must wait before it
+    # writes anything, and before it reads anything but weights
+    "a grid dependency wait": lambda ptx: _before_wait(ptx) is not None,
+    "a write before the grid dependency wait":
+        lambda ptx: bool(re.search(r"\b(st|atom|red)\.global", _before_wait(ptx) or "")),
+    "a read before the grid dependency wait": lambda ptx: bool(re.search(r"\bld\.global", _before_wait(ptx) or "")),
 }
 
 
@@ -519,8 +541,8 @@ def compiled(launched, tmp_path_factory):
     """{(spec, arch): (shared memory bytes, error, seconds, PTX findings)} of the chosen specs on both targets, and
     on each target the split kernel's configs at the edge of its shared memory."""
     chosen = launched if os.environ.get("LLMRUN_COMPILE_ALL") == "1" else _choose(launched) + _device_steps(launched)
-    jobs = [(s, arch) for s in chosen for arch, _ in TARGETS.values()]
-    jobs += [(s, arch) for arch, limit in TARGETS.values() for s in _at_the_limit(launched, arch, limit)]
+    jobs = [(_on_target(s, arch), arch) for s in chosen for arch, _ in TARGETS.values()]
+    jobs += [(_on_target(s, arch), arch) for arch, limit in TARGETS.values() for s in _at_the_limit(launched, arch, limit)]
     return _compile(jobs, tmp_path_factory.mktemp("triton-cache"))
 
 
@@ -594,3 +616,26 @@ def test_split_kernel_shared_memory_estimate(target, compiled):
 
 if __name__ == "__main__":
     _compile_main(*sys.argv[1:])
+
+
+def test_pdl_launches_wait_before_they_touch_the_step(compiled):
+    """With programmatic dependent launch (LLMRUN_PDL=1, sm_90) a kernel may start while the one before it is still
+    writing: every launch so made waits for it (griddepcontrol.wait) before any write, and before any read but the
+    weights the GEMV and RMSNorm fetch ahead (nothing writes them during a forward). Without PDL (sm_80) no kernel
+    holds the wait. Checked in the PTX of every compiled launch."""
+    wrong = []
+    for (spec, arch), (_, error, _, findings) in compiled.items():
+        consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
+        if error is not None:
+            continue
+        if not consts.get("PDL"):
+            if "a grid dependency wait" in findings:
+                wrong.append(f"sm_{arch} {spec.describe()}: waits, though launched without PDL")
+            continue
+        if "a grid dependency wait" not in findings or "a write before the grid dependency wait" in findings:
+            wrong.append(f"sm_{arch} {spec.describe()}: no wait before its first write")
+        elif "a read before the grid dependency wait" in findings and spec.name not in ("_gemv_kernel",
+                                                                                          "_rms_norm_kernel"):
+            wrong.append(f"sm_{arch} {spec.describe()}: reads before the wait")
+    assert {a for s, a in compiled if dict(s.options).get("launch_pdl")} == {90}
+    assert not wrong, f"{len(wrong)} launches:\n" + "\n".join(wrong)
