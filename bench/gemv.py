@@ -117,12 +117,16 @@ def main() -> None:
                 call, nbytes = operands(variant, N, K, device, dtype)
                 for M in args.rows:
                     x = torch.randn(M, K, device=device, dtype=dtype)
-                    t = seconds_per_call(call, x, args.reps)
-                    floor = nbytes / bandwidth  # as the profiles' floor: a device copy's rate (read + write)
-                    rows.append({"shape": shape, "matrix": name, "N": N, "K": K, "rows": M, "variant": variant,
-                                 "seconds": t, "bytes": nbytes, "floor_seconds": floor})
-                    line = (f"| {shape} | {name} | {N} x {K} | {M} | {variant} | {t * 1e6:.1f} | "
-                            f"{nbytes / t / 1e9:.0f} | {t / floor:.2f}x |")
+                    row = {"shape": shape, "matrix": name, "N": N, "K": K, "rows": M, "variant": variant,
+                           "bytes": nbytes, "floor_seconds": nbytes / bandwidth}  # the profiles' floor: a copy's rate
+                    try:
+                        row["seconds"] = t = seconds_per_call(call, x, args.reps)
+                        line = (f"| {shape} | {name} | {N} x {K} | {M} | {variant} | {t * 1e6:.1f} | "
+                                f"{nbytes / t / 1e9:.0f} | {t / row['floor_seconds']:.2f}x |")
+                    except Exception as e:  # noqa: BLE001 - one variant failing (a kernel that does not build) is a finding
+                        row["error"] = bench.one_line(e, with_type=True)
+                        line = f"| {shape} | {name} | {N} x {K} | {M} | {variant} | failed: {row['error']} | | |"
+                    rows.append(row)
                     table.append(line)
                     print(line, file=sys.stderr)
                 del call
