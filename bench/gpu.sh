@@ -43,14 +43,14 @@
 #           (llmrun against the plain-PyTorch bf16 path, eager and through torch.compile(mode="reduce-overhead"),
 #           same prompt ids); and the first SHAPE's short bf16 run
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
-#   profile First each decode matmul of llama3.2-1b alone (GPU_GEMV_SHAPES), every way it can run, against its
-#           bytes (bench/gemv.py). Then where a decode step's time goes (bench/gpu_profile.py): the step through
-#           CUDA graphs and eagerly, the sum of its kernels' own times and their count, the bandwidth floor, the
-#           kernels by name; llama3.2-1b at
-#           128 positions (bf16, W4A16, both with programmatic dependent launch: LLMRUN_PDL=1,
-#           W4A16 with the GEMV's K split further: LLMRUN_GEMV_PROGRAMS_PER_SM=8,
-#           LLMRUN_GEMV_MIN_SLICE=128, bf16 with its float matmuls on the GEMV instead of cuBLAS: LLMRUN_GEMV_FLOAT=1),
-#           llama3-8b at 128, llama3.1-8b at 8000 (int8 KV, then bf16).
+#   profile First each decode matmul of llama3.2-1b and llama3-8b alone (GPU_GEMV_SHAPES), every way it can run,
+#           against its bytes (bench/gemv.py). Then where a decode step's time goes (bench/gpu_profile.py): the
+#           step through CUDA graphs and eagerly, the sum of its kernels' own times and their count, the bandwidth
+#           floor, the kernels by name, in this order (a step cut short keeps the first): llama3.2-1b at 128
+#           positions bf16, W4A16, W4A16 with programmatic dependent launch (LLMRUN_PDL=1); llama3-8b at 128;
+#           the 1B bf16 with PDL, with its float matmuls on the GEMV (LLMRUN_GEMV_FLOAT=1), W4A16 with the GEMV's
+#           K split further (LLMRUN_GEMV_PROGRAMS_PER_SM=8, LLMRUN_GEMV_MIN_SLICE=128); llama3.1-8b at 8000
+#           positions (int8 KV, then bf16).
 #   kv      The KV cache formats at long context (issue 7): decode speed at 8k and 32k positions for bf16, int8 and
 #           int4 KV on the 8B shape (quantized KV reads fewer bytes per step), bench/kv_speed.py: one load a length.
 #   memory  The longest context each KV format could hold beside llama3.1-8b's weights (bf16, and 4-bit blocks),
@@ -193,22 +193,22 @@ if [[ $steps == *" profile "* ]]; then
     }
     # each decode matmul alone, every way it can run (cuBLAS, the GEMV on bf16, 4- and 8-bit weights), one token
     # and a 9-token block, against its bytes: the GEMV's distance from its floor per matrix (bench/gemv.py)
-    name=gemv-${GPU_GEMV_SHAPES:-llama3.2-1b}
-    name=${name// /-}
-    done_before "$name" || python3 bench/gemv.py --shapes ${GPU_GEMV_SHAPES:-llama3.2-1b} --rows 1 9 \
+    gemv_shapes=${GPU_GEMV_SHAPES:-llama3.2-1b llama3-8b}
+    name=gemv-${gemv_shapes// /-}
+    done_before "$name" || python3 bench/gemv.py --shapes $gemv_shapes --rows 1 9 \
         --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     profile "" llama3.2-1b 128
     profile "" llama3.2-1b 128 --weights int4
     # programmatic dependent launch: each kernel launched to overlap the one before (kernels/pdl.py)
     LLMRUN_PDL=1 profile -pdl llama3.2-1b 128 --weights int4
+    profile "" llama3-8b 128  # issue 4's headline shape at a short context: its graph step against the floor
     LLMRUN_PDL=1 profile -pdl llama3.2-1b 128
-    # the W4A16 GEMV with K split further: about 8 programs an SM, slices down to 128 columns (about 2 by default,
-    # 512: too few loads in flight to cover the memory's latency?)
-    LLMRUN_GEMV_PROGRAMS_PER_SM=8 LLMRUN_GEMV_MIN_SLICE=128 profile -split8x128 llama3.2-1b 128 --weights int4
     # the float matmuls through the GEMV instead of cuBLAS (hypothesis 2: cuBLAS's M = 1 matmuls at the 1B shape's
     # small sizes run well under the bandwidth)
     LLMRUN_GEMV_FLOAT=1 profile -gemv-float llama3.2-1b 128
-    profile "" llama3-8b 128  # issue 4's headline shape at a short context: its graph step against the floor
+    # the W4A16 GEMV with K split further: about 8 programs an SM, slices down to 128 columns (about 2 by default,
+    # 512: too few loads in flight to cover the memory's latency?)
+    LLMRUN_GEMV_PROGRAMS_PER_SM=8 LLMRUN_GEMV_MIN_SLICE=128 profile -split8x128 llama3.2-1b 128 --weights int4
     profile "" llama3.1-8b 8000 --kv int8
     profile "" llama3.1-8b 8000
 fi
