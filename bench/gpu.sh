@@ -199,7 +199,7 @@ if [[ $steps == *" profile "* ]]; then
         --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     profile "" llama3.2-1b 128
     profile "" llama3.2-1b 128 --weights int4
-    # programmatic dependent launch: each kernel launched to overlap the one before (kernels/pdl.py)
+    # programmatic dependent launch: each kernel launched to overlap the one before (kernels/common.py)
     LLMRUN_PDL=1 profile -pdl llama3.2-1b 128 --weights int4
     profile "" llama3-8b 128  # issue 4's headline shape at a short context: its graph step against the floor
     LLMRUN_PDL=1 profile -pdl llama3.2-1b 128

@@ -10,12 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import common
 
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, F, row_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -32,5 +32,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*gate.shape[:-1], F, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(F))
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](g2, u2, out, F, g2.stride(0), BLOCK=block,
-                                                            **pdl.options(gate))
+                                                            **common.pdl_options(gate))
     return out

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, ref
+from . import common, ref
 
 SPLIT_LEN = 256  # keys per split: splits start at its multiples (every BLOCK_N divides it)
 BLOCK_M = 16  # query rows (tokens x grouped heads) per program, the least tl.dot takes; more rows, more programs
@@ -90,12 +90,12 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
         scale = _group_values(scale_base, stride_scale_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
         if BITS == 8:
             codes = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0)
-            x = codes.to(tl.float32) * scale
+            x = common.exact_float(codes) * scale  # (no I2F: `common`)
         else:
             packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
             codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte is read for both channels
             lo = _group_values(min_base, stride_min_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
-            x = codes.to(tl.float32) * scale + lo
+            x = common.exact_float(codes) * scale + lo
     return x.to(DTYPE)
 
 
@@ -136,7 +136,7 @@ def _split_kernel(
     SCORES: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     n_keys, keys_lo = S - lo, lo  # Scores' rows: keys [lo, S) as the host counts them (with DEVICE_LEN all S)
     if DEVICE_LEN:  # a CUDA graph's step: S (the keys in use) is read here; the splits cover the buffer's capacity
         S = tl.load(SLen)
@@ -250,7 +250,7 @@ def _combine_kernel(
     keys adds into slot j % CHUNK of a (CHUNK, BLOCK_D) accumulator, chunk after chunk from the one holding the first
     split, then one reduction of fixed shape sums the slots: a split that exists for some rows of a block and not
     for others (or not in a one-token step) adds exact zeros and moves nothing else."""
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     row = tl.program_id(0)  # (b * T + t) * Hq + h
     b = row // (T * Hq)
     t = (row // Hq) % T
@@ -292,7 +292,7 @@ def _mass_kernel(
     """Mass[b, kv head, lo + j] += sum over the T * G rows of the head of exp2(Scores[b, head, row, j] - lse(row)),
     for j < keys; with DEVICE_LEN (lo 0, keys the capacity) for the keys the split kernel scored: those in use
     (SLen) from the earliest any row sees."""
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     pid_bh = tl.program_id(0)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
@@ -511,18 +511,18 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
         DEVICE_LEN=length is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
-        **pdl.options(q),
+        **common.pdl_options(q),
     )
     if not direct:
         _combine_kernel[(B * T * Hq,)](
             mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), T, Hq, num_splits, first_split,
-            D, WRITE_LSE=mass is not None, CHUNK=COMBINE_CHUNK, BLOCK_D=BLOCK_D, **pdl.options(q),
+            D, WRITE_LSE=mass is not None, CHUNK=COMBINE_CHUNK, BLOCK_D=BLOCK_D, **common.pdl_options(q),
         )
     if mass is not None:
         BLOCK_S = 128
         _mass_kernel[(B * Hkv, triton.cdiv(keys, BLOCK_S))](
             scores, lse, mass, count, mass.stride(0), mass.stride(1), T, Hkv, G, keys,
             lo, window or 0, HAS_WINDOW=window is not None, DEVICE_LEN=length is not None,
-            BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S, **pdl.options(q),
+            BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S, **common.pdl_options(q),
         )
     return out

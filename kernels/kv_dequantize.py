@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import common
 
 
 @triton.jit
@@ -19,7 +19,7 @@ def _int8_kernel(K, V, KScale, VScale, KOut, VOut, stride_b, stride_h, stride_s,
                  H, S, D, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Positions [s0, s0 + BLOCK_S) of (batch x head) bh of K (program axis 2 = 0) or V (1): codes (BLOCK_S, D) times
     the scale of their (position, group of GROUP channels), into the contiguous (B, H, S, D) output."""
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     bh = tl.program_id(0)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     which = tl.program_id(2)
@@ -30,10 +30,12 @@ def _int8_kernel(K, V, KScale, VScale, KOut, VOut, stride_b, stride_h, stride_s,
     scale_at = b.to(tl.int64) * stride_sb + h * stride_sh + s[:, None] * stride_ss + (d // GROUP)[None, :]
     out_at = (bh.to(tl.int64) * S + s[:, None]) * D + d[None, :]
     if which == 0:
-        x = tl.load(K + at, mask=ok, other=0).to(tl.float32) * tl.load(KScale + scale_at, mask=ok, other=0).to(tl.float32)
+        scale = tl.load(KScale + scale_at, mask=ok, other=0).to(tl.float32)
+        x = common.exact_float(tl.load(K + at, mask=ok, other=0)) * scale
         tl.store(KOut + out_at, x.to(KOut.dtype.element_ty), mask=ok)
     else:
-        x = tl.load(V + at, mask=ok, other=0).to(tl.float32) * tl.load(VScale + scale_at, mask=ok, other=0).to(tl.float32)
+        scale = tl.load(VScale + scale_at, mask=ok, other=0).to(tl.float32)
+        x = common.exact_float(tl.load(V + at, mask=ok, other=0)) * scale
         tl.store(VOut + out_at, x.to(VOut.dtype.element_ty), mask=ok)
 
 
@@ -46,14 +48,14 @@ def int8_pair(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: 
     group = D // k_scale.shape[-1]
     assert v.shape == k.shape and k_scale.shape == v_scale.shape == (B, H, S, D // group) and D % group == 0, \
         (k.shape, v.shape, k_scale.shape, v_scale.shape)
-    assert k.stride() == v.stride() and k_scale.stride() == v_scale.stride() and k.stride(-1) == k_scale.stride(-1) == 1, \
-        "K and V (and their scales) must share strides, rows contiguous"
+    assert k.stride() == v.stride() and k_scale.stride() == v_scale.stride(), "K and V (and their scales) share strides"
+    assert k.stride(-1) == k_scale.stride(-1) == 1, "rows contiguous"
     k_out = torch.empty(B, H, S, D, dtype=dtype, device=k.device)
     v_out = torch.empty_like(k_out)
     if k_out.numel():
         block_s = 64 if k.is_cuda else 256  # the interpreter pays per program, hardly per element
         _int8_kernel[(B * H, triton.cdiv(S, block_s), 2)](
             k, v, k_scale, v_scale, k_out, v_out, *k.stride()[:3], *k_scale.stride()[:3], H, S, D,
-            GROUP=group, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D), **pdl.options(k),
+            GROUP=group, BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(D), **common.pdl_options(k),
         )
     return k_out, v_out

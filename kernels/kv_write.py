@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, ref
+from . import common, ref
 
 _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)
 
@@ -50,7 +50,7 @@ def _int8_rows_kernel(X0, X1, Codes, Scales, Slots, stride_xb, stride_xh, stride
                       BLOCK_G: tl.constexpr, PDL: tl.constexpr):
     """Row t of (batch x head) bh of input n (program axis 2: X0, or X1 for K and V in one launch): x (D,) -> codes
     int8 and fp16 scales (per GROUP channels) at slot s + t of Codes[n] and Scales[n]."""
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     t = tl.program_id(0)
     bh = tl.program_id(1)
     n = tl.program_id(2)
@@ -75,7 +75,7 @@ def _int8_rows_kernel(X0, X1, Codes, Scales, Slots, stride_xb, stride_xh, stride
 def _dense_rows_kernel(K, V, KOut, VOut, Slots, stride_xb, stride_xh, stride_xt, stride_ob, stride_oh, stride_os, H,
                        D, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Row t of (batch x head) bh of K (program axis 2: 0) or V (1), stored at slot s + t in the cache's dtype."""
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -108,7 +108,7 @@ def _int4_values_kernel(X, Codes, Scales, Mins, Ring, Slots, stride_xb, stride_x
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
     """Row t of bh: x (D,) -> packed codes (D/2 bytes), fp16 scale and minimum per GROUP channels at slot s + t, and
     x itself into the ring at (s + t) % ring. Channels 2i and 2i + 1 are loaded apart: they share a byte."""
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -149,7 +149,7 @@ def _int4_keys_kernel(X, Codes, Scales, Mins, Ring, Slots, stride_xb, stride_xh,
     """Program (bh, i): the key group of the first (i 0) or the last (i 1) new slot, skipped when they are one. Its
     KEY_GROUP positions' keys, the new ones from x (written to the ring too) and the older ones from the ring, are
     quantized per channel: packed codes at the positions below C, fp16 scale and minimum (D,) at the group."""
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     bh = tl.program_id(0)
     i = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -206,7 +206,7 @@ def _write_int8(xs, codes, scales, slots) -> None:
     _int8_rows_kernel[(T, B * H, len(xs))](xs[0], xs[-1], codes, scales, slots, *_rows(xs[0]), codes.stride(0),
                                            *_rows(codes[0]), scales.stride(0), *_rows(scales[0]), H, D,
                                            GROUP=group, BLOCK_G=triton.next_power_of_2(D // group),
-                                           **pdl.options(xs[0]))
+                                           **common.pdl_options(xs[0]))
 
 
 def write_dense(k: torch.Tensor, v: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
@@ -219,7 +219,7 @@ def write_dense(k: torch.Tensor, v: torch.Tensor, k_out: torch.Tensor, v_out: to
         k, v = k.contiguous(), v.contiguous()
     assert k_out.stride() == v_out.stride() and k_out.dtype == v_out.dtype, "K's and V's buffers alike"
     _dense_rows_kernel[(T, B * H, 2)](k, v, k_out, v_out, slots, *_rows(k), *_rows(k_out), H, D,
-                                      BLOCK_D=triton.next_power_of_2(D), **pdl.options(k))
+                                      BLOCK_D=triton.next_power_of_2(D), **common.pdl_options(k))
 
 
 def write_int4(k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, k_min, v_scale, v_min, k_recent, v_recent,
@@ -233,7 +233,7 @@ def write_int4(k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, k_mi
     assert v_min.stride() == v_scale.stride() and k_min.stride() == k_scale.stride(), "minimums as their scales"
     _int4_values_kernel[(T, B * H)](v, v_codes, v_scale, v_min, v_recent, slots, *_rows(v), *_rows(v_codes),
                                     *_rows(v_scale), *_rows(v_recent), H, D, ring,
-                                    GROUP=group, BLOCK_G=triton.next_power_of_2(D // group), **pdl.options(v))
+                                    GROUP=group, BLOCK_G=triton.next_power_of_2(D // group), **common.pdl_options(v))
     _int4_keys_kernel[(B * H, 2)](k, k_codes, k_scale, k_min, k_recent, slots, *_rows(k), *_rows(k_codes),
                                   *_rows(k_scale), *_rows(k_recent), H, T, D, k_codes.shape[2], ring,
-                                  BLOCK_P=triton.next_power_of_2(D // 2), **pdl.options(k))
+                                  BLOCK_P=triton.next_power_of_2(D // 2), **common.pdl_options(k))

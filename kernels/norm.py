@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import common
 
 
 @triton.jit
@@ -21,7 +21,7 @@ def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, dim, x_stride, y_strid
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # weights: no kernel writes them
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:
         x += tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -42,7 +42,7 @@ def _launch(x, y, weight, eps):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is not None else out
     _rms_norm_kernel[(x2.shape[0],)](x2, y2, weight, h, out, dim, x2.stride(0), y2.stride(0), eps,
-                                      ADD=y is not None, BLOCK=triton.next_power_of_2(dim), **pdl.options(x))
+                                      ADD=y is not None, BLOCK=triton.next_power_of_2(dim), **common.pdl_options(x))
     return h, out
 
 

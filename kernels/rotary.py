@@ -12,13 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import common
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, T, H, half, b_stride, t_stride,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)  # the tables too are a step's own (the positions' rows)
+    common.pdl_wait(PDL)  # the tables too are a step's own (the positions' rows)
     pid = tl.program_id(0)
     b, t = pid // T, pid % T
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -42,5 +42,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     cos, sin = cos.contiguous(), sin.contiguous()  # (as the model hands them: no copy)
     _rope_kernel[(B * T,)](x, cos, sin, T, H, D // 2, x.stride(0), x.stride(1),
                            BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2),
-                           **pdl.options(x))
+                           **common.pdl_options(x))
     return x

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, ref
+from . import common, ref
 
 DECODE_ROWS = 8  # rows of x one GEMV launch serves
 VERIFY_ROWS = 16  # up to this many rows (a speculative verification block) run as GEMVs of DECODE_ROWS rows each:
@@ -61,8 +61,8 @@ def _w4_tile(qs_ptr, d_ptr, m_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_
         offset = tl.load(m_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
     else:
         offset = -8.0 * scale
-    w_lo = scale * (q & 0xF).to(tl.float32) + offset
-    w_hi = scale * (q >> 4).to(tl.float32) + offset
+    w_lo = scale * common.exact_float(q & 0xF) + offset
+    w_hi = scale * common.exact_float(q >> 4) + offset
     return w_lo, w_hi, k_lo, k_ok
 
 
@@ -75,7 +75,7 @@ def _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
     mask = n_mask[:, None] & k_ok[None, :]
     q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=mask, other=0)
     scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + (k // GROUP)[None, :], mask=mask, other=0)
-    return scale.to(tl.float32) * q.to(tl.float32), k, k_ok
+    return scale.to(tl.float32) * common.exact_float(q), k, k_ok
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def _gemv_kernel(
     # while the step before is computed, rather than each step waiting out the memory's latency from its start
     q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k_begin, k_end, stride_qn,
                                  stride_dn, BITS, GROUP, HAS_M)
-    pdl.wait(PDL)  # W's first tile is on its way while the kernel before finishes; x and the outputs wait for it
+    common.pdl_wait(PDL)  # W's first tile is on its way while the kernel before finishes; x and the outputs wait for it
     for k0 in range(k_begin, k_end, BLOCK_K):
         col = tl.multiple_of(k0, 32) + 32 * block  # (tile,) the block's first column
         ok = (n_ok & (col < k_end))[:, None]  # whole blocks: K, k0 and the split points are multiples of 32
@@ -166,10 +166,10 @@ def _gemv_kernel(
             else:
                 offset_now = -8.0 * scale_now
             if BITS == 4:
-                w_lo = scale_now * (q_now & 0xF).to(tl.float32) + offset_now
-                w_hi = scale_now * (q_now >> 4).to(tl.float32) + offset_now
+                w_lo = scale_now * common.exact_float(q_now & 0xF) + offset_now  # (no I2F: `common`)
+                w_hi = scale_now * common.exact_float(q_now >> 4) + offset_now
             else:
-                w_lo = scale_now * q_now.to(tl.float32)
+                w_lo = scale_now * common.exact_float(q_now)
                 w_hi = w_lo  # (unused)
         # x's rows over the dequantized tile in turn, the same code for each: a row's products summed along the
         # chunk within a thread, then added to the row's own sums (the other rows add 0, exactly)
@@ -211,7 +211,7 @@ def _dequantize_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row n of the (N, K) output: W's row n, or with HAS_IDS W's row ids[n] (an embedding lookup)."""
-    pdl.wait(PDL)
+    common.pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = offs_n < N
@@ -325,7 +325,7 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         M, N, K, k_split, split_k,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        BLOCK_M=DECODE_ROWS, **blocks, **pdl.options(x2),
+        BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
     )
     return y
 
@@ -369,7 +369,7 @@ def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype, ids: torch.T
         _dequantize_kernel[grid](
             qs, d, d if m is None else m, qs if flat is None else flat, w, N, K, qs.stride(0), d.stride(0),
             BITS=bits, GROUP=group, HAS_M=m is not None, HAS_IDS=flat is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-            **pdl.options(qs),
+            **common.pdl_options(qs),
         )
     return w if ids is None else w.reshape(*ids.shape, K)
 

@@ -164,10 +164,10 @@ def test_pdl_launches_give_the_plain_launches_bits(tmp_path, monkeypatch, dtype,
     steps, blocks and a rollback, are those of plain launches bit for bit (the same kernels and configs: any
     difference is a kernel touching data before its wait)."""
     from llmrun.generate import Engine
-    from llmrun.kernels import pdl
+    from llmrun.kernels import common
     from llmrun.kv_cache import Eviction
 
-    if torch.cuda.get_device_capability()[0] < 9 or pdl.gdc_wait is None:
+    if torch.cuda.get_device_capability()[0] < 9 or common.gdc_wait is None:
         pytest.skip("programmatic dependent launch needs sm_90 and a Triton with grid dependency control")
     if gemv_float:
         monkeypatch.setenv("LLMRUN_GEMV_FLOAT", "1")

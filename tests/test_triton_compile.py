@@ -118,7 +118,7 @@ def _record(sm_count):
     from triton.runtime.jit import JITFunction
 
     from llmrun import kernels
-    from llmrun.kernels import decode_attention, pdl, triton_quant_matmul
+    from llmrun.kernels import common, decode_attention, triton_quant_matmul
 
     bind, specs = _binder(), {}
 
@@ -145,7 +145,7 @@ def _record(sm_count):
         mp.setattr(kernels, "_triton", lambda name, run, fallback: run())  # no silent fallback to PyTorch
         mp.setenv("LLMRUN_GEMV_FLOAT", "1")  # float linears through the GEMV too (an experiment GPU profiles run)
         mp.setenv("LLMRUN_PDL", "1")  # and programmatic dependent launch (another): as sm_90 launches them,
-        mp.setattr(pdl, "_capable", lambda index: True)  # an sm_80 launch without it (`_on_target`)
+        mp.setattr(common, "_capable", lambda index: True)  # an sm_80 launch without it (`_on_target`)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny tensors: threads only contend
         try:
@@ -407,7 +407,7 @@ def _at_the_limit(specs, arch, limit):
 
 
 def _on_target(spec, arch):
-    """The launch as it is on sm_{arch}: without programmatic dependent launch before sm_90 (`pdl.options`)."""
+    """The launch as it is on sm_{arch}: without programmatic dependent launch before sm_90 (`common.pdl_options`)."""
     if arch >= 90:
         return spec
     params = tuple((name, kind, False if name == "PDL" else value) for name, kind, value in spec.params)
@@ -451,6 +451,9 @@ PTX_FINDINGS = {  # name -> whether a kernel's PTX shows it
     "rounding add fused with a product": re.compile(r"fma\.rn\.f32\s[^;]*,\s*0f4B400000;").search,
     # threads waiting for each other, or trading values, every step of a loop (the GEMV's must not)
     "barrier or shuffle in a loop": lambda ptx: bool(re.search(r"\bbar\.sync|\bshfl\.", _in_loops(ptx))),
+    # an integer converted to a float (I2F: a quarter of an integer add's rate on Hopper) inside a loop: the GEMV and
+    # the attention turn their codes into floats by bit arithmetic instead (common.exact_float)
+    "an int-to-float conversion in a loop": lambda ptx: bool(re.search(r"\bcvt\.rn\.f32\.[su]\d+", _in_loops(ptx))),
     # programmatic dependent launch: the kernel may run while the one before finishes, so it must wait before it
     # writes anything, and before it reads anything but weights
     "a grid dependency wait": lambda ptx: _before_wait(ptx) is not None,
@@ -639,3 +642,19 @@ def test_pdl_launches_wait_before_they_touch_the_step(compiled):
             wrong.append(f"sm_{arch} {spec.describe()}: reads before the wait")
     assert {a for s, a in compiled if dict(s.options).get("launch_pdl")} == {90}
     assert not wrong, f"{len(wrong)} launches:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_code_is_converted_by_i2f_in_a_hot_loop(target, compiled):
+    """The W4A16/W8A16 GEMV's loop and the attention's loop over an INT8 or INT4 cache turn codes into floats with
+    an integer add and a float add (`common.exact_float`), not I2F: at 16 a clock an SM on Hopper it held a W4A16
+    GEMV (two codes a byte) under half an H200's bandwidth. Checked in the PTX of every compiled launch."""
+    arch = TARGETS[target][0]
+    hot = {}
+    for (spec, a), (_, error, _, findings) in compiled.items():
+        consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
+        if a == arch and error is None and spec.name in ("_gemv_kernel", "_split_kernel") and consts["BITS"] in (4, 8):
+            hot[spec] = findings
+    assert {spec.name for spec in hot} == {"_gemv_kernel", "_split_kernel"}
+    converting = [spec.describe() for spec, findings in hot.items() if "an int-to-float conversion in a loop" in findings]
+    assert not converting, f"{len(converting)} of {len(hot)} launches convert with I2F:\n" + "\n".join(converting)

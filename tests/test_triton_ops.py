@@ -7,8 +7,10 @@ TRITON_INTERPRET=1); bf16 runs only on a GPU. Tolerance: within 2 x torch's own 
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from llmrun.kernels import ref
+from llmrun.kernels import common, ref
 from llmrun.kernels.norm import add_rms_norm, rms_norm
 from llmrun.kernels.rotary import rope_
 from llmrun.kernels.activation import silu_mul
@@ -81,3 +83,25 @@ def test_a_triton_kernel_that_fails_to_build_falls_back_to_pytorch_once(monkeypa
         assert kernels._triton("rms_norm", broken, lambda: "reference") == "reference"
     assert kernels._triton("rms_norm", broken, lambda: "reference") == "reference"  # not tried again
     assert calls == [1]
+
+
+@triton.jit
+def _convert(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, common.exact_float(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+def test_codes_become_the_same_floats_without_a_conversion(dtype):
+    """common.exact_float, the quantized kernels' code-to-float (an integer add and a float add, no I2F): every
+    int8 and uint8 value, and int16 / int32 values across [-2^22, 2^22), give `.to(float32)`'s float bit for bit."""
+    if dtype in (torch.int8, torch.uint8):
+        x = torch.arange(256, dtype=torch.int32).to(dtype)  # wraps: every value of the type
+    else:
+        lo, hi = (-(2**15), 2**15) if dtype == torch.int16 else (-(2**22), 2**22)
+        x = torch.cat([torch.arange(-300, 300), torch.tensor([lo, hi - 1]),
+                       torch.randint(lo, hi, (4000,), generator=torch.Generator().manual_seed(0))]).to(dtype)
+    x = x.to(DEVICE)
+    out = torch.empty(x.shape, dtype=torch.float32, device=DEVICE)
+    _convert[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    assert torch.equal(out, x.float())

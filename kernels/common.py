@@ -1,0 +1,62 @@
+"""What the Triton kernels share: programmatic dependent launch, and integer codes turned into floats.
+
+Programmatic dependent launch (PDL; Hopper and later): a kernel launched with it may start while the kernel before
+it in the stream is finishing, and waits (`griddepcontrol.wait`) only where it needs that kernel's results. A
+decode step is some 200-270 small launches, each paying a ramp at its start (on an H200 a 1B model's kernels
+summed to 1.09 ms of a 1.22 ms step, against 0.60 ms of bytes); with PDL the next kernel's launch, and what it
+reads that no kernel writes (the GEMV's first tile of weights), overlap the kernel before. Every Triton kernel of
+a decode step takes a PDL constexpr and calls `pdl_wait(PDL)` before it reads anything an earlier kernel wrote and
+before it writes anything (before it, only weights, which no kernel writes during a forward, may be read); the
+wait then lets the next kernel start. Its wrapper launches it with `pdl_options(x)`. Off unless LLMRUN_PDL=1: an
+experiment the GPU profiles measure against the plain launches (`bench/gpu.sh`).
+
+Codes to floats (`exact_float`): a quantized weight or cache value is its integer code times a scale (plus a
+minimum). Converting the code with `.to(tl.float32)` compiles to I2F, which Hopper runs at 16 a clock an SM, a
+quarter of an integer add's rate and an eighth of a float add's: a W4A16 GEMV converts two codes a byte, ~37 a
+clock an SM at an H200's bandwidth, so I2F alone held it under half the bandwidth. The same float comes exactly
+from an integer add and a float add.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: never enabled
+    gdc_launch_dependents = gdc_wait = None
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_options(x: torch.Tensor) -> dict:
+    """A kernel's launch settings for PDL on x's device: {"PDL": False}, or with LLMRUN_PDL=1 on a GPU that has it
+    {"PDL": True, "launch_pdl": True} (the kernel waits, and is launched to overlap the one before)."""
+    if (x.is_cuda and gdc_wait is not None and os.environ.get("LLMRUN_PDL") == "1"
+            and _capable(x.device.index or 0)):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait until the kernels before this one have finished and their writes are visible, then let the
+    next kernel start (it waits in turn before it touches what this one writes)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def exact_float(codes):
+    """Integer codes (any integer dtype, values in [-2^22, 2^22)) as fp32, exactly as `.to(tl.float32)` gives
+    them, without the conversion instruction: 0x4B400000 is the bit pattern of 1.5 * 2^23, where floats are one
+    apart, so adding the code to the pattern gives the float 1.5 * 2^23 + code, and subtracting 1.5 * 2^23 leaves
+    the code (both exact)."""
+    return (codes.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
