@@ -80,20 +80,29 @@ def _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
 
 @triton.jit
 def _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0, k_end, stride_qn, stride_dn,
-              BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr):
-    """`_gemv_kernel`'s tile of W for the step at column k0, as stored -> (q (tile, 8), scale (tile, 1), offset
-    (tile, 1)): the codes (or BITS 16 the weights) and each tile row's block scale and offset in fp16 (0 where not
-    read: BITS 16, no offsets, or past k_end)."""
+              BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, WORDS: tl.constexpr):
+    """`_gemv_kernel`'s tile of W for the step at column k0, as stored -> (q, scale (tile, 1), offset (tile, 1)):
+    q the codes of each tile row's 8 bytes, with WORDS as two int32 words (tile, 2) (`_code_floats` takes them
+    apart), else as bytes (tile, 8); or BITS 16 the weights (tile, 8); each tile row's block scale and offset in
+    fp16 (0 where not read: BITS 16, no offsets, or past k_end). With WORDS the codes stay words until the step that
+    uses them: loaded as 8 separate bytes, they are taken apart right after their load, and the warp waits there
+    for the load it has just issued to fetch ahead. (Not under fp32 x, whose 32-byte rows of 8 values the
+    compiler lays out otherwise than the words' floats: a shuffle in the loop.)"""
     col = tl.multiple_of(k0, 32) + 32 * block
     ok = (n_ok & (col < k_end))[:, None]
     at = (offs_n * stride_dn + col // GROUP)[:, None]
-    if BITS == 4:  # the chunk's 8 bytes: low nibbles columns first + 0..7, high ones 16 further
-        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col // 2 + 8 * chunk)[:, None] + byte, mask=ok, other=0)
-    else:
-        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col + 8 * chunk)[:, None] + byte, mask=ok, other=0)
     if BITS == 16:
+        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col + 8 * chunk)[:, None] + byte, mask=ok, other=0)
         scale = tl.zeros(at.shape, dtype=tl.float16)
+    elif not WORDS:
+        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + ((col // 2 if BITS == 4 else col) + 8 * chunk)[:, None]
+                    + byte, mask=ok, other=0)
+        scale = tl.load(d_ptr + at, mask=ok, other=0)
     else:
+        # the chunk's first byte (4 bits: low nibbles columns first + 0..7, high ones 16 further), a multiple of 8
+        first = offs_n * stride_qn + (col // 2 if BITS == 4 else col) + 8 * chunk
+        words = qs_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        q = tl.load(words + (first // 4)[:, None] + tl.arange(0, 2)[None, :], mask=ok, other=0)
         scale = tl.load(d_ptr + at, mask=ok, other=0)
     if HAS_M:
         offset = tl.load(m_ptr + at, mask=ok, other=0)
@@ -103,12 +112,27 @@ def _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0, k_end,
 
 
 @triton.jit
+def _code_floats(words, KIND: tl.constexpr):
+    """(tile, 2) int32 words, 8 bytes a tile row (byte 4w + j is bits 8j.. of word w) -> (tile, 8) fp32, exactly the
+    codes: KIND 0 each byte's low nibble, 1 its high nibble, 2 the byte as a signed int8. A shift, a mask and an OR
+    onto 2^23's bits, then a float subtraction (`common.exact_float`'s trick, no I2F)."""
+    shift = 8 * tl.arange(0, 4)[None, None, :]
+    if KIND == 2:
+        b = (words[:, :, None] << (24 - shift)) >> 24  # sign-extended
+        f = (b + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    else:
+        b = ((words[:, :, None] >> (shift + 4 * KIND)) & 0xF) | 0x4B000000
+        f = b.to(tl.float32, bitcast=True) - 8388608.0
+    return tl.reshape(f, (words.shape[0], 8))
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr,
     M, N, K, K_SPLIT, SPLIT_K,  # K_SPLIT: a multiple of 32, the slice of K one program covers; SPLIT_K slices
     stride_xm, stride_qn, stride_dn, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows M of x times BLOCK_N columns of W over one slice of K, into out (M, N); with SPLIT (SPLIT_K > 1) each
     slice's fp32 sums go to parts (SPLIT_K, M, N) and the last slice of a column block to finish, as count (one
@@ -147,15 +171,16 @@ def _gemv_kernel(
     # W's tile for a step is loaded a step ahead (raw bytes and scales, few registers): its loads are in flight
     # while the step before is computed, rather than each step waiting out the memory's latency from its start
     q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k_begin, k_end, stride_qn,
-                                 stride_dn, BITS, GROUP, HAS_M)
+                                 stride_dn, BITS, GROUP, HAS_M, WORDS)
     common.pdl_wait(PDL)  # W's first tile is on its way while the kernel before finishes; x and the outputs wait for it
     for k0 in range(k_begin, k_end, BLOCK_K):
         col = tl.multiple_of(k0, 32) + 32 * block  # (tile,) the block's first column
         ok = (n_ok & (col < k_end))[:, None]  # whole blocks: K, k0 and the split points are multiples of 32
         first = col + 8 * chunk  # the chunk's columns: first + byte (4 bits: low nibbles; high ones 16 further)
         q_now, scale_now, offset_now = q, scale, offset
+        # the next step's tile (none past k_end)
         q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0 + BLOCK_K, k_end,
-                                     stride_qn, stride_dn, BITS, GROUP, HAS_M)  # the next step's (none past k_end)
+                                     stride_qn, stride_dn, BITS, GROUP, HAS_M, WORDS)
         if BITS == 16:  # float weights, as they are
             w_lo = q_now.to(tl.float32)
             w_hi = w_lo  # (unused)
@@ -165,14 +190,20 @@ def _gemv_kernel(
                 offset_now = offset_now.to(tl.float32)
             else:
                 offset_now = -8.0 * scale_now
-            if BITS == 4:
-                w_lo = scale_now * common.exact_float(q_now & 0xF) + offset_now  # (no I2F: `common`)
+            if BITS == 4 and WORDS:
+                w_lo = scale_now * _code_floats(q_now, 0) + offset_now
+                w_hi = scale_now * _code_floats(q_now, 1) + offset_now
+            elif BITS == 4:
+                w_lo = scale_now * common.exact_float(q_now & 0xF) + offset_now
                 w_hi = scale_now * common.exact_float(q_now >> 4) + offset_now
+            elif WORDS:
+                w_lo = scale_now * _code_floats(q_now, 2)
+                w_hi = w_lo  # (unused)
             else:
                 w_lo = scale_now * common.exact_float(q_now)
                 w_hi = w_lo  # (unused)
         # x's rows over the dequantized tile in turn, the same code for each: a row's products summed along the
-        # chunk within a thread, then added to the row's own sums (the other rows add 0, exactly)
+        # chunk within a thread, then added to the row's own sums alone (the where picks, per register, at compile time)
         for r in tl.static_range(BLOCK_M):
             if r < M:
                 x_at = x_ptr + r * stride_xm + first[:, None] + byte
@@ -182,7 +213,7 @@ def _gemv_kernel(
                     part = tl.sum(tl.fma(w_hi, x_hi, w_lo * x_lo), axis=1)
                 else:
                     part = tl.sum(w_lo * x_lo, axis=1)
-                acc += tl.where(rows == r, part[:, None], 0.0)
+                acc = tl.where(rows == r, acc + part[:, None], acc)  # only row r's sums: no adds of 0
     total = tl.sum(tl.reshape(acc, (BLOCK_N, NB * CH, BLOCK_M)), axis=1)  # (BLOCK_N, BLOCK_M)
     if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
         total += tl.load(bias_ptr + n, mask=(n < N) & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
@@ -325,7 +356,7 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         M, N, K, k_split, split_k,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
+        WORDS=x2.dtype != torch.float32, BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
     )
     return y
 

@@ -157,6 +157,18 @@ def test_float_linear(N, K, M, split_k, dtype, monkeypatch):
         assert torch.equal(tqm.float_linear(x[r : r + 1], w, bias)[0], got[r])
 
 
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_codes_as_words_or_bytes_take_the_same_sums(bits, offsets, split_k):
+    """16-bit x fetches W's codes as int32 words (unpacked a step after their load), fp32 x as bytes: the same fp32
+    sums either way, so an fp16 row's result is the fp32 row's rounded once."""
+    qs, d, m = random_planes(70, 640, bits, offsets, 32, seed=bits + split_k)
+    x = torch.randn(5, 640, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.float16)
+    words = tqm._gemv(x, qs, d, m, bits, 32, split_k)
+    as_bytes = tqm._gemv(x.float(), qs, d, m, bits, 32, split_k)
+    assert torch.equal(words, as_bytes.half())
+
+
 def test_float_linear_refuses_what_it_cannot_run():
     w = torch.zeros(8, 64, device=DEVICE).half()
     for x, weight in [(torch.zeros(1, 64, device=DEVICE), w), (torch.zeros(1, 64, device=DEVICE), w.float()),
