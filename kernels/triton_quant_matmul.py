@@ -356,7 +356,8 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         M, N, K, k_split, split_k,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        WORDS=x2.dtype != torch.float32, BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
+        WORDS=x2.dtype != torch.float32 and qs.data_ptr() % 8 == 0,  # (the words' 64-bit loads need alignment)
+        BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
     )
     return y
 

@@ -167,6 +167,9 @@ def test_codes_as_words_or_bytes_take_the_same_sums(bits, offsets, split_k):
     words = tqm._gemv(x, qs, d, m, bits, 32, split_k)
     as_bytes = tqm._gemv(x.float(), qs, d, m, bits, 32, split_k)
     assert torch.equal(words, as_bytes.half())
+    shifted = torch.empty(qs.numel() + 1, dtype=qs.dtype, device=DEVICE)[1:].view(qs.shape)  # not 8-byte aligned:
+    shifted.copy_(qs)  # fetched as bytes under 16-bit x too
+    assert shifted.data_ptr() % 8 and torch.equal(tqm._gemv(x, shifted, d, m, bits, 32, split_k), words)
 
 
 def test_float_linear_refuses_what_it_cannot_run():
