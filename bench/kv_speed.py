@@ -76,6 +76,8 @@ def main() -> None:
             where = torch.cuda.get_device_name().replace(" ", "-")
         args.out = HERE / ("runs" if where.startswith("cpu") else "results") / f"{date}-{where}-kv-speed.json"
     done: list[dict] = []  # the rows of the prompt lengths measured
+    doc = {"command": " ".join(sys.argv), "model": files.source.spec, "environment": None, "load_average_start": load,
+           "threads": args.threads, "new_tokens": args.new_tokens}
     device = "cpu"
     for n in args.prompt_tokens:
         ctx = n + args.new_tokens + 64
@@ -101,7 +103,8 @@ def main() -> None:
                         runs[c].append(figures)
                 if round_:  # written after every round: a run stopped by a time limit keeps what it measured
                     complete = round_ == args.repeat and n == args.prompt_tokens[-1]
-                    write(args, files, load, device, done + rows_of(n, configs, runs), complete)
+                    doc["environment"] = doc.get("environment") or bench.environment(device)  # (a git call: once)
+                    write(args.out, doc, configs, done + rows_of(n, configs, runs), complete)
             del loaded
             bench.release(device)
         done += rows_of(n, configs, runs)
@@ -119,17 +122,14 @@ def rows_of(n: int, configs: list[str], runs: dict[str, list[dict]]) -> list[dic
     return rows
 
 
-def write(args, files, load: float, device: str, rows: list[dict], complete: bool) -> None:
-    """The JSON document and its table; `partial` (true until the last round of the last prompt length) tells a
-    resumed lease (`bench/gpu.sh`, GPU_RESUME) to measure it again."""
-    configs = args.configs.split(",")
+def write(out: Path, doc: dict, configs: list[str], rows: list[dict], complete: bool) -> None:
+    """The JSON document (`doc` with the rows so far) and its table; `partial` (true until the last round of the
+    last prompt length) tells a resumed lease (`bench/gpu.sh`, GPU_RESUME) to measure it again."""
     table = ["| prompt tokens | config | decode tok/s (median) | vs " + configs[0] + " | rounds |", "|---|---|---|---|---|"]
     table += [f"| {r['prompt_tokens']} | {r['config']} | {r['decode_tok_s']:.1f} | {r['ratio']:.2f}x | {r['rounds']} |"
               for r in rows]
-    doc = {"command": " ".join(sys.argv), "model": files.source.spec, "environment": bench.environment(device),
-           "load_average_start": load, "threads": args.threads, "new_tokens": args.new_tokens,
-           "partial": not complete, "rows": rows}
-    bench.write_run(args.out, doc, "\n".join(table) + "\n")
+    bench.write_run(out, {**doc, "partial": not complete, "rows": rows}, "\n".join(table) + "\n")
+
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)

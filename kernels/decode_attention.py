@@ -501,6 +501,7 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         scores = torch.empty(B, Hkv, T * G, keys, dtype=torch.float32, device=q.device)  # log2 units, keys [lo, S)
 
     count = _unused(q.device, torch.int32) if length is None else length
+    pdl = common.pdl_options(q)  # the same for the step's two or three launches
     kernel, settings = _split_launcher(q.is_cuda)
     kernel[(B * Hkv, num_splits, m_blocks)](
         q, *cache, out, mid_o, mid_lse, lse, scores, count,
@@ -511,18 +512,18 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
         DEVICE_LEN=length is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
-        **common.pdl_options(q),
+        **pdl,
     )
     if not direct:
         _combine_kernel[(B * T * Hq,)](
             mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), T, Hq, num_splits, first_split,
-            D, WRITE_LSE=mass is not None, CHUNK=COMBINE_CHUNK, BLOCK_D=BLOCK_D, **common.pdl_options(q),
+            D, WRITE_LSE=mass is not None, CHUNK=COMBINE_CHUNK, BLOCK_D=BLOCK_D, **pdl,
         )
     if mass is not None:
         BLOCK_S = 128
         _mass_kernel[(B * Hkv, triton.cdiv(keys, BLOCK_S))](
             scores, lse, mass, count, mass.stride(0), mass.stride(1), T, Hkv, G, keys,
             lo, window or 0, HAS_WINDOW=window is not None, DEVICE_LEN=length is not None,
-            BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S, **common.pdl_options(q),
+            BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S, **pdl,
         )
     return out

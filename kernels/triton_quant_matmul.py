@@ -91,18 +91,16 @@ def _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0, k_end,
     col = tl.multiple_of(k0, 32) + 32 * block
     ok = (n_ok & (col < k_end))[:, None]
     at = (offs_n * stride_dn + col // GROUP)[:, None]
-    if BITS == 16:
-        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (col + 8 * chunk)[:, None] + byte, mask=ok, other=0)
-        scale = tl.zeros(at.shape, dtype=tl.float16)
-    elif not WORDS:
-        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + ((col // 2 if BITS == 4 else col) + 8 * chunk)[:, None]
-                    + byte, mask=ok, other=0)
-        scale = tl.load(d_ptr + at, mask=ok, other=0)
-    else:
-        # the chunk's first byte (4 bits: low nibbles columns first + 0..7, high ones 16 further), a multiple of 8
-        first = offs_n * stride_qn + (col // 2 if BITS == 4 else col) + 8 * chunk
+    # the chunk's first element (4 bits: a byte whose low nibble is column first + 0, the high one 16 further)
+    first = offs_n * stride_qn + (col // 2 if BITS == 4 else col) + 8 * chunk
+    if WORDS:  # 8 bytes, a multiple of 8 from an aligned start
         words = qs_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         q = tl.load(words + (first // 4)[:, None] + tl.arange(0, 2)[None, :], mask=ok, other=0)
+    else:
+        q = tl.load(qs_ptr + first[:, None] + byte, mask=ok, other=0)
+    if BITS == 16:
+        scale = tl.zeros(at.shape, dtype=tl.float16)
+    else:
         scale = tl.load(d_ptr + at, mask=ok, other=0)
     if HAS_M:
         offset = tl.load(m_ptr + at, mask=ok, other=0)
@@ -183,7 +181,6 @@ def _gemv_kernel(
                                      stride_qn, stride_dn, BITS, GROUP, HAS_M, WORDS)
         if BITS == 16:  # float weights, as they are
             w_lo = q_now.to(tl.float32)
-            w_hi = w_lo  # (unused)
         else:
             scale_now = scale_now.to(tl.float32)
             if HAS_M:
@@ -198,10 +195,8 @@ def _gemv_kernel(
                 w_hi = scale_now * common.exact_float(q_now >> 4) + offset_now
             elif WORDS:
                 w_lo = scale_now * _code_floats(q_now, 2)
-                w_hi = w_lo  # (unused)
             else:
                 w_lo = scale_now * common.exact_float(q_now)
-                w_hi = w_lo  # (unused)
         # x's rows over the dequantized tile in turn, the same code for each: a row's products summed along the
         # chunk within a thread, then added to the row's own sums alone (the where picks, per register, at compile time)
         for r in tl.static_range(BLOCK_M):
@@ -356,9 +351,25 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         M, N, K, k_split, split_k,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        WORDS=x2.dtype != torch.float32 and qs.data_ptr() % 8 == 0,  # (the words' 64-bit loads need alignment)
+        # codes as words under 16-bit x (see _gemv_raw), their 64-bit loads aligned
+        WORDS=bits != 16 and x2.dtype != torch.float32 and qs.data_ptr() % 8 == 0,
         BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
     )
+    return y
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) as (M, K) rows, contiguous along K."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _gemv_rows(x2, qs, d, m, bits: int, group: int, bias) -> torch.Tensor:
+    """x2 (M, K), M <= VERIFY_ROWS -> (M, N): a GEMV launch for each DECODE_ROWS rows, each writing its own rows of
+    one output."""
+    y = x2.new_empty(x2.shape[0], qs.shape[0])
+    for r0 in range(0, x2.shape[0], DECODE_ROWS):
+        _gemv(x2[r0 : r0 + DECODE_ROWS], qs, d, m, bits, group, bias=bias, out=y[r0 : r0 + DECODE_ROWS])
     return y
 
 
@@ -374,14 +385,9 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"float_linear takes up to {VERIFY_ROWS} rows of x (..., K) and weight (N, K), both fp16 or "
                          f"bf16, K a multiple of 32; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}")
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    weight = weight.contiguous()
     bias = None if bias is None else bias.to(x.dtype).contiguous()
-    y = x2.new_empty(x2.shape[0], N)
-    for r0 in range(0, x2.shape[0], DECODE_ROWS):
-        _gemv(x2[r0 : r0 + DECODE_ROWS], weight, weight, None, 16, 32, bias=bias, out=y[r0 : r0 + DECODE_ROWS])
+    weight = weight.contiguous()  # (BITS 16 reads no scales: the weight stands in for them)
+    y = _gemv_rows(_rows(x), weight, weight, None, 16, 32, bias)
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -418,20 +424,14 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     rows a launch (W never materialized); more: W dequantized to x's dtype, then torch.matmul.
     """
     N, K = _check(x, qs, d, m, bits, group)
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     qs, d = qs.contiguous(), d.contiguous()
     m = None if m is None else m.contiguous()
     bias = None if bias is None else bias.to(x.dtype).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], N)
-    if x2.shape[0] <= DECODE_ROWS:  # a decode step: one launch, no copy
-        y = _gemv(x2, qs, d, m, bits, group, bias=bias)
-    elif x2.shape[0] <= VERIFY_ROWS:  # a verification block: a launch for each DECODE_ROWS rows, each into its rows
-        y = x2.new_empty(x2.shape[0], N)
-        for r0 in range(0, x2.shape[0], DECODE_ROWS):
-            _gemv(x2[r0 : r0 + DECODE_ROWS], qs, d, m, bits, group, bias=bias, out=y[r0 : r0 + DECODE_ROWS])
+    if x2.shape[0] <= VERIFY_ROWS:  # a decode step (one launch, no copy) or a verification block
+        y = _gemv_rows(x2, qs, d, m, bits, group, bias)
     else:
         y = torch.nn.functional.linear(x2, dequantize(qs, d, m, bits, group, x.dtype), bias)
     return y.reshape(*x.shape[:-1], N)
