@@ -79,25 +79,28 @@ def _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
 
 
 @triton.jit
-def _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0, k_end, stride_qn, stride_dn,
+def _gemv_raw(qs_ptr, d_ptr, m_ptr, q_row, d_row, n_ok, block, k0, k_end,
               BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, WORDS: tl.constexpr):
     """`_gemv_kernel`'s tile of W for the step at column k0, as stored -> (q, scale (tile, 1), offset (tile, 1)):
-    q the codes of each tile row's 8 bytes, with WORDS as two int32 words (tile, 2) (`_code_floats` takes them
+    q the codes of each tile row's 8 bytes, with WORDS as two int32 words (tile, 2) (`_word_weights` takes them
     apart), else as bytes (tile, 8); or BITS 16 the weights (tile, 8); each tile row's block scale and offset in
     fp16 (0 where not read: BITS 16, no offsets, or past k_end). With WORDS the codes stay words until the step that
     uses them: loaded as 8 separate bytes, they are taken apart right after their load, and the warp waits there
     for the load it has just issued to fetch ahead. (Not under fp32 x, whose 32-byte rows of 8 values the
-    compiler lays out otherwise than the words' floats: a shuffle in the loop.)"""
+    compiler lays out otherwise than the words' floats: a shuffle in the loop.)
+
+    q_row, d_row (tile,): where each tile row's codes start in qs at k0 = 0 (4 bits: the byte whose low nibble is
+    the chunk's first column, the high one 16 further), in words with WORDS; and its scale's row in d. A step
+    adds one number to each: the loop keeps no addresses of its own to recompute."""
     col = tl.multiple_of(k0, 32) + 32 * block
     ok = (n_ok & (col < k_end))[:, None]
-    at = (offs_n * stride_dn + col // GROUP)[:, None]
-    # the chunk's first element (4 bits: a byte whose low nibble is column first + 0, the high one 16 further)
-    first = offs_n * stride_qn + (col // 2 if BITS == 4 else col) + 8 * chunk
     if WORDS:  # 8 bytes, a multiple of 8 from an aligned start
-        words = qs_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        q = tl.load(words + (first // 4)[:, None] + tl.arange(0, 2)[None, :], mask=ok, other=0)
+        words = qs_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + k0 // 8 * (BITS // 4)
+        q = tl.load(words + q_row[:, None] + tl.arange(0, 2)[None, :], mask=ok, other=0)
     else:
-        q = tl.load(qs_ptr + first[:, None] + byte, mask=ok, other=0)
+        q = tl.load(qs_ptr + (k0 // 2 if BITS == 4 else k0) + q_row[:, None] + tl.arange(0, 8)[None, :], mask=ok,
+                    other=0)
+    at = (d_row + (k0 // 32 + block) // (GROUP // 32))[:, None]
     if BITS == 16:
         scale = tl.zeros(at.shape, dtype=tl.float16)
     else:
@@ -110,27 +113,89 @@ def _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0, k_end,
 
 
 @triton.jit
-def _code_floats(words, KIND: tl.constexpr):
-    """(tile, 2) int32 words, 8 bytes a tile row (byte 4w + j is bits 8j.. of word w) -> (tile, 8) fp32, exactly the
-    codes: KIND 0 each byte's low nibble, 1 its high nibble, 2 the byte as a signed int8. A shift, a mask and an OR
-    onto 2^23's bits, then a float subtraction (`common.exact_float`'s trick, no I2F)."""
-    shift = 8 * tl.arange(0, 4)[None, None, :]
+def _code_weights(moved, high, scale, offset, one, KIND: tl.constexpr):
+    """Weights scale * q + offset in fp32 from codes q moved into place in int32s: a nibble (KIND 0 or 1) at bits
+    12..15, or 16..19 where `high`; an int8 (KIND 2) at bits 8..15, offset unused (-128 scale is folded in below).
+    `one` is 1.0's bits, 0x3F800000 (an argument: in a register, ptxas fuses the mask and the OR into one LOP3).
+
+    Two instructions a code: the code is masked onto 1.0's bits, giving f = 1 + q / 2^e exactly (nibbles at bits
+    12..15: e = 11, at 16..19: e = 7; int8s, sign bit flipped to make them q + 128: e = 15); then one FFMA,
+    f * (scale 2^e) + (offset - scale 2^e) = scale * q + offset, rounded once. scale 2^e is exact, and so is
+    offset - scale 2^e wherever offset's bits and scale 2^e's span at most 24 (always for symmetric codes, -8 scale
+    or -128 scale; a Q4_1 minimum far below its scale can round there, by at most 2^-13 of a step): the weight has
+    the bits that scale * q + offset's own FFMA gives it."""
     if KIND == 2:
-        b = (words[:, :, None] << (24 - shift)) >> 24  # sign-extended
-        f = (b + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        f = ((moved & 0xFF00) ^ (one | 0x8000)).to(tl.float32, bitcast=True)  # 1 + (q + 128) / 2^15
+        big = scale * 32768.0
+        return tl.fma(f, big, -128.0 * scale - big)
+    f = ((moved & tl.where(high, 0xF0000, 0xF000)) | one).to(tl.float32, bitcast=True)  # 1 + q / 2^e
+    big = tl.where(high, scale * 128.0, scale * 2048.0)
+    return tl.fma(f, big, offset - big)
+
+
+@triton.jit
+def _word_weights(words, scale, offset, one, KIND: tl.constexpr):
+    """(tile, 2) int32 words, 8 bytes a tile row (byte 4w + j is bits 8j.. of word w), and each tile row's scale and
+    offset (tile, 1) fp32 -> (tile, 8) fp32 weights of the codes: KIND 0 each byte's low nibble, 1 its high nibble,
+    2 the byte as an int8 (`_code_weights`). A shift for every other nibble (nibble k of a word, bits 4k.., goes to
+    bits 12.. or 16..: k 0 and 1 by 12 up, 2 by 4 up, 3 and 4 where they are, 5 by 4 down, 6 and 7 by 12 down), for
+    three int8s of four."""
+    j = tl.arange(0, 4)[None, None, :]  # byte of a word
+    w = words[:, :, None]
+    if KIND == 2:
+        moved = tl.where(j == 0, w << 8, tl.where(j == 1, w, tl.where(j == 2, w >> 8, w >> 16)))  # to bits 8..15
     else:
-        b = ((words[:, :, None] >> (shift + 4 * KIND)) & 0xF) | 0x4B000000
-        f = b.to(tl.float32, bitcast=True) - 8388608.0
-    return tl.reshape(f, (words.shape[0], 8))
+        k = 2 * j + KIND  # the nibble's place in its word: bits 4k..
+        moved = tl.where(k < 2, w << 12,
+                         tl.where(k == 2, w << 4, tl.where(k < 5, w, tl.where(k == 5, w >> 4, w >> 12))))
+    weights = _code_weights(moved, _at_16(j, KIND), scale[:, :, None], offset[:, :, None], one, KIND)
+    return tl.reshape(weights, (words.shape[0], 8))
+
+
+@triton.jit
+def _at_16(j, KIND: tl.constexpr):
+    """Where `_word_weights` puts the nibble of byte j (of its word) at bits 16..19 rather than 12..15: k 1, 4, 5, 7."""
+    return (j == 2) if KIND == 0 else (j != 1)
+
+
+@triton.jit
+def _byte_weights(q, scale, offset, one, KIND: tl.constexpr):
+    """`_word_weights` from the bytes themselves, q (tile, 8) uint8 or int8: the same bits (each nibble moved to
+    where `_word_weights` puts it, so scaled by the same constants)."""
+    b = q.to(tl.int32)
+    if KIND == 2:
+        return _code_weights(b << 8, None, scale, offset, one, KIND)
+    high = _at_16(tl.arange(0, 8)[None, :] % 4, KIND)
+    return _code_weights(b << (tl.where(high, 16, 12) - 4 * KIND), high, scale, offset, one, KIND)
+
+
+@triton.jit
+def _bf16_floats(words):
+    """(tile, 4) int32 words, each two bf16 values (the first in the low half) -> (tile, 8) fp32: a shift or a mask
+    a value (a bf16 `.to` takes two for the high half: a byte permute, then the shift)."""
+    even = (words << 16).to(tl.float32, bitcast=True)
+    odd = (words & -65536).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(even, odd), (words.shape[0], 8))
+
+
+@triton.jit
+def _x_floats(x_row, first, XWORDS: tl.constexpr):
+    """x_row[first + 0..7] for each tile row, first (tile,) -> (tile, 8) fp32. XWORDS (bf16 x, 4-byte aligned): read
+    as 4 int32 words (`_bf16_floats`)."""
+    if XWORDS:
+        return _bf16_floats(tl.load(x_row.to(tl.pointer_type(tl.int32), bitcast=True) + (first // 2)[:, None]
+                                    + tl.arange(0, 4)[None, :]))
+    return tl.load(x_row + first[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr,
-    M, N, K, K_SPLIT, SPLIT_K,  # K_SPLIT: a multiple of 32, the slice of K one program covers; SPLIT_K slices
+    M, N, K, K_SPLIT, SPLIT_K, ONE,  # K_SPLIT: a multiple of 32, the slice of K one program covers; SPLIT_K slices
     stride_xm, stride_qn, stride_dn, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    WORDS: tl.constexpr, XWORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows M of x times BLOCK_N columns of W over one slice of K, into out (M, N); with SPLIT (SPLIT_K > 1) each
     slice's fp32 sums go to parts (SPLIT_K, M, N) and the last slice of a column block to finish, as count (one
@@ -147,6 +212,14 @@ def _gemv_kernel(
     span two threads, and re-read and re-dequantized the tile for every row of x: a 9-row verification block
     cost 5 one-token steps.)
 
+    Its speed is its instruction count (the loads keep far ahead), so a code costs what it must: a mask and an FFMA
+    to become a weight, and a shift for every other one (`_code_weights`; ONE is 1.0's bits, 0x3F800000), one FFMA
+    in a row's product; a thread's tile rows are columns of one block and chunk, so its x is loaded and made fp32
+    once for all of them (unmasked: `x_first`), and W's addresses are one add a step (`_gemv_raw`). sm_90 SASS of
+    the 64x128 4-bit config under Triton 3.6, one row of x: ~364 instructions a thread for 64 codes (~5.7 a code;
+    the kernel before this one took ~9.7: an I2F trick's float subtraction, a sign-extend, two-instruction bf16
+    conversions, masked loads of x for each tile row, addresses recomputed every step).
+
     The tile is dequantized once a step; x's rows then take turns over it, the same code for each, so a row's sums
     are taken in one order whatever the rows beside it, as greedy speculative decoding needs. BLOCK_M is always
     DECODE_ROWS (rows from M on skipped at run time): one compiled kernel for every M, whose sums across a column's
@@ -160,7 +233,12 @@ def _gemv_kernel(
     n_ok = offs_n < N
     block = (tile // CH) % NB
     chunk = tile % CH
-    byte = tl.arange(0, 8)[None, :]
+    # where each tile row starts in W's planes at column 0 (`_gemv_raw`): 8 bytes (or floats) a chunk
+    if WORDS:
+        q_row = tl.multiple_of(offs_n * (stride_qn // 4) + (4 if BITS == 4 else 8) * block + 2 * chunk, 2)
+    else:
+        q_row = offs_n * stride_qn + (16 if BITS == 4 else 32) * block + 8 * chunk
+    d_row = offs_n * stride_dn
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the output columns
@@ -168,17 +246,18 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N * NB * CH, BLOCK_M), dtype=tl.float32)  # each row of x's sums, in the tile's layout
     # W's tile for a step is loaded a step ahead (raw bytes and scales, few registers): its loads are in flight
     # while the step before is computed, rather than each step waiting out the memory's latency from its start
-    q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k_begin, k_end, stride_qn,
-                                 stride_dn, BITS, GROUP, HAS_M, WORDS)
+    q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, q_row, d_row, n_ok, block, k_begin, k_end, BITS, GROUP,
+                                 HAS_M, WORDS)
     common.pdl_wait(PDL)  # W's first tile is on its way while the kernel before finishes; x and the outputs wait for it
     for k0 in range(k_begin, k_end, BLOCK_K):
         col = tl.multiple_of(k0, 32) + 32 * block  # (tile,) the block's first column
-        ok = (n_ok & (col < k_end))[:, None]  # whole blocks: K, k0 and the split points are multiples of 32
-        first = col + 8 * chunk  # the chunk's columns: first + byte (4 bits: low nibbles; high ones 16 further)
+        # x's 8 columns for each tile row: x_first + 0..7 (4 bits: low nibbles; the high ones 16 further). Unmasked:
+        # a block past k_end (the slice's last step) reads a block of x that exists, whose weights here are 0
+        x_first = tl.minimum(col, K - 32) + 8 * chunk
         q_now, scale_now, offset_now = q, scale, offset
         # the next step's tile (none past k_end)
-        q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, offs_n, n_ok, block, chunk, byte, k0 + BLOCK_K, k_end,
-                                     stride_qn, stride_dn, BITS, GROUP, HAS_M, WORDS)
+        q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, q_row, d_row, n_ok, block, k0 + BLOCK_K, k_end, BITS,
+                                     GROUP, HAS_M, WORDS)
         if BITS == 16:  # float weights, as they are
             w_lo = q_now.to(tl.float32)
         else:
@@ -188,24 +267,24 @@ def _gemv_kernel(
             else:
                 offset_now = -8.0 * scale_now
             if BITS == 4 and WORDS:
-                w_lo = scale_now * _code_floats(q_now, 0) + offset_now
-                w_hi = scale_now * _code_floats(q_now, 1) + offset_now
+                w_lo = _word_weights(q_now, scale_now, offset_now, ONE, 0)
+                w_hi = _word_weights(q_now, scale_now, offset_now, ONE, 1)
             elif BITS == 4:
-                w_lo = scale_now * common.exact_float(q_now & 0xF) + offset_now
-                w_hi = scale_now * common.exact_float(q_now >> 4) + offset_now
+                w_lo = _byte_weights(q_now, scale_now, offset_now, ONE, 0)
+                w_hi = _byte_weights(q_now, scale_now, offset_now, ONE, 1)
             elif WORDS:
-                w_lo = scale_now * _code_floats(q_now, 2)
+                w_lo = _word_weights(q_now, scale_now, offset_now, ONE, 2)
             else:
-                w_lo = scale_now * common.exact_float(q_now)
+                w_lo = _byte_weights(q_now, scale_now, offset_now, ONE, 2)
         # x's rows over the dequantized tile in turn, the same code for each: a row's products summed along the
         # chunk within a thread, then added to the row's own sums alone (the where picks, per register, at compile time)
         for r in tl.static_range(BLOCK_M):
             if r < M:
-                x_at = x_ptr + r * stride_xm + first[:, None] + byte
-                x_lo = tl.load(x_at, mask=ok, other=0).to(tl.float32)
+                x_lo = _x_floats(x_ptr + r * stride_xm, x_first, XWORDS)
                 if BITS == 4:
-                    x_hi = tl.load(x_at + 16, mask=ok, other=0).to(tl.float32)
-                    part = tl.sum(tl.fma(w_hi, x_hi, w_lo * x_lo), axis=1)
+                    x_hi = _x_floats(x_ptr + r * stride_xm + 16, x_first, XWORDS)
+                    w, xs = tl.join(w_lo, w_hi), tl.join(x_lo, x_hi)  # (tile, 8, 2): one sum of 16 products
+                    part = tl.sum(tl.reshape(w * xs, (w.shape[0], 16)), axis=1)
                 else:
                     part = tl.sum(w_lo * x_lo, axis=1)
                 acc = tl.where(rows == r, acc + part[:, None], acc)  # only row r's sums: no adds of 0
@@ -348,11 +427,13 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](
         x2, qs, d, d if m is None else m, d if bias is None else bias, y, parts, count,
-        M, N, K, k_split, split_k,
+        M, N, K, k_split, split_k, 0x3F800000,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         # codes as words under 16-bit x (see _gemv_raw), their 64-bit loads aligned
         WORDS=bits != 16 and x2.dtype != torch.float32 and qs.data_ptr() % 8 == 0,
+        # bf16 x as int32 words (see _x_floats), every row 4-byte aligned
+        XWORDS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0,
         BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
     )
     return y

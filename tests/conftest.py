@@ -12,6 +12,24 @@ except ImportError:  # pragma: no cover
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _fused_fma():
+    """The interpreter's tl.fma rounds x * y before adding z (numpy has no FMA); a GPU's FFMA rounds once, and the
+    GEMV's dequantization (`triton_quant_matmul._code_weights`) is exact only so. x * y + z in float64 is exact for
+    16-bit operands and rounds fp32 ones once in all but double-rounding ties, then once more to the dtype."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_fma(self, x, y, z):
+        fused = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+        return interpreter.TensorHandle(fused.astype(z.data.dtype), z.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_fma = create_fma
+
+
+if not _cuda:
+    _fused_fma()
+
 # Tests never reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
