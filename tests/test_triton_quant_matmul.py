@@ -172,6 +172,36 @@ def test_codes_as_words_or_bytes_take_the_same_sums(bits, offsets, split_k):
     assert shifted.data_ptr() % 8 and torch.equal(tqm._gemv(x, shifted, d, m, bits, 32, split_k), words)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits, offsets", FORMATS + [(4, "awq")])
+def test_the_gemv_takes_each_weight_exactly(bits, offsets, dtype):
+    """Rows of x that pick one column each give W's columns: every code at each of its bit positions becomes
+    scale * q + offset with that FFMA's one rounding (`tqm._code_weights`), for fp32 x (codes read as bytes) and
+    16-bit x (as words; bf16 x as words too). Exact for symmetric codes (Q4_0, Q8_0) and AWQ's m = -d z; a Q4_1
+    minimum far below its scale may round by 2^-13 of a step. bf16: scales that are powers of two, so that every
+    weight is a bf16 (the interpreter's fp32-to-bf16 cast truncates; a GPU's rounds)."""
+    N, K = 70, 640
+    qs, d, m = random_planes(N, K, bits, offsets is True, 32, seed=bits)
+    if offsets == "awq":
+        z = torch.randint(0, 16, d.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        m = (-d.float() * z).half()
+    if dtype == torch.bfloat16:
+        d = torch.exp2(torch.log2(d.float().abs()).round()).half() * d.sign()
+        m = None if m is None else -d * torch.randint(0, 16, d.shape).to(DEVICE).half()
+    W = tqm.dequantize_groups(qs, d, m, bits, 32)
+    picks = torch.tensor([0, 15, 16, 31, 32, 333, 600, K - 1])  # first and last of blocks and halves, K's last
+    x = torch.zeros(len(picks), K, device=DEVICE)
+    x[torch.arange(len(picks)), picks] = 1
+    y = tqm._gemv(x.to(dtype), qs, d, m, bits, 32, split_k=3)
+    want = W[:, picks].T.to(dtype)
+    if offsets is True and dtype != torch.bfloat16:
+        # 2^-13 of a step in fp32, then at most one fp16 rounding the other way
+        ulp = want.float().abs() * 2**-10 if dtype == torch.float16 else 0
+        assert ((y.float() - W[:, picks].T).abs() <= d.float().abs().max() * 2**-13 + ulp).all()
+    else:
+        assert torch.equal(y, want)
+
+
 def test_float_linear_refuses_what_it_cannot_run():
     w = torch.zeros(8, 64, device=DEVICE).half()
     for x, weight in [(torch.zeros(1, 64, device=DEVICE), w), (torch.zeros(1, 64, device=DEVICE), w.float()),
