@@ -1,7 +1,8 @@
 """Each decode matmul of a model shape on its own, every way llmrun can run it, against the bytes it must read:
 
     python bench/gemv.py [--shapes llama3.2-1b llama3-8b] [--rows 1 9] [--matrices qkv,o,gate_up,down,head]
-                         [--variants cublas,gemv-float,w4a16,w8a16] [--device cuda] [--reps 20] [--out FILE.json]
+                         [--variants cublas,gemv-float,w4a16,w8a16,w4a16-dot,w8a16-dot] [--device cuda] [--reps 20]
+                         [--out FILE.json]
 
 A decode step's profile lumps a kernel's launches together (`bench/gpu_profile.py`: `_gemv_kernel`, 65 calls);
 this takes them apart, one (matrix, row count, variant) at a time, so that a GEMV's distance from its floor, and
@@ -10,6 +11,8 @@ whether the GEMV or cuBLAS serves a float matrix better, is read per shape:
   gemv-float  bf16 weights through the Triton GEMV (`LLMRUN_GEMV_FLOAT=1`)
   w4a16       4-bit weights in blocks of 32 with offsets (GGUF Q4_1's layout, `--weights int4`) through the GEMV
   w8a16       8-bit weights in blocks of 32 through the GEMV
+  w4a16-dot, w8a16-dot  the same weights through the tensor-core GEMV (`LLMRUN_GEMV_DOT=1`): 1-16 rows in one
+              launch, each step's tile dequantized once and multiplied in an MMA
 Each figure is one call's time: --reps calls captured in a CUDA graph (as a decode step runs them: no launch
 overhead from the host), the graph replayed, the median of 10 replays divided by --reps. The floor is the bytes a
 call must read (weights, scales and offsets) over a device copy's bandwidth measured in the same run. Rows 9 and
@@ -35,7 +38,7 @@ from llmrun.kernels import triton_quant_matmul as tqm
 from llmrun.shapes import shape_config
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("cublas", "gemv-float", "w4a16", "w8a16")
+VARIANTS = ("cublas", "gemv-float", "w4a16", "w8a16", "w4a16-dot", "w8a16-dot")
 
 
 def matrices(name: str) -> dict[str, tuple[int, int]]:
@@ -52,12 +55,14 @@ def operands(variant: str, N: int, K: int, device, dtype):
         w = torch.randn(N, K, generator=g, device=device, dtype=dtype) / K**0.5
         call = (lambda x: torch.nn.functional.linear(x, w)) if variant == "cublas" else (lambda x: tqm.float_linear(x, w))
         return call, w.numel() * w.element_size()
-    bits = 4 if variant == "w4a16" else 8
+    bits = 4 if variant.startswith("w4a16") else 8
     qs = torch.randint(0, 256, (N, K // 2), generator=g, device=device, dtype=torch.uint8) if bits == 4 else \
         torch.randint(-127, 128, (N, K), generator=g, device=device, dtype=torch.int8)
     d = (torch.rand(N, K // 32, generator=g, device=device) * 0.01).half()
     m = (torch.rand(N, K // 32, generator=g, device=device) * -0.08).half() if bits == 4 else None
     nbytes = qs.numel() + d.numel() * 2 + (0 if m is None else m.numel() * 2)
+    if variant.endswith("-dot"):  # the tensor-core GEMV (LLMRUN_GEMV_DOT=1): every row count in one launch
+        return (lambda x: tqm._gemv_dot(x, qs, d, m, bits, 32)), nbytes
     return (lambda x: tqm.quant_linear(x, qs, d, m, bits)), nbytes
 
 

@@ -47,7 +47,8 @@
 #           against its bytes (bench/gemv.py). Then where a decode step's time goes (bench/gpu_profile.py): the
 #           step through CUDA graphs and eagerly, the sum of its kernels' own times and their count, the bandwidth
 #           floor, the kernels by name, in this order (a step cut short keeps the first): llama3.2-1b at 128
-#           positions bf16, W4A16, W4A16 with programmatic dependent launch (LLMRUN_PDL=1); llama3-8b at 128;
+#           positions bf16, W4A16, W4A16 with programmatic dependent launch (LLMRUN_PDL=1), W4A16 on the
+#           tensor-core GEMV (LLMRUN_GEMV_DOT=1); llama3-8b at 128;
 #           the 1B bf16 with PDL, with its float matmuls on the GEMV (LLMRUN_GEMV_FLOAT=1), W4A16 with the GEMV's
 #           K split further (LLMRUN_GEMV_PROGRAMS_PER_SM=8, LLMRUN_GEMV_MIN_SLICE=128); llama3.1-8b at 8000
 #           positions (int8 KV, then bf16).
@@ -195,12 +196,17 @@ if [[ $steps == *" profile "* ]]; then
     # and a 9-token block, against its bytes: the GEMV's distance from its floor per matrix (bench/gemv.py)
     gemv_shapes=${GPU_GEMV_SHAPES:-llama3.2-1b llama3-8b}
     name=gemv-${gemv_shapes// /-}
-    done_before "$name" || python3 bench/gemv.py --shapes $gemv_shapes --rows 1 9 \
+    done_before "$name" || python3 bench/gemv.py --shapes $gemv_shapes --rows 1 9 --variants cublas,gemv-float,w4a16,w8a16 \
         --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     profile "" llama3.2-1b 128
     profile "" llama3.2-1b 128 --weights int4
     # programmatic dependent launch: each kernel launched to overlap the one before (kernels/common.py)
     LLMRUN_PDL=1 profile -pdl llama3.2-1b 128 --weights int4
+    # the W4A16 matmuls on the tensor-core GEMV (one launch for any 1-16 rows, a dequantized tile into an MMA)
+    LLMRUN_GEMV_DOT=1 profile -gemv-dot llama3.2-1b 128 --weights int4
+    name=gemv-dot-llama3.2-1b  # and its matmuls alone beside the GEMV's, a row and blocks of 9 and 16
+    done_before "$name" || python3 bench/gemv.py --shapes llama3.2-1b --rows 1 9 16 --variants w4a16,w4a16-dot \
+        --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     profile "" llama3-8b 128  # issue 4's headline shape at a short context: its graph step against the floor
     LLMRUN_PDL=1 profile -pdl llama3.2-1b 128
     # the float matmuls through the GEMV instead of cuBLAS (hypothesis 2: cuBLAS's M = 1 matmuls at the 1B shape's

@@ -50,7 +50,8 @@ export GPU_RESUME=1
 # tok/s, its 1.40 ms of GEMV a 1B step, and the Qwen pair's 9-token block at 5.03 steps; the 1B bf16 step without
 # RoPE's two table copies a layer (dccaf4c), against a 1.218 ms graph step (the profile; its `llmrun bench` is left
 # for a later lease); the 8B's INT8 attention with its scales loaded once a group (against 701 us a step at 8k).
-# New: each 1B and 8B matmul alone (bench/gemv.py), programmatic dependent launch (LLMRUN_PDL=1) against plain launches,
+# New: each 1B and 8B matmul alone (bench/gemv.py, with the tensor-core GEMV's variants), programmatic dependent
+# launch (LLMRUN_PDL=1) against plain launches, W4A16 on the tensor-core GEMV (LLMRUN_GEMV_DOT=1),
 # the 1B's float matmuls on the GEMV (LLMRUN_GEMV_FLOAT=1) against cuBLAS, and llama3-8b's graph step at 128
 # positions against its floor (issue 4's headline shape); the profiles in that order, the last cut first.
 # bench/GPU_NOTES.md has the predictions. The tests of what changed since (the GEMV, PDL, the attention's autotuner

@@ -36,6 +36,7 @@ import triton.language as tl
 from . import common, ref
 
 DECODE_ROWS = 8  # rows of x one GEMV launch serves
+_ONE = 0x3F800000  # 1.0's bits: `_gemv_kernel`'s argument ONE (`_code_weights`)
 VERIFY_ROWS = 16  # up to this many rows (a speculative verification block) run as GEMVs of DECODE_ROWS rows each:
 # reading the packed W twice costs far less than writing and reading it dequantized (and inside a CUDA graph that
 # copy of W would stay allocated in the graph's pool)
@@ -289,6 +290,15 @@ def _gemv_kernel(
                     part = tl.sum(w_lo * x_lo, axis=1)
                 acc = tl.where(rows == r, acc + part[:, None], acc)  # only row r's sums: no adds of 0
     total = tl.sum(tl.reshape(acc, (BLOCK_N, NB * CH, BLOCK_M)), axis=1)  # (BLOCK_N, BLOCK_M)
+    _write_sums(total, n, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr, stride_om,
+                HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _write_sums(total, n, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr, stride_om,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's fp32 sums total (BLOCK_N, BLOCK_M), columns n of rows `rows` (1, BLOCK_M), into out: rounded
+    once, plus the bias; with SPLIT through parts and the column block's counter (`_gemv_kernel`)."""
     if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
         total += tl.load(bias_ptr + n, mask=(n < N) & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
     out_ok = (rows < M) & (n[:, None] < N)
@@ -299,13 +309,92 @@ def _gemv_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last slice: the others' sums are written
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            total = tl.zeros(total.shape, dtype=tl.float32)
             for s in range(SPLIT_K):  # in slice order, whichever came last
                 total += tl.load(parts + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + rows * stride_om + n[:, None], total.to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next launch
     else:
         tl.store(out_ptr + rows * stride_om + n[:, None], total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _block_values(ptr, n, n_ok, k0, k_end, stride_dn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
+    """The fp16 scales (or offsets) of columns k0 .. k0 + BLOCK_K of W's rows n as fp32, one load a (row, block of
+    32) spread over the block's WIDTH entries in registers -> (BLOCK_N, BLOCK_K // 32 * WIDTH)."""
+    NB: tl.constexpr = BLOCK_K // 32
+    blocks = k0 // 32 + tl.arange(0, NB)
+    ok = n_ok[:, None] & (blocks * 32 < k_end)[None, :]
+    v = tl.load(ptr + n[:, None] * stride_dn + (blocks // (GROUP // 32))[None, :], mask=ok, other=0.0)
+    return tl.reshape(tl.broadcast_to(v.to(tl.float32)[:, :, None], (n.shape[0], NB, WIDTH)), (n.shape[0], NB * WIDTH))
+
+
+@triton.jit
+def _w4_dot_tile(qs_ptr, d_ptr, m_ptr, n, n_ok, k0, k_end, stride_qn, stride_dn,
+                 GROUP: tl.constexpr, HAS_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_w4_tile` with each block's scale and offset loaded once (`_block_values`), not at every byte."""
+    j = tl.arange(0, BLOCK_K // 2)  # byte within the tile
+    k_lo = k0 + (j // 16) * 32 + j % 16  # column of the low nibble; the high one is k_lo + 16
+    k_ok = k_lo < k_end
+    q = tl.load(qs_ptr + n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+    scale = _block_values(d_ptr, n, n_ok, k0, k_end, stride_dn, GROUP, BLOCK_K, 16)
+    if HAS_M:
+        offset = _block_values(m_ptr, n, n_ok, k0, k_end, stride_dn, GROUP, BLOCK_K, 16)
+    else:
+        offset = -8.0 * scale
+    b = q.to(tl.int32)
+    big = scale * 2048.0  # (common.code_weights' form, but a multiply and an add, which Triton moves the tile's
+    low = offset - big  # conversion to the MMA's operand layout above, where it does not move it above tl.fma)
+    w_lo = (((b << 12) & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) * big + low
+    w_hi = (((b << 8) & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) * big + low
+    return w_lo, w_hi, k_lo, k_ok
+
+
+@triton.jit
+def _gemv_dot_kernel(
+    x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr,
+    M, N, K, K_SPLIT, SPLIT_K,
+    stride_xm, stride_qn, stride_dn, stride_om,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """`_gemv_kernel`'s product on the tensor cores (LLMRUN_GEMV_DOT=1, an experiment): up to BLOCK_M (16) rows of x
+    in one launch, each step's tile of W dequantized (`_w4_tile`, `_w8_tile`), rounded to x's dtype and multiplied
+    by x's rows in a tl.dot (4 bits: the low nibbles' columns and the high ones', two dots), sums in fp32; split
+    K and the output as `_gemv_kernel`'s (`_write_sums`). What it trades: the weights rounded to x's dtype before
+    their products (as prefill's dequantized matmul does), for a row's products costing an MMA's share instead of an
+    FFMA each, so that a verification block of 9-16 rows costs about one row's launch. A row's sums still do not
+    depend on the rows beside it (an MMA's element is its own row's dot product)."""
+    common.pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    precision: tl.constexpr = "ieee" if x_ptr.dtype.element_ty == tl.float32 else "tf32"
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if BITS == 4:
+            w_lo, w_hi, k_lo, k_ok = _w4_dot_tile(qs_ptr, d_ptr, m_ptr, n, n_ok, k0, k_end, stride_qn, stride_dn,
+                                                  GROUP, HAS_M, BLOCK_K)
+            ok = row_ok[:, None] & k_ok[None, :]
+            x_lo = tl.load(x_rows + k_lo[None, :], mask=ok, other=0.0)
+            x_hi = tl.load(x_rows + k_lo[None, :] + 16, mask=ok, other=0.0)
+            acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc, input_precision=precision)
+            acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc, input_precision=precision)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_end
+            q = tl.load(qs_ptr + n[:, None] * stride_qn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = _block_values(d_ptr, n, n_ok, k0, k_end, stride_dn, GROUP, BLOCK_K, 32) * common.exact_float(q)
+            x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=precision)
+    _write_sums(tl.trans(acc), n, rows[None, :], M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr,
+                stride_om, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -427,7 +516,7 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](
         x2, qs, d, d if m is None else m, d if bias is None else bias, y, parts, count,
-        M, N, K, k_split, split_k, 0x3F800000,
+        M, N, K, k_split, split_k, _ONE,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         # codes as words under 16-bit x (see _gemv_raw), their 64-bit loads aligned
@@ -435,6 +524,43 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         # bf16 x as int32 words (see _x_floats), every row 4-byte aligned
         XWORDS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0,
         BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
+    )
+    return y
+
+
+_DOT_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+    for bn, bk, w, st in [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 2)]  # few: each is compiled a shape
+]
+
+
+@functools.cache
+def _dot_launcher(cuda: bool):
+    """`_gemv_launcher`'s counterpart for `_gemv_dot_kernel` (M not in the key either)."""
+    if cuda:
+        return triton.autotune(_DOT_CONFIGS, key=["N", "K", "K_SPLIT", "BITS", "GROUP"])(_gemv_dot_kernel), {}
+    return _gemv_dot_kernel, {"BLOCK_N": 64, "BLOCK_K": 256}
+
+
+def _gemv_dot(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=None) -> torch.Tensor:
+    """x2 (M, K) contiguous, M <= VERIFY_ROWS -> (M, N) through `_gemv_dot_kernel`, in one launch; split_k as
+    `_gemv`'s."""
+    M, K = x2.shape
+    N = qs.shape[0]
+    split_k = split_k or _default_split_k(x2, N, K)
+    k_split = triton.cdiv(K // 32, split_k) * 32
+    split_k = triton.cdiv(K, k_split)
+    y = torch.empty((M, N), device=x2.device, dtype=x2.dtype)
+    parts = torch.empty((split_k, M, N), device=x2.device, dtype=torch.float32) if split_k > 1 else y
+    count = _split_counters(x2.device) if split_k > 1 else y
+    kernel, blocks = _dot_launcher(x2.is_cuda)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
+    kernel[grid](
+        x2, qs, d, d if m is None else m, d if bias is None else bias, y, parts, count,
+        M, N, K, k_split, split_k,
+        x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
+        BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        BLOCK_M=VERIFY_ROWS, **blocks, **common.pdl_options(x2),
     )
     return y
 
@@ -447,7 +573,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _gemv_rows(x2, qs, d, m, bits: int, group: int, bias) -> torch.Tensor:
     """x2 (M, K), M <= VERIFY_ROWS -> (M, N): a GEMV launch for each DECODE_ROWS rows, each writing its own rows of
-    one output."""
+    one output; quantized W with LLMRUN_GEMV_DOT=1 (an experiment the GPU profiles measure), one launch of the
+    tensor-core GEMV (`_gemv_dot_kernel`) for them all."""
+    if bits != 16 and os.environ.get("LLMRUN_GEMV_DOT") == "1":
+        return _gemv_dot(x2, qs, d, m, bits, group, bias=bias)
     y = x2.new_empty(x2.shape[0], qs.shape[0])
     for r0 in range(0, x2.shape[0], DECODE_ROWS):
         _gemv(x2[r0 : r0 + DECODE_ROWS], qs, d, m, bits, group, bias=bias, out=y[r0 : r0 + DECODE_ROWS])

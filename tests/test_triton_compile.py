@@ -237,7 +237,8 @@ def _quant_matmul(shape, dtype):
     """Each linear layer of the model in blocks of 32 (GGUF's Q4_1, Q4_0, Q8_0) for 1 to 16 rows of activations (the
     GEMV kernel, split-K by SM count, 8 rows a launch) and for 17 (W dequantized for torch.matmul), and the
     embedding's rows looked up; AWQ's groups of 64 and 128 through the kernel's own API (the model's layers hold
-    blocks of 32); and each linear layer on float weights through the GEMV (LLMRUN_GEMV_FLOAT=1)."""
+    blocks of 32); each linear layer through the tensor-core GEMV (LLMRUN_GEMV_DOT=1) for a row and a verification
+    block; and each linear layer on float weights through the GEMV (LLMRUN_GEMV_FLOAT=1)."""
     from llmrun import kernels
     from llmrun.kernels.triton_quant_matmul import quant_linear
 
@@ -256,6 +257,13 @@ def _quant_matmul(shape, dtype):
             N, K = min((N, K) for N, K in linears if K % group == 0)
             for M in (1, 8) + prefill:
                 quant_linear(torch.zeros(1, M, K, dtype=dtype), *_planes(N, K, bits, offsets, group), bits, group)
+    with pytest.MonkeyPatch.context() as mp:  # the tensor-core GEMV (LLMRUN_GEMV_DOT=1): a row, a verification block
+        mp.setenv("LLMRUN_GEMV_DOT", "1")
+        for bits, offsets in ((4, True), (4, False), (8, False)):
+            for N, K in linears:
+                qs, d, m = _planes(N, K, bits, offsets, 32)
+                for M in (1, 13):
+                    kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits)
     for N, K in linears:  # float weights (LLMRUN_GEMV_FLOAT=1): the GEMV without scales
         w = torch.empty(N, K, dtype=dtype)  # never read: no memory for the vocabulary's rows
         for M in (1, 8, 13):
@@ -653,8 +661,9 @@ def test_no_code_is_converted_by_i2f_in_a_hot_loop(target, compiled):
     hot = {}
     for (spec, a), (_, error, _, findings) in compiled.items():
         consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
-        if a == arch and error is None and spec.name in ("_gemv_kernel", "_split_kernel") and consts["BITS"] in (4, 8):
+        if (a == arch and error is None and spec.name in ("_gemv_kernel", "_gemv_dot_kernel", "_split_kernel")
+                and consts["BITS"] in (4, 8)):
             hot[spec] = findings
-    assert {spec.name for spec in hot} == {"_gemv_kernel", "_split_kernel"}
+    assert {spec.name for spec in hot} == {"_gemv_kernel", "_gemv_dot_kernel", "_split_kernel"}
     converting = [spec.describe() for spec, findings in hot.items() if "an int-to-float conversion in a loop" in findings]
     assert not converting, f"{len(converting)} of {len(hot)} launches convert with I2F:\n" + "\n".join(converting)

@@ -347,3 +347,54 @@ def test_every_gemv_config(bits, config, monkeypatch):
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     x = torch.randn(3, 320, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     check_close(tqm._gemv(x, qs, d, m, bits, 64, split_k=2), x, tqm.dequantize_groups(qs, d, m, bits, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, split_k", [(1, None), (9, 3), (16, 2)])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_gemv_dot(bits, offsets, group, M, split_k, dtype):
+    """The tensor-core GEMV (LLMRUN_GEMV_DOT=1): x @ W^T + b within the tolerance rule (its weights rounded to x's
+    dtype, as torch's own matmul in that dtype has them), 1 to 16 rows in one launch, split K or not, the last
+    step's blocks past K (576 = 18 blocks of 32)."""
+    N, K = 70, 576 if group == 32 else 640
+    qs, d, m = random_planes(N, K, bits, offsets, group, seed=M + group)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    y = tqm._gemv_dot(x, qs, d, m, bits, group, split_k, bias)
+    W = tqm.dequantize_groups(qs, d, m, bits, group)
+    expected = x.float() @ W.T + bias.float()
+    torch_err = ((x @ W.to(dtype).T + bias).float() - expected).abs().max().item()
+    err = (y.float() - expected).abs().max().item()
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert err <= 2 * torch_err + ATOL[dtype] * max(expected.abs().max().item(), 1.0), (err, torch_err)
+
+
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_gemv_dot_gives_each_row_its_own_bits(bits, offsets, row_by_row_dot, monkeypatch):
+    """LLMRUN_GEMV_DOT=1: a verification block of 13 rows is one launch, each row of it the bits that row has alone
+    (greedy speculative decoding's exactness rests on it)."""
+    monkeypatch.setenv("LLMRUN_GEMV_DOT", "1")
+    launches = []
+    dot = tqm._gemv_dot
+    monkeypatch.setattr(tqm, "_gemv_dot", lambda *a, **k: launches.append(a[0].shape[0]) or dot(*a, **k))
+    qs, d, m = random_planes(70, 640, bits, offsets, 32, seed=3)
+    x = torch.randn(13, 640, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
+    block = tqm.quant_linear(x, qs, d, m, bits, 32)
+    assert launches == [13]
+    for r in (0, 5, 12):
+        assert torch.equal(tqm.quant_linear(x[r : r + 1], qs, d, m, bits, 32)[0], block[r])
+
+
+@pytest.mark.autotune
+@pytest.mark.parametrize("config", tqm._DOT_CONFIGS,
+                         ids=lambda c: "{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_dot_config(bits, config, monkeypatch):
+    """Each tile the tensor-core GEMV's autotuner may pick, as `test_every_gemv_config`."""
+    blocks = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    monkeypatch.setattr(tqm, "_dot_launcher", lambda cuda: (tqm._gemv_dot_kernel, blocks))
+    qs, d, m = random_planes(40, 640, bits, bits == 4, 64, seed=5)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    check_close(tqm._gemv_dot(x, qs, d, m, bits, 64, split_k=2), x, tqm.dequantize_groups(qs, d, m, bits, 64))
