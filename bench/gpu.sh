@@ -162,10 +162,11 @@ if [[ $steps == *" embedded "* ]] && embedded; then
 fi
 if [[ $steps == *" replay "* ]]; then
     for weights in ${GPU_REPLAY_WEIGHTS:-int4 auto}; do
-        done_before "qwen-pair-replay-$weights" && continue
+        name=qwen-pair-replay-$weights${GPU_REPLAY_TAG:-}  # the tag names a variant (an LLMRUN_GEMV_* setting)
+        done_before "$name" && continue
         python3 bench/replay.py measure --device cuda --weights $weights ${GPU_REPLAY_PROMPTS:+--prompts "$GPU_REPLAY_PROMPTS"} \
-            --out "$results/$stamp-$gpu-qwen-pair-replay-$weights.json" \
-            || { echo "gpu.sh: qwen-pair-replay-$weights FAILED (above); going on" >&2; failed+=(qwen-pair-replay-$weights); }
+            --out "$results/$stamp-$gpu-$name.json" \
+            || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     done
 fi
 if [[ $steps == *" sweep "* ]]; then

@@ -22,6 +22,9 @@
 #           INT4's prefill (c60f1e8: the cache dequantized once a chunk, not 16 times):
 #           GPU_RESUME=1 GPU_RERUN=llama3.1-8b-kv-speed-8192 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_KV_REPEAT=1 \
 #               GPU_STEPS=kv timeout 400 bash bench/gpu.sh
+#           or first, if the profile's `-gemv-dot` run beat the plain W4A16 one on its 9-row blocks, the replay on
+#           the tensor-core GEMV (about 50 s): LLMRUN_GEMV_DOT=1 GPU_REPLAY_TAG=-gemv-dot GPU_REPLAY_WEIGHTS=int4 \
+#               GPU_REPLAY_PROMPTS=1 GPU_RESUME=1 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=replay bash bench/gpu.sh
 # What the H200 took on 2026-11-26 (bench/results/*-lease3.log, *-lease4.log): the 1B `--compare` runs and the run
 # without graphs 144 s, the W4A16 `--compare` alone more than 90 s from a cold start (77 s warm); the four profiles
 # about 130 s; the kernel test files 49 s (+ start-up), the model files far longer (14 of 73 tests in 120 s: they
