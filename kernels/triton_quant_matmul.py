@@ -17,7 +17,8 @@ Two paths, chosen by the number of activation rows M:
   itself done on its columns' counter; the slice that counts last adds all the partials up in slice order and
   rounds to x's dtype, then sets the counter back to 0 for the next launch. One launch however K is split (a second
   launch to sum the slices cost an H200 48 launches and ~0.1 ms of a 1B model's 1.9 ms step), and the sum does not
-  depend on which slice finishes last.
+  depend on which slice finishes last. With LLMRUN_GEMV_DOT=1 (an experiment) `_gemv_dot_kernel` instead: all
+  M <= 16 rows in one launch, the dequantized tile rounded to x's dtype and multiplied on the tensor cores.
 - prefill (M > 16): `_dequantize_kernel` writes W (N, K) in x's dtype and torch.matmul (cuBLAS) does the GEMM.
   Compute-bound at these M, the extra N*K*2 bytes of traffic are small next to the matmul; a fused tiled
   `tl.dot` kernel is the next step if profiles say otherwise.
@@ -343,8 +344,10 @@ def _w4_dot_tile(qs_ptr, d_ptr, m_ptr, n, n_ok, k0, k_end, stride_qn, stride_dn,
     else:
         offset = -8.0 * scale
     b = q.to(tl.int32)
-    big = scale * 2048.0  # (common.code_weights' form, but a multiply and an add, which Triton moves the tile's
-    low = offset - big  # conversion to the MMA's operand layout above, where it does not move it above tl.fma)
+    # `_code_weights`' form, but a multiply and an add (an FFMA on the GPU; rounded twice by the interpreter, well
+    # below x's dtype): Triton moves the tile's conversion to the MMA's operand layout above those, not above tl.fma
+    big = scale * 2048.0
+    low = offset - big
     w_lo = (((b << 12) & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) * big + low
     w_hi = (((b << 8) & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) * big + low
     return w_lo, w_hi, k_lo, k_ok
