@@ -48,36 +48,43 @@ dequantize_groups = ref.dequantize_blocks
 
 
 @triton.jit
-def _w4_tile(qs_ptr, d_ptr, m_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
-             GROUP: tl.constexpr, HAS_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns k0 .. k0 + BLOCK_K of 4-bit W for rows offs_n, dequantized to fp32 -> (w_lo, w_hi, k_lo, k_ok):
-    w_lo, w_hi (BLOCK_N, BLOCK_K/2) at columns k_lo and k_lo + 16, k_ok (BLOCK_K/2,) where k_lo < k_end."""
-    j = tl.arange(0, BLOCK_K // 2)  # byte within the tile
-    k_lo = k0 + (j // 16) * 32 + j % 16  # column of the low nibble; the high one is k_lo + 16
-    k_ok = k_lo < k_end  # whole blocks of 32: K, k0 and the split points are multiples of 32
-    mask = n_mask[:, None] & k_ok[None, :]
-    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=mask, other=0)
-    g = k_lo // GROUP  # both nibbles of a byte share a block of 32, hence a group
-    scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
-    if HAS_M:
-        offset = tl.load(m_ptr + offs_n[:, None] * stride_dn + g[None, :], mask=mask, other=0).to(tl.float32)
-    else:
-        offset = -8.0 * scale
-    w_lo = scale * common.exact_float(q & 0xF) + offset
-    w_hi = scale * common.exact_float(q >> 4) + offset
-    return w_lo, w_hi, k_lo, k_ok
+def _block_values(ptr, n, n_ok, k0, k_end, stride_dn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
+    """The fp16 scales (or offsets) of columns k0 .. k0 + BLOCK_K of W's rows n as fp32, one load a (row, block of
+    32) spread over the block's WIDTH entries in registers -> (BLOCK_N, BLOCK_K // 32 * WIDTH)."""
+    NB: tl.constexpr = BLOCK_K // 32
+    blocks = k0 // 32 + tl.arange(0, NB)
+    ok = n_ok[:, None] & (blocks * 32 < k_end)[None, :]
+    v = tl.load(ptr + n[:, None] * stride_dn + (blocks // (GROUP // 32))[None, :], mask=ok, other=0.0)
+    return tl.reshape(tl.broadcast_to(v.to(tl.float32)[:, :, None], (n.shape[0], NB, WIDTH)), (n.shape[0], NB * WIDTH))
 
 
 @triton.jit
-def _w8_tile(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
-             GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns k0 .. k0 + BLOCK_K of 8-bit W for rows offs_n in fp32 -> (w (BLOCK_N, BLOCK_K), k, k_ok)."""
+def _w4_codes(qs_ptr, d_ptr, m_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
+              GROUP: tl.constexpr, HAS_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of 4-bit W for rows offs_n, as stored -> (q, scale, offset, k_lo, k_ok): q
+    (BLOCK_N, BLOCK_K/2) the bytes, whose low nibbles are columns k_lo and high ones k_lo + 16, scale and offset
+    each byte's in fp32 (-8 scale without offsets), k_ok (BLOCK_K/2,) where k_lo < k_end."""
+    j = tl.arange(0, BLOCK_K // 2)  # byte within the tile
+    k_lo = k0 + (j // 16) * 32 + j % 16  # column of the low nibble; the high one is k_lo + 16
+    k_ok = k_lo < k_end  # whole blocks of 32: K, k0 and the split points are multiples of 32
+    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=n_mask[:, None] & k_ok[None, :],
+                other=0)
+    scale = _block_values(d_ptr, offs_n, n_mask, k0, k_end, stride_dn, GROUP, BLOCK_K, 16)
+    if HAS_M:
+        offset = _block_values(m_ptr, offs_n, n_mask, k0, k_end, stride_dn, GROUP, BLOCK_K, 16)
+    else:
+        offset = -8.0 * scale
+    return q, scale, offset, k_lo, k_ok
+
+
+@triton.jit
+def _w8_codes(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
+              GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of 8-bit W for rows offs_n -> (q, scale (fp32, each code's), k, k_ok)."""
     k = k0 + tl.arange(0, BLOCK_K)
     k_ok = k < k_end
-    mask = n_mask[:, None] & k_ok[None, :]
-    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=mask, other=0)
-    scale = tl.load(d_ptr + offs_n[:, None] * stride_dn + (k // GROUP)[None, :], mask=mask, other=0)
-    return scale.to(tl.float32) * common.exact_float(q), k, k_ok
+    q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=n_mask[:, None] & k_ok[None, :], other=0)
+    return q, _block_values(d_ptr, offs_n, n_mask, k0, k_end, stride_dn, GROUP, BLOCK_K, 32), k, k_ok
 
 
 @triton.jit
@@ -320,40 +327,6 @@ def _write_sums(total, n, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, 
 
 
 @triton.jit
-def _block_values(ptr, n, n_ok, k0, k_end, stride_dn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
-    """The fp16 scales (or offsets) of columns k0 .. k0 + BLOCK_K of W's rows n as fp32, one load a (row, block of
-    32) spread over the block's WIDTH entries in registers -> (BLOCK_N, BLOCK_K // 32 * WIDTH)."""
-    NB: tl.constexpr = BLOCK_K // 32
-    blocks = k0 // 32 + tl.arange(0, NB)
-    ok = n_ok[:, None] & (blocks * 32 < k_end)[None, :]
-    v = tl.load(ptr + n[:, None] * stride_dn + (blocks // (GROUP // 32))[None, :], mask=ok, other=0.0)
-    return tl.reshape(tl.broadcast_to(v.to(tl.float32)[:, :, None], (n.shape[0], NB, WIDTH)), (n.shape[0], NB * WIDTH))
-
-
-@triton.jit
-def _w4_dot_tile(qs_ptr, d_ptr, m_ptr, n, n_ok, k0, k_end, stride_qn, stride_dn,
-                 GROUP: tl.constexpr, HAS_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_w4_tile` with each block's scale and offset loaded once (`_block_values`), not at every byte."""
-    j = tl.arange(0, BLOCK_K // 2)  # byte within the tile
-    k_lo = k0 + (j // 16) * 32 + j % 16  # column of the low nibble; the high one is k_lo + 16
-    k_ok = k_lo < k_end
-    q = tl.load(qs_ptr + n[:, None] * stride_qn + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-    scale = _block_values(d_ptr, n, n_ok, k0, k_end, stride_dn, GROUP, BLOCK_K, 16)
-    if HAS_M:
-        offset = _block_values(m_ptr, n, n_ok, k0, k_end, stride_dn, GROUP, BLOCK_K, 16)
-    else:
-        offset = -8.0 * scale
-    b = q.to(tl.int32)
-    # `_code_weights`' form, but a multiply and an add (an FFMA on the GPU; rounded twice by the interpreter, well
-    # below x's dtype): Triton moves the tile's conversion to the MMA's operand layout above those, not above tl.fma
-    big = scale * 2048.0
-    low = offset - big
-    w_lo = (((b << 12) & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) * big + low
-    w_hi = (((b << 8) & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) * big + low
-    return w_lo, w_hi, k_lo, k_ok
-
-
-@triton.jit
 def _gemv_dot_kernel(
     x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr,
     M, N, K, K_SPLIT, SPLIT_K,
@@ -362,7 +335,7 @@ def _gemv_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """`_gemv_kernel`'s product on the tensor cores (LLMRUN_GEMV_DOT=1, an experiment): up to BLOCK_M (16) rows of x
-    in one launch, each step's tile of W dequantized (`_w4_tile`, `_w8_tile`), rounded to x's dtype and multiplied
+    in one launch, each step's tile of W dequantized (`_w4_codes`, `_w8_codes`), rounded to x's dtype and multiplied
     by x's rows in a tl.dot (4 bits: the low nibbles' columns and the high ones', two dots), sums in fp32; split
     K and the output as `_gemv_kernel`'s (`_write_sums`). What it trades: the weights rounded to x's dtype before
     their products (as prefill's dequantized matmul does), for a row's products costing an MMA's share instead of an
@@ -382,18 +355,23 @@ def _gemv_dot_kernel(
     x_rows = x_ptr + rows[:, None] * stride_xm
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BITS == 4:
-            w_lo, w_hi, k_lo, k_ok = _w4_dot_tile(qs_ptr, d_ptr, m_ptr, n, n_ok, k0, k_end, stride_qn, stride_dn,
-                                                  GROUP, HAS_M, BLOCK_K)
+            q, scale, offset, k_lo, k_ok = _w4_codes(qs_ptr, d_ptr, m_ptr, n, n_ok, k0, k_end, stride_qn, stride_dn,
+                                                     GROUP, HAS_M, BLOCK_K)
+            # `_code_weights`' form, but a multiply and an add (an FFMA on the GPU; rounded twice by the
+            # interpreter, well below x's dtype): Triton moves the tile's conversion to the MMA's operand layout
+            # above those, not above tl.fma
+            b = q.to(tl.int32)
+            big = scale * 2048.0
+            w_lo = (((b << 12) & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) * big + (offset - big)
+            w_hi = (((b << 8) & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) * big + (offset - big)
             ok = row_ok[:, None] & k_ok[None, :]
             x_lo = tl.load(x_rows + k_lo[None, :], mask=ok, other=0.0)
             x_hi = tl.load(x_rows + k_lo[None, :] + 16, mask=ok, other=0.0)
             acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc, input_precision=precision)
             acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc, input_precision=precision)
         else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < k_end
-            q = tl.load(qs_ptr + n[:, None] * stride_qn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            w = _block_values(d_ptr, n, n_ok, k0, k_end, stride_dn, GROUP, BLOCK_K, 32) * common.exact_float(q)
+            q, scale, k, k_ok = _w8_codes(qs_ptr, d_ptr, n, n_ok, k0, k_end, stride_qn, stride_dn, GROUP, BLOCK_K)
+            w = scale * common.exact_float(q)
             x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=precision)
     _write_sums(tl.trans(acc), n, rows[None, :], M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr,
@@ -415,13 +393,16 @@ def _dequantize_kernel(
     rows = tl.load(ids_ptr + offs_n, mask=n_mask, other=0) if HAS_IDS else offs_n
     w_row = w_ptr + offs_n[:, None] * K  # the output is contiguous (N, K)
     if BITS == 4:
-        w_lo, w_hi, k_lo, k_ok = _w4_tile(qs_ptr, d_ptr, m_ptr, rows, n_mask, k0, K, stride_qn, stride_dn,
-                                          GROUP, HAS_M, BLOCK_K)
+        q, scale, offset, k_lo, k_ok = _w4_codes(qs_ptr, d_ptr, m_ptr, rows, n_mask, k0, K, stride_qn, stride_dn,
+                                                 GROUP, HAS_M, BLOCK_K)
+        w_lo = scale * common.exact_float(q & 0xF) + offset
+        w_hi = scale * common.exact_float(q >> 4) + offset
         mask = n_mask[:, None] & k_ok[None, :]
         tl.store(w_row + k_lo[None, :], w_lo.to(w_ptr.dtype.element_ty), mask=mask)
         tl.store(w_row + k_lo[None, :] + 16, w_hi.to(w_ptr.dtype.element_ty), mask=mask)
     else:
-        w, k, k_ok = _w8_tile(qs_ptr, d_ptr, rows, n_mask, k0, K, stride_qn, stride_dn, GROUP, BLOCK_K)
+        q, scale, k, k_ok = _w8_codes(qs_ptr, d_ptr, rows, n_mask, k0, K, stride_qn, stride_dn, GROUP, BLOCK_K)
+        w = scale * common.exact_float(q)
         tl.store(w_row + k[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & k_ok[None, :])
 
 
@@ -501,20 +482,30 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
+def _split_plan(x2, N: int, split_k: int | None, out: torch.Tensor | None = None):
+    """A GEMV launch's split of K and buffers for x2 (M, K) and N columns -> (y, parts, count, k_split, split_k):
+    the output (`out` if given), the slices' fp32 sums and the device's counters (y standing in when unsplit),
+    the columns a slice covers (whole blocks of 32) and the slices that makes (split_k None: by device)."""
+    M, K = x2.shape
+    split_k = split_k or _default_split_k(x2, N, K)
+    k_split = triton.cdiv(K // 32, split_k) * 32
+    split_k = triton.cdiv(K, k_split)
+    y = torch.empty((M, N), device=x2.device, dtype=x2.dtype) if out is None else out
+    if split_k == 1:
+        return y, y, y, k_split, split_k
+    if triton.cdiv(N, 32) > _COUNTERS:
+        raise ValueError(f"a split GEMV takes at most {_COUNTERS * 32} columns, got {N}")
+    parts = torch.empty((split_k, M, N), device=x2.device, dtype=torch.float32)
+    return y, parts, _split_counters(x2.device), k_split, split_k
+
+
 def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=None,
           out: torch.Tensor | None = None) -> torch.Tensor:
     """x2 (M, K) contiguous, M <= DECODE_ROWS -> (M, N) in x2's dtype, plus bias (N,) if given, written into `out`
     (rows of stride out.stride(0), contiguous within) if given. split_k: slices of K (None: by device)."""
     M, K = x2.shape
     N = qs.shape[0]
-    split_k = split_k or _default_split_k(x2, N, K)
-    k_split = triton.cdiv(K // 32, split_k) * 32
-    split_k = triton.cdiv(K, k_split)
-    y = torch.empty((M, N), device=x2.device, dtype=x2.dtype) if out is None else out
-    parts = torch.empty((split_k, M, N), device=x2.device, dtype=torch.float32) if split_k > 1 else y
-    count = _split_counters(x2.device) if split_k > 1 else y
-    if split_k > 1 and triton.cdiv(N, 32) > _COUNTERS:
-        raise ValueError(f"a split GEMV takes at most {_COUNTERS * 32} columns, got {N}")
+    y, parts, count, k_split, split_k = _split_plan(x2, N, split_k, out)
     kernel, blocks = _gemv_launcher(x2.is_cuda)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](
@@ -550,12 +541,7 @@ def _gemv_dot(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, b
     `_gemv`'s."""
     M, K = x2.shape
     N = qs.shape[0]
-    split_k = split_k or _default_split_k(x2, N, K)
-    k_split = triton.cdiv(K // 32, split_k) * 32
-    split_k = triton.cdiv(K, k_split)
-    y = torch.empty((M, N), device=x2.device, dtype=x2.dtype)
-    parts = torch.empty((split_k, M, N), device=x2.device, dtype=torch.float32) if split_k > 1 else y
-    count = _split_counters(x2.device) if split_k > 1 else y
+    y, parts, count, k_split, split_k = _split_plan(x2, N, split_k)
     kernel, blocks = _dot_launcher(x2.is_cuda)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](
