@@ -19,7 +19,11 @@ and the combine sums fixed chunks of splits, numbered from the first key, in a f
 split it cannot see weighs 0.
 
 A quantized cache (`ref.QuantizedKV`, INT8 or INT4, `quantized_decode_attention`) is read as codes and scales, and
-each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products. INT4 keys and values switch
+each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products, but for INT8 under 16-bit q:
+there the dot products take fp16 operands (bf16 q is converted once, exactly, within fp16's range), because an
+int8 code becomes an exact fp16 two a 32-bit instruction, and its product with the fp16 scale two more (the value
+rounds once, to 11 bits where bf16 keeps 8), while bf16's operands would cost fp32 arithmetic a code (an sm_90 step
+of 64 keys: 922 instructions a thread against 1201). INT4 keys and values switch
 from codes to the exact rings at a position that depends on the query row (`ref.QuantizedKV.row_quantized`),
 between nq_lo (the first row's) and nq_hi (the last row's): a tile of positions below nq_lo or from nq_hi on reads
 one version for every row; the one or two tiles that overlap [nq_lo, nq_hi) load both, score both keys and pick
@@ -55,32 +59,34 @@ _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)  # positions per INT4 key scale
 
 @triton.jit
 def _group_values(base, stride_s, offs_n, offs_d, n_ok, D, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """A quantized tile's fp16 scales (or minimums), as fp32 (BLOCK_N, BLOCK_D): with PER_CHANNEL (INT4 keys) one per
+    """A quantized tile's fp16 scales (or minimums), (BLOCK_N, BLOCK_D) in fp16: with PER_CHANNEL (INT4 keys) one per
     (group of KEY_GROUP positions, channel); else one per (position, group of GROUP channels), loaded once and
     spread over its group in registers (loaded at every channel, each thread issued as many 16-bit loads as the
     tile has channels: an H200's INT8 attention took 701 us a step at 8k positions against bf16's 396, for half
     the bytes)."""
     if PER_CHANNEL:
         at = offs_n[:, None] // _KEY_GROUP * stride_s + offs_d[None, :]
-        x = tl.load(base + at, mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(base + at, mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     else:
         BLOCK_N: tl.constexpr = offs_n.shape[0]
         BLOCK_D: tl.constexpr = offs_d.shape[0]
         groups = tl.arange(0, BLOCK_D // GROUP)
         mask = n_ok[:, None] & (groups * GROUP < D)[None, :]
         per_group = tl.load(base + offs_n[:, None] * stride_s + groups[None, :], mask=mask, other=0.0)
-        x = tl.reshape(tl.broadcast_to(per_group.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP)),
-                       (BLOCK_N, BLOCK_D))
+        x = tl.reshape(tl.broadcast_to(per_group[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP)), (BLOCK_N, BLOCK_D))
     return x
 
 
 @triton.jit
 def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, n_ok, D,
-             BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, DTYPE: tl.constexpr):
+             BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, DTYPE: tl.constexpr,
+             ASM: tl.constexpr):
     """One (BLOCK_N, BLOCK_D) tile of K or V at positions offs_n, as the dot product consumes it (in DTYPE).
 
     Every K/V read goes through here, and a quantized tile is dequantized here, in registers. BITS 0: a dense cache.
-    BITS 8: int8 code * the fp16 scale of its (position, group of GROUP channels). BITS 4: bytes holding channels 2i
+    BITS 8: int8 code * the fp16 scale of its (position, group of GROUP channels), in fp32, or in fp16 when DTYPE is
+    (`common.half_codes`, with ASM its PTX form): the same bits, one rounding of the exact product either way.
+    BITS 4: bytes holding channels 2i
     (low nibble) and 2i + 1 (high); code * scale + min, scale and min per (position, channel group), or with
     PER_CHANNEL (INT4 keys) per (group of KEY_GROUP positions, channel)."""
     mask = n_ok[:, None] & (offs_d < D)[None, :]  # positions n_ok, channels below D
@@ -90,31 +96,34 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
         scale = _group_values(scale_base, stride_scale_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
         if BITS == 8:
             codes = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0)
-            x = common.exact_float(codes) * scale  # (no I2F: `common`)
+            if DTYPE == tl.float16:
+                x = common.half_codes(codes, ASM) * scale
+            else:
+                x = common.exact_float(codes) * scale.to(tl.float32)  # (no I2F: `common`)
         else:
             packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
             codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte is read for both channels
             lo = _group_values(min_base, stride_min_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
-            x = common.exact_float(codes) * scale + lo
+            x = common.exact_float(codes) * scale.to(tl.float32) + lo.to(tl.float32)
     return x.to(DTYPE)
 
 
 @triton.jit
 def _load_tile(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, ring_base, stride_ring_s, ring,
                offs_n, offs_d, n_ok, D, n_quantized, BITS: tl.constexpr, GROUP: tl.constexpr,
-               PER_CHANNEL: tl.constexpr, DTYPE: tl.constexpr):
+               PER_CHANNEL: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
     """A tile of K or V: INT4 positions before n_quantized are codes (PER_CHANNEL: keys' scales), the later ones
     full precision in the ring (of `ring` slots, position s at s % ring)."""
     if BITS == 4:
         old = offs_n < n_quantized  # (BLOCK_N,)
         x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d,
-                     n_ok & old, D, BITS, GROUP, PER_CHANNEL, DTYPE)
+                     n_ok & old, D, BITS, GROUP, PER_CHANNEL, DTYPE, ASM)
         recent = tl.load(ring_base + (offs_n % ring)[:, None] * stride_ring_s + offs_d[None, :],
                          mask=(n_ok & (offs_n >= n_quantized))[:, None] & (offs_d < D)[None, :], other=0.0)
         x = tl.where(old[:, None], x, recent.to(DTYPE))
     else:
         x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, n_ok, D,
-                     BITS, GROUP, False, DTYPE)  # INT8 scales are per token
+                     BITS, GROUP, False, DTYPE, ASM)  # INT8 scales are per token
     return x
 
 
@@ -134,7 +143,7 @@ def _split_kernel(
     T, S, Hkv, G, D, lo, first_split, split_len, window, qk_scale, nq_lo, nq_hi, ring,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
     SCORES: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
 ):
     common.pdl_wait(PDL)
     n_keys, keys_lo = S - lo, lo  # Scores' rows: keys [lo, S) as the host counts them (with DEVICE_LEN all S)
@@ -161,6 +170,8 @@ def _split_kernel(
 
     q_ptrs = Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    if BITS == 8 and q.dtype == tl.bfloat16:  # INT8's dot products take fp16 (the module's docstring)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # this (batch, kv head)'s slice of each cache tensor; the ones a format does not use are never read
     k_base = K + b * stride_kb + kvh * stride_kh
@@ -184,7 +195,7 @@ def _split_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         k = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs, ring,
-                       offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, True, q.dtype)  # (BLOCK_N, BLOCK_D)
+                       offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, True, q.dtype, ASM)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if BITS == 4:  # rows disagree on some positions here: codes up to nq_hi are loaded too
             mixed = (n0 < nq_hi) & (n0 + BLOCK_N > nq_lo)
@@ -193,7 +204,7 @@ def _split_kernel(
         coded = offs_n[None, :] < row_nq[:, None]  # (BLOCK_M, BLOCK_N): what each row reads as codes
         if mixed:
             k_codes = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
-                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, True, q.dtype)
+                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, True, q.dtype, ASM)
             s_codes = tl.dot(q, tl.trans(k_codes), input_precision=PRECISION)
             s = tl.where(coded, s_codes, s)
         s = s * qk_scale
@@ -211,10 +222,10 @@ def _split_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs, ring,
-                       offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, False, q.dtype)
+                       offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, False, q.dtype, ASM)
         if mixed:
             v_codes = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs,
-                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, False, q.dtype)
+                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, False, q.dtype, ASM)
             pv = tl.dot(tl.where(coded, p, 0.0).to(v.dtype), v_codes, input_precision=PRECISION)
             pv += tl.dot(tl.where(coded, 0.0, p).to(v.dtype), v, input_precision=PRECISION)
         else:
@@ -511,8 +522,8 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         T, S, Hkv, G, D, lo, first_split, split_len, window or 0, math.log2(math.e) / math.sqrt(D), *int4_rows,
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
         DEVICE_LEN=length is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, **settings,
-        **pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+        ASM=q.is_cuda and torch.version.hip is None, **settings, **pdl,
     )
     if not direct:
         _combine_kernel[(B * T * Hq,)](

@@ -105,3 +105,20 @@ def test_codes_become_the_same_floats_without_a_conversion(dtype):
     out = torch.empty(x.shape, dtype=torch.float32, device=DEVICE)
     _convert[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
     assert torch.equal(out, x.float())
+
+
+@triton.jit
+def _halves(x_ptr, out_ptr, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, common.half_codes(tl.load(x_ptr + i), ASM))
+
+
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_int8_codes_become_exact_halves(asm):
+    """common.half_codes, INT8 attention's code-to-fp16: every int8 value, in every place of the 32-bit registers
+    the PTX form packs four codes into (each value at each of the four offsets), gives `.to(float16)`'s bits."""
+    x = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    x = torch.stack([x.roll(shift) for shift in range(4)], dim=1).flatten().to(DEVICE)  # 1024 codes
+    out = torch.empty(x.shape, dtype=torch.float16, device=DEVICE)
+    _halves[(1,)](x, out, ASM=asm, BLOCK=x.numel())
+    assert torch.equal(out, x.half())
