@@ -19,11 +19,13 @@ and the combine sums fixed chunks of splits, numbered from the first key, in a f
 split it cannot see weighs 0.
 
 A quantized cache (`ref.QuantizedKV`, INT8 or INT4, `quantized_decode_attention`) is read as codes and scales, and
-each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products, but for INT8 under 16-bit q:
-there the dot products take fp16 operands (bf16 q is converted once, exactly, within fp16's range), because an
-int8 code becomes an exact fp16 two a 32-bit instruction, and its product with the fp16 scale two more (the value
-rounds once, to 11 bits where bf16 keeps 8), while bf16's operands would cost fp32 arithmetic a code (an sm_90 step
-of 64 keys: 922 instructions a thread against 1201). INT4 keys and values switch
+each tile is dequantized in registers (`_load_kv`) to q's dtype for the dot products, but under 16-bit q: there
+the dot products take fp16 operands (bf16 q is converted once, exactly, within fp16's range; an INT4 cache's
+rings too, which its fp16 scales already bound), because a code becomes an exact fp16 by bit arithmetic (an int8
+code two a 32-bit instruction), scaled by its fp16 scale (INT4: plus its minimum, in one fma) without converting
+the scale, the value rounding once, to 11 bits where bf16 keeps 8; bf16 operands would cost fp32 arithmetic a
+code. sm_90 steps of 64 keys: INT8 922 instructions a thread against 1201, INT4 (a tile of codes) 2253 against
+2753. INT4 keys and values switch
 from codes to the exact rings at a position that depends on the query row (`ref.QuantizedKV.row_quantized`),
 between nq_lo (the first row's) and nq_hi (the last row's): a tile of positions below nq_lo or from nq_hi on reads
 one version for every row; the one or two tiles that overlap [nq_lo, nq_hi) load both, score both keys and pick
@@ -86,9 +88,9 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
     Every K/V read goes through here, and a quantized tile is dequantized here, in registers. BITS 0: a dense cache.
     BITS 8: int8 code * the fp16 scale of its (position, group of GROUP channels), in fp32, or in fp16 when DTYPE is
     (`common.half_codes`, with ASM its PTX form): the same bits, one rounding of the exact product either way.
-    BITS 4: bytes holding channels 2i
-    (low nibble) and 2i + 1 (high); code * scale + min, scale and min per (position, channel group), or with
-    PER_CHANNEL (INT4 keys) per (group of KEY_GROUP positions, channel)."""
+    BITS 4: bytes holding channels 2i (low nibble) and 2i + 1 (high); code * scale + min, scale and min per
+    (position, channel group), or with PER_CHANNEL (INT4 keys) per (group of KEY_GROUP positions, channel); in fp32
+    (each byte loaded for both its channels), or in fp16, rounded once (each byte loaded once, its nibbles joined)."""
     mask = n_ok[:, None] & (offs_d < D)[None, :]  # positions n_ok, channels below D
     if BITS == 0:
         x = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0.0)
@@ -101,10 +103,19 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
             else:
                 x = common.exact_float(codes) * scale.to(tl.float32)  # (no I2F: `common`)
         else:
-            packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
-            codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte is read for both channels
             lo = _group_values(min_base, stride_min_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
-            x = common.exact_float(codes) * scale.to(tl.float32) + lo.to(tl.float32)
+            if DTYPE == tl.float16:  # each byte loaded once, its two nibbles joined as channels 2i and 2i + 1
+                BLOCK_N: tl.constexpr = offs_n.shape[0]
+                BLOCK_D: tl.constexpr = offs_d.shape[0]
+                pairs = tl.arange(0, BLOCK_D // 2)
+                packed = tl.load(base + offs_n[:, None] * stride_s + pairs[None, :],
+                                 mask=n_ok[:, None] & (2 * pairs < D)[None, :], other=0).to(tl.uint16)
+                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_D))
+                x = tl.fma((codes | 0x6400).to(tl.float16, bitcast=True) - 1024.0, scale, lo)  # exact code
+            else:
+                packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
+                codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte read for both channels
+                x = common.exact_float(codes) * scale.to(tl.float32) + lo.to(tl.float32)
     return x.to(DTYPE)
 
 
@@ -120,7 +131,7 @@ def _load_tile(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_
                      n_ok & old, D, BITS, GROUP, PER_CHANNEL, DTYPE, ASM)
         recent = tl.load(ring_base + (offs_n % ring)[:, None] * stride_ring_s + offs_d[None, :],
                          mask=(n_ok & (offs_n >= n_quantized))[:, None] & (offs_d < D)[None, :], other=0.0)
-        x = tl.where(old[:, None], x, recent.to(DTYPE))
+        x = tl.where(old[:, None], x, recent.to(DTYPE))  # (fp16 holds them: the codes' fp16 scales bound them)
     else:
         x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, n_ok, D,
                      BITS, GROUP, False, DTYPE, ASM)  # INT8 scales are per token
@@ -170,7 +181,7 @@ def _split_kernel(
 
     q_ptrs = Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-    if BITS == 8 and q.dtype == tl.bfloat16:  # INT8's dot products take fp16 (the module's docstring)
+    if BITS != 0 and q.dtype == tl.bfloat16:  # a quantized cache's dot products take fp16 (the module's docstring)
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # this (batch, kv head)'s slice of each cache tensor; the ones a format does not use are never read
