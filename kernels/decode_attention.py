@@ -444,7 +444,8 @@ def quantized_decode_attention(q: torch.Tensor, kv: ref.QuantizedKV, window: int
                                split_len: int | None = None, mass: torch.Tensor | None = None,
                                length: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention` over a quantized cache, as `ref.quantized_attention` defines it: each K/V tile is
-    dequantized in registers, to q's dtype; no full-precision copy of the cache is made.
+    dequantized in registers, to q's dtype (fp16 under bf16 q: the module's docstring); no full-precision copy of
+    the cache is made.
 
     kv: INT8 or INT4 (layouts in `ref.QuantizedKV`) of B sequences, Hkv heads, S positions, head_dim D = kv.head_dim
        (a multiple of 16); every tensor any batch/head/position strides, last dim contiguous. INT4's rings k_recent
