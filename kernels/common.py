@@ -14,7 +14,8 @@ Codes to floats (`exact_float`): a quantized weight or cache value is its intege
 minimum). Converting the code with `.to(tl.float32)` compiles to I2F, which Hopper runs at 16 a clock an SM, a
 quarter of an integer add's rate and an eighth of a float add's: a W4A16 GEMV converts two codes a byte, ~37 a
 clock an SM at an H200's bandwidth, so I2F alone held it under half the bandwidth. The same float comes exactly
-from an integer add and a float add. `half_codes` makes int8 codes fp16, two an instruction.
+from an integer add and a float add. `exact_half` does the same in fp16, two codes an instruction, and
+`half_codes` makes int8 codes fp16 so.
 """
 
 import functools
@@ -63,10 +64,17 @@ def exact_float(codes):
 
 
 @triton.jit
+def exact_half(u, ZERO: tl.constexpr):
+    """Unsigned integer codes u (0 to 1023, any unsigned dtype) as the fp16 u - ZERO, exactly: u OR'ed into 0x6400's
+    bits (fp16 1024, where fp16 are one apart) is 1024 + u, and one fp16 subtraction leaves u - ZERO (paired on a
+    GPU: two codes an instruction)."""
+    return (u.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + ZERO)
+
+
+@triton.jit
 def half_codes(codes, ASM: tl.constexpr):
-    """int8 codes as fp16, exactly, two codes an instruction: a code's byte with its sign bit flipped (c + 128, 0 to
-    255) as the low byte of 0x6400 (fp16 1024, where fp16 are one apart) is 1152 + c, and an fp16 subtraction of
-    1152 leaves c. With ASM (a CUDA GPU; the interpreter runs no PTX), four codes a 32-bit register take one XOR,
+    """int8 codes as fp16, exactly: a code's byte with its sign bit flipped is c + 128 (0 to 255), `exact_half`'s
+    u with ZERO 128. With ASM (a CUDA GPU; the interpreter runs no PTX), four codes a 32-bit register take one XOR,
     two byte permutes and two paired subtractions, where Triton's own unpacking of the same takes ~4 instructions
     a code (an INT8 attention step, 128 codes a thread: its sm_90 loop 1024 -> 922 instructions)."""
     if ASM:
@@ -81,5 +89,4 @@ def half_codes(codes, ASM: tl.constexpr):
             sub.f16x2 $1, hi, bias;
             }""",
             constraints="=r,=r,r", args=[codes], dtype=tl.float16, is_pure=True, pack=4)
-    flipped = (codes.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16)
-    return (flipped | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+    return exact_half(codes.to(tl.uint8, bitcast=True) ^ 0x80, 128)

@@ -111,7 +111,7 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
                 packed = tl.load(base + offs_n[:, None] * stride_s + pairs[None, :],
                                  mask=n_ok[:, None] & (2 * pairs < D)[None, :], other=0).to(tl.uint16)
                 codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_D))
-                x = tl.fma((codes | 0x6400).to(tl.float16, bitcast=True) - 1024.0, scale, lo)  # exact code
+                x = tl.fma(common.exact_half(codes, 0), scale, lo)
             else:
                 packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
                 codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte read for both channels
