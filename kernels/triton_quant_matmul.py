@@ -137,9 +137,10 @@ def _code_weights(moved, high, scale, offset, one, KIND: tl.constexpr):
         f = ((moved & 0xFF00) ^ (one | 0x8000)).to(tl.float32, bitcast=True)  # 1 + (q + 128) / 2^15
         big = scale * 32768.0
         return tl.fma(f, big, -128.0 * scale - big)
-    f = ((moved & tl.where(high, 0xF0000, 0xF000)) | one).to(tl.float32, bitcast=True)  # 1 + q / 2^e
-    big = tl.where(high, scale * 128.0, scale * 2048.0)
-    return tl.fma(f, big, offset - big)
+    else:  # (an else: Triton 3.6 compiles what follows a constexpr if's return, here with high None)
+        f = ((moved & tl.where(high, 0xF0000, 0xF000)) | one).to(tl.float32, bitcast=True)  # 1 + q / 2^e
+        big = tl.where(high, scale * 128.0, scale * 2048.0)
+        return tl.fma(f, big, offset - big)
 
 
 @triton.jit

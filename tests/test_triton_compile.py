@@ -16,7 +16,8 @@ recorded instead of run (once per autotune config) and bound by Triton's own lau
 
 That gives ~12,000 distinct specializations, and a compile takes seconds (the attention kernel over an INT4 cache
 ~6 s), so a greedy cover picks per kernel the few that show every value of every parameter at least once (each
-dtype, constexpr, autotune setting, alignment, constant 1), plus its largest tile. The attention split kernel's
+dtype, constexpr, autotune setting, alignment, constant 1) and every pair of constexpr values and dtypes, plus its
+largest tile. The attention split kernel's
 autotuner drops the configs whose estimated shared memory does not fit before compiling them: the launches
 estimated closest to each target's limit, on either side, compile too, and the estimate is held against the
 compiler's figures. These compile in a subprocess without TRITON_INTERPRET (under it `triton.jit` gives nothing to
@@ -27,6 +28,7 @@ LLMRUN_COMPILE_ALL=1 compiles every recorded specialization instead (hours).
 import dataclasses
 import functools
 import importlib
+import itertools
 import math
 import os
 import pickle
@@ -331,11 +333,21 @@ def _cover(specs, size, features):
     return chosen
 
 
+def _shown(spec, tuned=()):
+    """What a launch shows: each parameter's type and alignment, or its constant value, and each launch option; and
+    each pair of its constants' values and pointers' dtypes (Triton 3.6 compiles a constexpr branch's code past its
+    return, so BITS 8 built under 16-bit x and failed under fp32 x, whose codes take another path: pairs show such
+    combinations). Parameters an autotune config sets are left out."""
+    params = [p for p in spec.params if p[0] not in tuned]
+    kinds = [(name, kind if kind.startswith("*") else value) for name, kind, value in params
+             if kind == "constexpr" or kind.startswith("*")]
+    return {*params, *(o for o in spec.options if o[0] not in tuned), *itertools.combinations(kinds, 2)}
+
+
 def _choose(specs):
     """specs (in recording order, so that every run chooses the same) -> those to compile.
 
-    Per kernel, a cover of what its launches show: each parameter's type and alignment, or its constant value, and
-    each launch option; and its largest tile. An autotuned kernel's variety is split in two: a cover of its
+    Per kernel, a cover of what its launches show (`_shown`) and its largest tile. An autotuned kernel's variety is split in two: a cover of its
     configs' settings (BLOCK_N, num_warps, num_stages) on its smallest launch, and a cover of the rest with its
     smallest config, the one whose shared memory must fit (the split kernel's autotuner drops the configs that do
     not before compiling them: `_at_the_limit` adds those the decision is closest for)."""
@@ -348,14 +360,15 @@ def _choose(specs):
         group.sort(key=size.get)
         tuned = group[0].tuned
         if not tuned:
-            cover = [*_cover(group, size, lambda s: set(s.params) | set(s.options)), group[-1]]
+            cover = [*_cover(group, size, _shown), group[-1]]
         else:
             config = {s: frozenset(x for x in s.params + s.options if x[0] in tuned) for s in group}
             tile = {s: _size(s, skip=tuned) for s in group}
             smallest = min(group, key=tile.get)  # the smallest launch with the smallest config (group is sorted)
             with_smallest_config = [s for s in group if config[s] == config[smallest]]
             cover = _cover([s for s in group if s.untuned() == smallest.untuned()], size, config.get)
-            cover += [*_cover(with_smallest_config, size, Spec.untuned), max(with_smallest_config, key=tile.get)]
+            cover += [*_cover(with_smallest_config, size, lambda s: _shown(s, tuned)),
+                      max(with_smallest_config, key=tile.get)]
         chosen.update(dict.fromkeys(cover))
     return list(chosen)
 
