@@ -8,17 +8,20 @@ W (N, K) is cut along K in groups of G (32, 64 or 128) sharing one fp16 scale d 
   d, m   fp16 (N, K/G).
 `ref.dequantize_blocks` is the plain-torch definition for any G; G = 32 is also the CPU kernels' layout.
 
-Two paths, chosen by the number of activation rows M:
-- decode and verification (M <= 16): `_gemv_kernel`, one program per BLOCK_N output columns and per slice of K,
-  for up to 8 rows a launch (a speculative block of 9-16 takes two). It dequantizes W's tiles in registers to
+Three paths, chosen by the number of activation rows M:
+- decode (and on a GPU under 16-bit x, M < 3; any M <= 16 under fp32 x): `_gemv_kernel`, one program per BLOCK_N
+  output columns and per slice of K, for up to 8 rows a launch (a block of 9-16 takes two). It dequantizes W's tiles in registers to
   fp32, never materialized, once for all the rows; the rows of x take turns over each tile, so that each row's
   sums are the same code whatever the rows beside it. When N
   alone gives too few programs, K is split: each slice writes an fp32 partial sum (split_k, M, N) and counts
   itself done on its columns' counter; the slice that counts last adds all the partials up in slice order and
   rounds to x's dtype, then sets the counter back to 0 for the next launch. One launch however K is split (a second
   launch to sum the slices cost an H200 48 launches and ~0.1 ms of a 1B model's 1.9 ms step), and the sum does not
-  depend on which slice finishes last. With LLMRUN_GEMV_DOT=1 (an experiment) `_gemv_dot_kernel` instead: all
-  M <= 16 rows in one launch, the dequantized tile rounded to x's dtype and multiplied on the tensor cores.
+  depend on which slice finishes last.
+- verification on a GPU (3 <= M <= 16 rows of 16-bit x): `_gemv_dot_kernel`, all rows in one launch, the
+  dequantized tile rounded to x's dtype and multiplied on the tensor cores, split K alike. On an H100 9 rows cost
+  it 1.0-1.07x one row's time, the FFMA GEMV 3.5-6.5x (`_takes_dot`). LLMRUN_GEMV_DOT=0 keeps every M on the FFMA
+  GEMV (a block's rows then have one-token steps' bits), =1 puts every M on the tensor cores.
 - prefill (M > 16): `_dequantize_kernel` writes W (N, K) in x's dtype and torch.matmul (cuBLAS) does the GEMM.
   Compute-bound at these M, the extra N*K*2 bytes of traffic are small next to the matmul; a fused tiled
   `tl.dot` kernel is the next step if profiles say otherwise.
@@ -37,6 +40,7 @@ import triton.language as tl
 from . import common, ref
 
 DECODE_ROWS = 8  # rows of x one GEMV launch serves
+DOT_ROWS = 3  # from this many rows of 16-bit x on a GPU, the tensor-core GEMV (`_takes_dot`)
 _ONE = 0x3F800000  # 1.0's bits: `_gemv_kernel`'s argument ONE (`_code_weights`)
 VERIFY_ROWS = 16  # up to this many rows (a speculative verification block) run as GEMVs of DECODE_ROWS rows each:
 # reading the packed W twice costs far less than writing and reading it dequantized (and inside a CUDA graph that
@@ -335,7 +339,7 @@ def _gemv_dot_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """`_gemv_kernel`'s product on the tensor cores (LLMRUN_GEMV_DOT=1, an experiment): up to BLOCK_M (16) rows of x
+    """`_gemv_kernel`'s product on the tensor cores (verification blocks on a GPU, `_takes_dot`): up to BLOCK_M (16) rows of x
     in one launch, each step's tile of W dequantized (`_w4_codes`, `_w8_codes`), rounded to x's dtype and multiplied
     by x's rows in a tl.dot (4 bits: the low nibbles' columns and the high ones', two dots), sums in fp32; split
     K and the output as `_gemv_kernel`'s (`_write_sums`). What it trades: the weights rounded to x's dtype before
@@ -561,11 +565,26 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _takes_dot(x2, bits: int) -> bool:
+    """Whether `_gemv_rows` multiplies quantized W on the tensor cores (`_gemv_dot_kernel`): by default for DOT_ROWS
+    or more rows of 16-bit x on a GPU; LLMRUN_GEMV_DOT=0 never, =1 always. Measured on an H100 (2026-11-26,
+    `bench/gemv.py`, the 1B shape's matrices): the FFMA GEMV's time grows with the rows (9 rows 3.5-6.5x one row),
+    the MMA's hardly (1.0-1.07x); one row is 1.4-1.7x faster on the FFMA GEMV, and they cross between 2 and 3 rows.
+    The trade: a block's row takes other bits than the same row alone on the FFMA GEMV (the weights rounded to x's
+    dtype before the MMA), so greedy speculation keeps plain greedy's tokens bit for bit only with
+    LLMRUN_GEMV_DOT=0. fp32 x stays on the FFMA GEMV (the MMA would round it to tf32)."""
+    choice = os.environ.get("LLMRUN_GEMV_DOT")
+    if bits == 16 or choice == "0":
+        return False
+    if choice == "1":
+        return True
+    return x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16) and x2.shape[0] >= DOT_ROWS
+
+
 def _gemv_rows(x2, qs, d, m, bits: int, group: int, bias) -> torch.Tensor:
     """x2 (M, K), M <= VERIFY_ROWS -> (M, N): a GEMV launch for each DECODE_ROWS rows, each writing its own rows of
-    one output; quantized W with LLMRUN_GEMV_DOT=1 (an experiment the GPU profiles measure), one launch of the
-    tensor-core GEMV (`_gemv_dot_kernel`) for them all."""
-    if bits != 16 and os.environ.get("LLMRUN_GEMV_DOT") == "1":
+    one output; or (`_takes_dot`) one launch of the tensor-core GEMV for them all."""
+    if _takes_dot(x2, bits):
         return _gemv_dot(x2, qs, d, m, bits, group, bias=bias)
     y = x2.new_empty(x2.shape[0], qs.shape[0])
     for r0 in range(0, x2.shape[0], DECODE_ROWS):
@@ -621,7 +640,8 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     (symmetric, m = -8 d). group: 32, 64 or 128 (any multiple of 32 dividing K).
     bias: (N,), added in the GEMV's fp32 sums before they are rounded (a decode step's bias costs no launch).
     Returns (..., N) in x's dtype, accumulated in fp32. Up to VERIFY_ROWS rows of x: the GEMV kernel, DECODE_ROWS
-    rows a launch (W never materialized); more: W dequantized to x's dtype, then torch.matmul.
+    rows a launch, or from DOT_ROWS rows of 16-bit x on a GPU the tensor-core GEMV (`_takes_dot`), W never
+    materialized; more: W dequantized to x's dtype, then torch.matmul.
     """
     N, K = _check(x, qs, d, m, bits, group)
     x2 = _rows(x)

@@ -5,6 +5,8 @@ Tolerance (flash-attention's rule): kernel error <= 2 x (error of torch's own ma
 measured against the fp32 reference computed from the same (already rounded) x.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -383,6 +385,46 @@ def test_gemv_dot_gives_each_row_its_own_bits(bits, offsets, row_by_row_dot, mon
     block = tqm.quant_linear(x, qs, d, m, bits, 32)
     assert launches == [13]
     for r in (0, 5, 12):
+        assert torch.equal(tqm.quant_linear(x[r : r + 1], qs, d, m, bits, 32)[0], block[r])
+
+
+@pytest.mark.parametrize("env, cuda, dtype, rows, dot", [
+    (None, True, torch.bfloat16, 9, True), (None, True, torch.float16, 3, True), (None, True, torch.bfloat16, 2, False),
+    (None, True, torch.float32, 9, False), (None, False, torch.bfloat16, 9, False), ("0", True, torch.bfloat16, 9, False),
+    ("1", False, torch.float32, 1, True),
+])
+def test_verification_blocks_take_the_tensor_cores(env, cuda, dtype, rows, dot, monkeypatch):
+    """Which GEMV a quantized matmul of up to 16 rows runs: the tensor-core one from DOT_ROWS rows of 16-bit x on a
+    GPU (faster there from 3 rows, measured), the FFMA one otherwise; LLMRUN_GEMV_DOT=0 never the tensor cores (a
+    block's rows then have one-token steps' bits), =1 always. x stands in for a GPU tensor (is_cuda, dtype, shape)."""
+    if env is None:
+        monkeypatch.delenv("LLMRUN_GEMV_DOT", raising=False)
+    else:
+        monkeypatch.setenv("LLMRUN_GEMV_DOT", env)
+    x = types.SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(rows, 64))
+    assert tqm._takes_dot(x, 4) is dot and tqm._takes_dot(x, 8) is dot
+    assert not tqm._takes_dot(x, 16)  # float weights: the GEMV's BITS 16 (LLMRUN_GEMV_FLOAT) has no dot form
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_a_bf16_block_on_a_gpu_runs_one_dot_launch_or_one_token_steps_bits(bits, offsets, monkeypatch):
+    """On a GPU a 9-row bf16 block is one tensor-core launch, within the tolerance rule; with LLMRUN_GEMV_DOT=0 it
+    is two FFMA launches whose rows are, bit for bit, each row's own one-token product."""
+    launches = []
+    for name in ("_gemv", "_gemv_dot"):
+        f = getattr(tqm, name)
+        monkeypatch.setattr(tqm, name, lambda *a, _f=f, _n=name, **k: launches.append(_n) or _f(*a, **k))
+    qs, d, m = random_planes(300, 640, bits, offsets, 32, seed=7)
+    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
+    monkeypatch.delenv("LLMRUN_GEMV_DOT", raising=False)
+    check_close(tqm.quant_linear(x, qs, d, m, bits, 32), x, tqm.dequantize_groups(qs, d, m, bits, 32))
+    assert launches == ["_gemv_dot"]
+    monkeypatch.setenv("LLMRUN_GEMV_DOT", "0")
+    launches.clear()
+    block = tqm.quant_linear(x, qs, d, m, bits, 32)
+    assert launches == ["_gemv", "_gemv"]
+    for r in (0, 7, 8):
         assert torch.equal(tqm.quant_linear(x[r : r + 1], qs, d, m, bits, 32)[0], block[r])
 
 
