@@ -43,7 +43,9 @@
 #           (llmrun against the plain-PyTorch bf16 path, eager and through torch.compile(mode="reduce-overhead"),
 #           same prompt ids); and the first SHAPE's short bf16 run
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
-#   profile First each decode matmul of llama3.2-1b and llama3-8b alone (GPU_GEMV_SHAPES), every way it can run,
+#   profile First an 8000-token prefill of llama3.2-1b into an INT4 cache and a bf16 one (`gpu_profile.py
+#           --prefill`: wall time against its kernels', the kernels and the host's operators). Then each decode
+#           matmul of llama3.2-1b and llama3-8b alone (GPU_GEMV_SHAPES), every way it can run,
 #           against its bytes (bench/gemv.py). Then where a decode step's time goes (bench/gpu_profile.py): the
 #           step through CUDA graphs and eagerly, the sum of its kernels' own times and their count, the bandwidth
 #           floor, the kernels by name, in this order (a step cut short keeps the first): llama3.2-1b at 128
@@ -193,6 +195,10 @@ if [[ $steps == *" profile "* ]]; then
         python3 bench/gpu_profile.py --random-weights "$2" --prompt-tokens "$3" "${@:4}" \
             --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     }
+    # an 8000-token prefill into an INT4 cache and a bf16 one: its wall time against its kernels' (the H100's INT4
+    # prefill of the 8B shape at 8k took 5.2 s, bf16's 0.33: the host or the kernels?)
+    profile -prefill llama3.2-1b 8000 --kv int4 --prefill
+    profile -prefill llama3.2-1b 8000 --kv bf16 --prefill
     # each decode matmul alone, every way it can run (cuBLAS, the GEMV on bf16, 4- and 8-bit weights), one token
     # and a 9-token block, against its bytes: the GEMV's distance from its floor per matrix (bench/gemv.py)
     gemv_shapes=${GPU_GEMV_SHAPES:-llama3.2-1b llama3-8b}

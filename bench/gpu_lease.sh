@@ -7,30 +7,32 @@
 #     LLMRUN_COMMIT=$(git rev-parse --short HEAD) RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf $OUT/r.tgz -C /tmp/r .
 #
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
-#   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare` (its bf16 torch.compile baseline included)
-#   profile each 1B and 8B decode matmul alone, every way it runs (bench/gemv.py: cuBLAS, the GEMV on bf16, W4A16, W8A16,
-#           1 row and 9); where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16, both again
-#           with programmatic dependent launch (LLMRUN_PDL=1) (and W4A16 with the GEMV's
-#           K split further; bf16 with its float matmuls on the GEMV, not cuBLAS), llama3-8b at 128 positions,
-#           llama3.1-8b at 8000 with int8 KV
-#   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
-#           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1)
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (about 50 s) (its step
 #           times also feed `bench/replay.py simulate` here, for all of them)
+#   profile an 8000-token prefill of the 1B shape into an INT4 cache and a bf16 one (where INT4's goes); each 1B
+#           and 8B decode matmul alone, every way it runs (bench/gemv.py: cuBLAS, the GEMV on bf16, W4A16, W8A16,
+#           1 row and 9); where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16, with
+#           programmatic dependent launch (LLMRUN_PDL=1), W4A16 on the tensor-core GEMV for every row, llama3-8b at
+#           128 positions, the float matmuls on the GEMV, the GEMV's K split further, llama3.1-8b at 8000 with
+#           int8 KV and bf16 (on a GPU model that has the earlier ones, these come first)
+#   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
+#           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1)
+#   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare` (its bf16 torch.compile baseline included)
 #   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV (bench/kv_speed.py): not in this lease
-#           (32k takes more than 150 s), a second call on the warm machine if time is left, 8k measured again for
-#           INT4's prefill (c60f1e8: the cache dequantized once a chunk, not 16 times):
-#           GPU_RESUME=1 GPU_RERUN=llama3.1-8b-kv-speed-8192 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_KV_REPEAT=1 \
-#               GPU_STEPS=kv timeout 400 bash bench/gpu.sh
-#           or first, if the profile's `-gemv-dot` run beat the plain W4A16 one on its 9-row blocks, the replay on
-#           the tensor-core GEMV (about 50 s): LLMRUN_GEMV_DOT=1 GPU_REPLAY_TAG=-gemv-dot GPU_REPLAY_WEIGHTS=int4 \
-#               GPU_REPLAY_PROMPTS=1 GPU_RESUME=1 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=replay bash bench/gpu.sh
+#           (more than 220 s for both), a second call on the warm machine if time is left (the H100 has both at
+#           9ea29b0; on another GPU model):
+#           GPU_RESUME=1 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=kv timeout 285 bash bench/gpu.sh
+#           or on an H100 the profile step again, whose 8B runs at 8000 positions the first call may not reach
+#           (the INT8 split attention's time a step): GPU_RESUME=1 ... GPU_STEPS=profile timeout 285 bash bench/gpu.sh
 # What the H200 took on 2026-11-26 (bench/results/*-lease3.log, *-lease4.log): the 1B `--compare` runs and the run
 # without graphs 144 s, the W4A16 `--compare` alone more than 90 s from a cold start (77 s warm); the four profiles
 # about 130 s; the kernel test files 49 s (+ start-up), the model files far longer (14 of 73 tests in 120 s: they
 # autotune every kernel at every shape); the replay 50 s; kv_speed at 8k 110 s for two rounds, at 32k more than
-# 150 s for one (left out here). The memory step's figures are committed; the embedded model's file travels in two
-# calls and is left out. The steps' limits total 520 s: give the call 580.
+# 150 s for one. The H100 (*-H100-80GB-HBM3-lease1.log): the W4A16 `--compare` 110 s (its document written), the
+# profile step's gemv.py runs and 8 profiles 220 s, the replay 58 s, the kernel test files 757 tests in 120 s
+# (none left out: the first on that GPU), the kv step at 8k and 32k, one round each, 227 s. The memory step's
+# figures are committed; the embedded model's file travels in two calls and is left out. The steps' limits total
+# 510 s: give the call 580.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export RESULTS=${RESULTS:-bench/results}
@@ -48,24 +50,19 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 }
 
 export GPU_RESUME=1
-# measured again: what the GEMV's third version (6c314d3: the tile dequantized once for every row of x, no barrier
-# or shuffle in its loop) and its split-K summed in its own launch (3935e34) change, against the fourth lease's 509.3
-# tok/s, its 1.40 ms of GEMV a 1B step, and the Qwen pair's 9-token block at 5.03 steps; the 1B bf16 step without
-# RoPE's two table copies a layer (dccaf4c), against a 1.218 ms graph step (the profile; its `llmrun bench` is left
-# for a later lease); the 8B's INT8 attention with its scales loaded once a group (against 701 us a step at 8k).
-# New: each 1B and 8B matmul alone (bench/gemv.py, with the tensor-core GEMV's variants), programmatic dependent
-# launch (LLMRUN_PDL=1) against plain launches, W4A16 on the tensor-core GEMV (LLMRUN_GEMV_DOT=1),
-# the 1B's float matmuls on the GEMV (LLMRUN_GEMV_FLOAT=1) against cuBLAS, and llama3-8b's graph step at 128
-# positions against its floor (issue 4's headline shape); the profiles in that order, the last cut first.
-# bench/GPU_NOTES.md has the predictions. The tests of what changed since (the GEMV, PDL, the attention's autotuner
-# key, the embedding's lookup) run again though they passed.
-export GPU_RERUN="llama3.2-1b-int4-p128-n128 profile-llama3.2-1b-p128 profile-llama3.2-1b-p128-weights-int4"
-GPU_RERUN+=" qwen-pair-replay-int4 profile-llama3.1-8b-p8000-kv-int8"
-export GPU_RETEST="test_triton_quant_matmul test_triton_attention test_triton_model test_cuda_graphs"
-GPU_WEIGHTS=int4 GPU_PROMPTS=128 step 110 speed llama3.2-1b
-step 220 profile
+# measured again: the Qwen pair's replay, whose verification blocks of 3-16 tokens now run on the tensor-core GEMV
+# (b39b2ce; the H100's first lease: a 9-token block 2.53 one-token steps, greedy 1.16x; predicted ~1.5 steps and
+# ~1.3x, bench/GPU_NOTES.md). New: the prefill profiles (an INT4 cache's 8k prefill against bf16's: the host or the
+# kernels?). The tests of what changed since (the GEMV's Q8_0 under fp32 x, the dispatch to the tensor cores, the
+# greedy speculation test) run again though they passed; the model files have never run to their end in a lease:
+# with the kernel files' passes on this GPU left out, they come next. The order puts what decides the next change
+# first: the replay, the profiles, the tests, the 1B W4A16 `--compare` last (the H100 has it).
+export GPU_RERUN="qwen-pair-replay-int4"
+export GPU_RETEST="test_triton_quant_matmul test_speculative test_cuda_graphs test_triton_model"
 GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 70 replay
-PYTEST_ADDOPTS="-n 12" step 120 tests
+step 190 profile
+PYTEST_ADDOPTS="-n 12" step 160 tests
+GPU_WEIGHTS=int4 GPU_PROMPTS=128 step 90 speed llama3.2-1b
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete
 cat "$RESULTS/lease.log" >&2

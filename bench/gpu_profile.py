@@ -2,7 +2,7 @@
 times and the bandwidth floor, and the kernels that take it, in one run:
 
     python bench/gpu_profile.py [--random-weights llama3.2-1b | MODEL] [--weights auto|int4] [--kv KV]
-                                [--prompt-tokens 128] [--ctx 8192] [--steps 32] [--out FILE.json]
+                                [--prompt-tokens 128] [--ctx 8192] [--steps 32] [--prefill] [--out FILE.json]
 
 The step is llmrun's own decode step (`Engine.decode`) at a fixed position: the cache is rolled back after each,
 so every timed step attends over the same keys. Timed with device events, median of --steps after a warm-up:
@@ -15,7 +15,11 @@ so every timed step attends over the same keys. Timed with device events, median
 graph - kernels is time the GPU spends between kernels (or short of the bandwidth a kernel could draw): what
 fusing launches would win; kernels - floor, what faster kernels would. The table of kernels groups them by name.
 On a CPU the same runs, with the profiler's operators in place of kernels (a check that the script works).
-Writes the JSON to --out (default bench/results/DATE-DEVICE-profile-MODEL.json) and prints the tables.
+With --prefill, the prompt's prefill instead (into an empty cache, --steps 3 by default): its wall time against
+its kernels' own durations (the gap is the host: Python, small-op launches, syncs), the kernels by time, and the
+host operators by their own CPU time (the profiler's self time) - where a prefill that runs far below its
+kernels' rate (an INT4 cache's) spends it.
+Writes the JSON to --out (default bench/results/DATE-DEVICE-profile-MODEL[-prefill].json) and prints the tables.
 """
 
 from __future__ import annotations
@@ -57,6 +61,85 @@ def timed_steps(engine, token: int, steps: int) -> list[float]:
     return times[2:]
 
 
+def timed_prefills(engine, prompt: list[int], runs: int) -> list[float]:
+    """Wall seconds of `runs` prefills of `prompt` into an empty cache (after one untimed: compiling, tuning)."""
+    times = []
+    for _ in range(runs + 1):
+        engine.reset()
+        _sync(engine)
+        t0 = time.perf_counter()
+        engine.prefill(prompt)
+        _sync(engine)
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def _sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def prefill_tables(engine, prompt: list[int]) -> tuple[list[dict], int, list[dict]]:
+    """One prefill under the profiler: (its device kernels by name, their launches, its host operators by self CPU
+    time), slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.reset()
+    cuda = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        engine.prefill(prompt)
+        _sync(engine)
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if cuda and ev.device_type.name == "CUDA":
+            kernels.setdefault(ev.name, []).append(ev.time_range.elapsed_us())
+    table = [{"kernel": name, "calls": len(us), "us": round(sum(us), 1)} for name, us in kernels.items()]
+    table.sort(key=lambda r: -r["us"])
+    host = [{"op": e.key, "calls": e.count, "self_cpu_us": round(e.self_cpu_time_total, 1)}
+            for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    host.sort(key=lambda r: -r["self_cpu_us"])
+    return table, sum(r["calls"] for r in table), host
+
+
+def prefill_main(args, engine, workload, name: str, settings) -> int:
+    """--prefill: the prompt's prefill, its wall time against its kernels' and the host's."""
+    with torch.inference_mode():
+        wall = statistics.median(timed_prefills(engine, workload.prompt, args.steps or 3))
+        table, launches, host = prefill_tables(engine, workload.prompt)
+    kernels_s = sum(r["us"] for r in table) / 1e6
+    tokens = len(workload.prompt)
+    doc = {"model": name, "config": vars(settings) | {"prompt_tokens": tokens}, "mode": "prefill",
+           "prefill_s": wall, "prefill_tok_s": tokens / wall, "kernels_s": kernels_s, "launches": launches,
+           "kernels": table, "host_ops": host[:40], "environment": bench.environment(engine.device.type),
+           "command": " ".join(["python", *sys.argv])}
+    lines = [
+        f"{name}: {settings.device} {settings.dtype} --weights {settings.weights} --kv {settings.kv}, prefill of "
+        f"{tokens} tokens, median of {args.steps or 3}",
+        "",
+        f"prefill {wall * 1e3:.1f} ms ({tokens / wall:.0f} tok/s); its kernels {kernels_s * 1e3:.1f} ms "
+        f"({launches} launches); the rest, {max(wall - kernels_s, 0) * 1e3:.1f} ms, between kernels (the host)"
+        if engine.device.type == "cuda" else f"prefill {wall * 1e3:.1f} ms ({tokens / wall:.0f} tok/s) on a CPU: "
+        "no device kernels; the host operators below leave out the C kernels' own calls",
+        "",
+        "| kernel | calls | ms | share |",
+        "|---|---|---|---|",
+        *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us'] / 1e3:.1f} | {r['us'] / 1e6 / max(kernels_s, 1e-12):.0%} |"
+          for r in table[: args.top]),
+        "",
+        "| host operator | calls | self CPU ms |",
+        "|---|---|---|",
+        *(f"| `{r['op'][:90]}` | {r['calls']} | {r['self_cpu_us'] / 1e3:.1f} |" for r in host[: args.top]),
+    ]
+    bench.write_run(args.out or _default_out(doc, settings, name, "-prefill"), doc, "\n".join(lines) + "\n")
+    return 0
+
+
+def _default_out(doc, settings, name: str, suffix: str = "") -> Path:
+    device = doc["environment"]["device_name"].replace(" ", "-") if settings.device == "cuda" else "cpu"
+    safe = name.replace(":", "-").replace("/", "-")
+    return HERE / "results" / f"{datetime.date.today()}-{device}-profile-{safe}{suffix}.json"
+
+
 def kernel_table(engine, token: int) -> tuple[list[dict], int]:
     """(rows by kernel name: calls and microseconds per step, slowest first; kernels a step launches) of one decode
     step as the engine runs it (a graph's replay, or eager). On a CPU, the profiler's top-level operators."""
@@ -91,8 +174,9 @@ def main() -> int:
     parser.add_argument("--kv", default="auto", help="the KV cache format (default: the compute dtype)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="cache positions each step attends to")
     parser.add_argument("--ctx", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=32, help="timed steps each way (default 32)")
+    parser.add_argument("--steps", type=int, help="timed steps each way (default 32; --prefill: 3 prefills)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed (default 15)")
+    parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill, not a decode step")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -105,6 +189,10 @@ def main() -> int:
     engine = bench.open_engine(files, settings)
     workload = make_workload(engine.tokenizer, prompt_tokens=args.prompt_tokens, new_tokens=2,
                              vocab_size=files.config.vocab_size)
+    name = args.random_weights and f"random:{args.random_weights}" or args.model
+    if args.prefill:
+        return prefill_main(args, engine, workload, name, settings)
+    args.steps = args.steps or 32
     with torch.inference_mode():
         engine.prefill(workload.prompt)
         token = workload.prompt[-1]
@@ -120,7 +208,6 @@ def main() -> int:
     kv_per_token = engine.cache.nbytes // engine.cache.max_len
     read = weight_bytes_read_per_token(engine.loaded) + kv_per_token * (len(engine.tokens) + 1)
     bandwidth = copy_bandwidth(engine.device.type)
-    name = args.random_weights and f"random:{args.random_weights}" or args.model
     figures = {
         "graph_step_s": statistics.median(graph), "eager_step_s": statistics.median(eager),
         "kernels_step_s": sum(r["us"] for r in table) / 1e6, "launches": launches, "kernels_of": kernels_of,
@@ -148,11 +235,7 @@ def main() -> int:
         *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "
           f"{r['us'] / 1e6 / max(figures['kernels_step_s'], 1e-12):.0%} |" for r in table[: args.top]),
     ]
-    if args.out is None:
-        device = doc["environment"]["device_name"].replace(" ", "-") if settings.device == "cuda" else "cpu"
-        safe = name.replace(":", "-").replace("/", "-")
-        args.out = HERE / "results" / f"{datetime.date.today()}-{device}-profile-{safe}.json"
-    bench.write_run(args.out, doc, "\n".join(lines) + "\n")
+    bench.write_run(args.out or _default_out(doc, settings, name), doc, "\n".join(lines) + "\n")
     return 0
 
 

@@ -665,6 +665,27 @@ def test_profile_script_on_a_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_profile_script_profiles_a_prefill(tmp_path):
+    """gpu_profile.py --prefill: a prompt's prefill into an empty INT4 cache, its wall time and the host's
+    operators (on a CPU no device kernels), in the JSON and the table."""
+    import subprocess
+    from pathlib import Path
+
+    out = tmp_path / "p.json"
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_profile.py"
+    done = subprocess.run([sys.executable, str(script), "--random-weights", "smollm2-135m", "--prompt-tokens", "70",
+                           "--ctx", "128", "--steps", "2", "--device", "cpu", "--kv", "int4", "--prefill",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "prefill" and doc["config"]["kv"] == "int4" and doc["config"]["prompt_tokens"] == 70
+    assert doc["prefill_s"] > 0 and doc["prefill_tok_s"] == pytest.approx(70 / doc["prefill_s"])
+    assert doc["kernels"] == [] and doc["launches"] == 0 and doc["host_ops"]
+    assert all(r["self_cpu_us"] > 0 and r["calls"] > 0 for r in doc["host_ops"])
+    assert "| host operator | calls | self CPU ms |" in done.stdout == out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
 def test_kv_speed_script_runs_every_format_on_one_load(tmp_path):
     """bench/kv_speed.py on a random shape: every cache format's engine on the weights it loaded once; the record
     written after each counted round (partial until the last), the warm-up round's lines marked as such."""
