@@ -164,17 +164,17 @@ def _cpu_reads(q, kv: ref.QuantizedKV, mass) -> bool:
 def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None, length=None):
     """`attention` over a quantized cache (`ref.QuantizedKV`, INT8 or INT4) -> (B, T, Hq, D) in q's dtype.
     On CUDA (T <= 16) the Triton kernel dequantizes tiles in registers, and so do the C kernels on the CPU (fp32);
-    elsewhere the cache is dequantized first, once per run of query rows that read the same INT4 keys
-    (`ref.quantized_row_blocks`). length: as for `attention`; INT4 then reads the key groups full at each row's
+    elsewhere (a prompt chunk on a GPU, 16-bit on a CPU) the cache is dequantized first, and attended in one call
+    (INT4: `int4_attention`). length: as for `attention`; INT4 then reads the key groups full at each row's
     position as codes (`quantized_decode_attention`)."""
     if length is not None and not (_use_triton(q) and q.shape[1] <= 16):  # read the count (a host sync)
         n = int(length)
         kv, mass, length = _in_use(kv, n), None if mass is None else mass[:, :, :n], None
 
-    def dequantized():  # each run attends before the next is dequantized (they share one buffer)
-        parts = [attention(q[:, r0:r1], k, v, window, None if mass is None else mass[:, :, : k.shape[2]])
-                 for r0, r1, k, v in dequantized_row_blocks(kv, q.shape[1], q.dtype)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    def dequantized():
+        if kv.bits == 4:
+            return int4_attention(q, kv, window, mass)
+        return attention(q, *dequantized_int8(kv, q.dtype), window, mass)
 
     if _use_triton(q) and q.shape[1] <= 16:
         from .decode_attention import quantized_decode_attention
@@ -190,36 +190,51 @@ def quantized_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=
     return dequantized()
 
 
-def dequantized_row_blocks(kv: ref.QuantizedKV, T: int, dtype: torch.dtype):
-    """`ref.quantized_row_blocks` with k, v in `dtype`, bit for bit (each value computed in fp32, rounded once), the
-    cache dequantized once: an INT4 run of rows reads what the run before read but for the key groups that filled
-    between them, [nq before, nq), which are written over in place. So the runs' k, v are views of one buffer:
-    use each before taking the next. (A 512-token prompt chunk has 16 runs; dequantizing the whole cache for each
-    made an H200's INT4 prefill 18x slower than bf16's.)"""
-    if kv.bits == 8:  # one run; on CUDA one launch for K and V (five torch passes over fp32 each otherwise)
-        if _use_triton(kv.k) and kv.k.stride() == kv.v.stride() and kv.k_scale.stride() == kv.v_scale.stride():
-            from .kv_dequantize import int8_pair
+def dequantized_int8(kv: ref.QuantizedKV, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An INT8 cache's keys and values (B, Hkv, S, D) in `dtype`, bit for bit `ref.dequantize_kv`'s rounded once: on
+    CUDA one launch for K and V (five torch passes over fp32 each otherwise)."""
+    if _use_triton(kv.k) and kv.k.stride() == kv.v.stride() and kv.k_scale.stride() == kv.v_scale.stride():
+        from .kv_dequantize import int8_pair
 
-            yield 0, T, *_triton("kv_dequantize", lambda: int8_pair(kv.k, kv.v, kv.k_scale, kv.v_scale, dtype),
-                                 lambda: tuple(x.to(dtype) for x in ref.dequantize_kv(kv)))
-            return
-        for r0, r1, k, v in ref.quantized_row_blocks(kv, T):
-            yield r0, r1, k.to(dtype), v.to(dtype)
-        return
-    S, G = kv.length, ref.KEY_GROUP
+        return _triton("kv_dequantize", lambda: int8_pair(kv.k, kv.v, kv.k_scale, kv.v_scale, dtype),
+                       lambda: tuple(x.to(dtype) for x in ref.dequantize_kv(kv)))
+    return tuple(x.to(dtype) for x in ref.dequantize_kv(kv))
+
+
+def int4_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None) -> torch.Tensor:
+    """`ref.quantized_attention` over an INT4 cache in one SDPA call, whatever the rows read as codes. Row r (at
+    position S - T + r) reads positions [0, nq_r) from their codes and the rest exact from the rings
+    (`QuantizedKV.row_quantized`), so a prompt chunk's rows come in runs of KEY_GROUP that read different keys;
+    the reference attends each run over its own dequantized cache (16 calls over the whole cache for a 512-token
+    chunk: an H100's INT4 prefill at 8k ran 1/16 as fast as bf16's). Here the keys are positions [0, nq_last) from
+    their codes followed by [nq_first, S) exact, each in q's dtype (computed in fp32, rounded once, as the
+    reference's), and row r's mask keeps of each position the copy it reads, up to its own position (and within
+    the window): each row attends to the reference's keys and values, in position order. mass: as `attention`'s,
+    the two copies of a position summed into it."""
+    B, T, Hq, D = q.shape
+    S, dtype, device = kv.length, q.dtype, q.device
     nq = kv.row_quantized(T)
-    first = nq[0] if T else None
-    k, v = (x.to(dtype) for x in ref.dequantize_kv(kv, first))
-    done = first
-    cuts = [r for r in range(1, T) if nq[r] != nq[r - 1]]
-    for r0, r1 in zip([0, *cuts], [*cuts, T]):
-        if r0 < T and nq[r0] > done:  # positions [done, nq[r0]): codes from this run on (multiples of G)
-            a, b = done, nq[r0]
-            k[:, :, a:b] = ref.dequantize_int4_channels(kv.k[:, :, a:b], kv.k_scale[:, :, a // G :],
-                                                        kv.k_min[:, :, a // G :])
-            v[:, :, a:b] = ref.dequantize_int4_tokens(kv.v[:, :, a:b], kv.v_scale[:, :, a:b], kv.v_min[:, :, a:b])
-            done = b
-        yield r0, r1, k[:, :, : S - T + r1], v[:, :, : S - T + r1]
+    first, last = (nq[0], nq[-1]) if T else (kv.n_quantized, kv.n_quantized)
+    ring = torch.arange(first, S, device=device) % kv.k_recent.shape[2]
+    groups = -(-last // ref.KEY_GROUP)  # the key groups the codes read: not the scales' whole capacity
+    k = torch.cat((ref.dequantize_int4_channels(kv.k[:, :, :last], kv.k_scale[:, :, :groups], kv.k_min[:, :, :groups])
+                   .to(dtype),
+                   kv.k_recent[:, :, ring].to(dtype)), dim=2)
+    v = torch.cat((ref.dequantize_int4_tokens(kv.v[:, :, :last], kv.v_scale[:, :, :last], kv.v_min[:, :, :last])
+                   .to(dtype), kv.v_recent[:, :, ring].to(dtype)), dim=2)
+    position = torch.cat((torch.arange(last, device=device), torch.arange(first, S, device=device)))
+    as_code = torch.arange(position.numel(), device=device) < last
+    row = S - T + torch.arange(T, device=device)[:, None]  # (T, 1) each query's position
+    cut = torch.tensor(nq, device=device, dtype=torch.long)[:, None]
+    mask = (position <= row) & torch.where(as_code, position < cut, position >= cut)
+    if window is not None:
+        mask &= row - position < window
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=Hq != k.shape[1])
+    if mass is not None:
+        weights = ref.attention_mass(q, k, mask=mask)
+        mass[:, :, :last] += weights[:, :, :last]
+        mass[:, :, first:S] += weights[:, :, last:]
+    return y.transpose(1, 2)
 
 
 def _in_use(kv: ref.QuantizedKV, n: int) -> ref.QuantizedKV:

@@ -317,14 +317,17 @@ def quantized_attention_mass(q: torch.Tensor, kv: QuantizedKV, window: int | Non
     return mass
 
 
-def attention_mass(q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def attention_mass(q: torch.Tensor, k: torch.Tensor, window: int | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """The attention weight each key receives, summed over the T queries and the query heads sharing its kv head:
-    q (B, T, Hq, D), k (B, Hkv, S, D) -> (B, Hkv, S) fp32 (one step's share of H2O's accumulated attention)."""
+    q (B, T, Hq, D), k (B, Hkv, S, D) -> (B, Hkv, S) fp32 (one step's share of H2O's accumulated attention).
+    mask: a (T, S) bool mask of the keys each query sees, instead of the causal one (and window's)."""
     B, T, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.float().view(B, T, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, T, D)
     scores = torch.einsum("bhgtd,bhsd->bhgts", qg, k.float()) / D**0.5  # (B, Hkv, G, T, S)
-    mask = attention_mask(T, S, window, q.device)
+    if mask is None:
+        mask = attention_mask(T, S, window, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(-1).sum((2, 3))

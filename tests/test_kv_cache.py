@@ -174,26 +174,56 @@ def test_each_row_of_an_int4_block_reads_the_keys_one_token_steps_read(start, T,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("bits, start, T", [(4, 700, 512), (4, 63, 33), (4, 37, ref.RECENT - ref.KEY_GROUP + 1),
-                                            (4, 100, 600), (4, 95, 1), (8, 100, 40)])
-def test_the_fallbacks_runs_dequantize_the_cache_once(bits, start, T, dtype):
-    """`kernels.dequantized_row_blocks` (prefill's attention over a quantized cache on a GPU): each run of rows the
-    keys and values of `ref.quantized_row_blocks`, in `dtype`, bit for bit, though it dequantizes the cache once
-    and writes over only the key groups that fill between runs. (100, 600): a block past the rings, whose first
-    rows read codes."""
-    from llmrun.kernels import dequantized_row_blocks
+def test_an_int8_cache_dequantized_for_a_prompt_chunk(dtype):
+    """`kernels.dequantized_int8` (prefill's attention over an INT8 cache on a GPU): `ref.dequantize_kv` rounded
+    once to `dtype`, bit for bit."""
+    from llmrun.kernels import dequantized_int8
 
-    S = start + T
+    k, v = random_kv(140)
+    cache = KVCache(L, B, H, 140, D, torch.float32, "cpu", kv_format="int8")
+    write(cache, k, v, [100])
+    kv, _, _ = write(cache, k, v, [40], start=100)
+    got, want = dequantized_int8(kv, dtype), ref.dequantize_kv(kv)
+    assert all(torch.equal(g, w.to(dtype)) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start, T, window", [(700, 512, None), (63, 33, None), (37, ref.RECENT - ref.KEY_GROUP + 1, 300),
+                                              (100, 600, None), (95, 1, None), (1000, 300, 700), (30, 2, None)])
+def test_an_int4_prompt_chunk_attends_in_one_call(start, T, window, dtype, monkeypatch):
+    """`kernels.int4_attention` (a prompt chunk over an INT4 cache on a GPU, or 16-bit on a CPU): one SDPA call
+    for rows that read different key groups as codes, each row the attention of `ref.quantized_attention`'s runs,
+    over the same keys and values rounded to `dtype` (fp32: within summation order; bf16: within its rounding of
+    the output), with H2O's mass of `ref.quantized_attention_mass`. (100, 600): a block past the rings, whose
+    first rows read codes; windows that cut into the codes and into the exact keys."""
+    from llmrun import kernels
+
+    S, Hq = start + T, 2 * H  # GQA: two query heads a kv head
     k, v = random_kv(S)
-    cache = KVCache(L, B, H, S, D, torch.float32, "cpu", kv_format=f"int{bits}")
+    cache = KVCache(L, B, H, S, D, torch.float32, "cpu", kv_format="int4")
     write(cache, k, v, [start])
     kv, _, _ = write(cache, k, v, [T], start=start)
-    want = list(ref.quantized_row_blocks(kv, T))
-    got = [(r0, r1, k_read.clone(), v_read.clone()) for r0, r1, k_read, v_read in dequantized_row_blocks(kv, T, dtype)]
-    assert [(r0, r1) for r0, r1, _, _ in got] == [(r0, r1) for r0, r1, _, _ in want]
-    assert len(want) > (bits == 4 and T > 32)  # INT4 blocks over group boundaries come in several runs
-    for (r0, _, k_got, v_got), (_, _, k_want, v_want) in zip(got, want):
-        assert torch.equal(k_got, k_want.to(dtype)) and torch.equal(v_got, v_want.to(dtype)), r0
+    q = torch.randn(B, T, Hq, D, generator=torch.Generator().manual_seed(T))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    mass = torch.zeros(B, H, S)
+    got = kernels.int4_attention(q.to(dtype), kv, window, mass)
+    assert calls == [1] and got.dtype == dtype and got.shape == (B, T, Hq, D)
+    monkeypatch.undo()
+    # the reference's runs over q, keys and values rounded to dtype: in fp32 (want), and in dtype as the runs were
+    # attended before (the tolerance rule: within twice their error, plus an fp32 atol)
+    runs = [(r0, r1, k_run.to(dtype), v_run.to(dtype)) for r0, r1, k_run, v_run in ref.quantized_row_blocks(kv, T)]
+    want = torch.cat([ref.attention(q[:, r0:r1].to(dtype).float(), k_run.float(), v_run.float(), window)
+                      for r0, r1, k_run, v_run in runs], dim=1)
+    before = torch.cat([ref.attention(q[:, r0:r1].to(dtype), k_run, v_run, window) for r0, r1, k_run, v_run in runs],
+                       dim=1)
+    torch_err = (before.float() - want).abs().max().item()
+    assert (got.float() - want).abs().max().item() <= 2 * torch_err + 1e-5
+    if dtype == torch.float32:
+        assert (got - ref.quantized_attention(q, kv, window)).abs().max().item() <= 1e-5
+        want_mass = ref.quantized_attention_mass(q, kv, window)
+        assert (mass - want_mass).abs().max().item() <= 1e-5 * T * Hq
 
 
 def test_a_long_int4_block_reads_codes_where_the_rings_lost_the_exact_keys():
