@@ -19,11 +19,13 @@
 #           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1)
 #   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare` (its bf16 torch.compile baseline included)
 #   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV (bench/kv_speed.py): not in this lease
-#           (more than 220 s for both), a second call on the warm machine if time is left (the H100 has both at
-#           9ea29b0; on another GPU model):
-#           GPU_RESUME=1 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=kv timeout 285 bash bench/gpu.sh
-#           or on an H100 the profile step again, whose 8B runs at 8000 positions the first call may not reach
-#           (the INT8 split attention's time a step): GPU_RESUME=1 ... GPU_STEPS=profile timeout 285 bash bench/gpu.sh
+#           (more than 220 s for both), a second call on the warm machine if time is left, 8k again on a GPU model
+#           that has it (the H100 at 9ea29b0), for INT4's prefill in one attention call a chunk (ef135f4):
+#           GPU_RESUME=1 GPU_RERUN=llama3.1-8b-kv-speed-8192 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=kv \
+#               timeout 285 bash bench/gpu.sh
+#           (32k follows if time is left). Or, with less time, the profile step again, whose 8B runs at 8000
+#           positions the first call may not reach (the INT8 split attention's time a step):
+#           GPU_RESUME=1 ... GPU_STEPS=profile timeout 200 bash bench/gpu.sh
 # What the H200 took on 2026-11-26 (bench/results/*-lease3.log, *-lease4.log): the 1B `--compare` runs and the run
 # without graphs 144 s, the W4A16 `--compare` alone more than 90 s from a cold start (77 s warm); the four profiles
 # about 130 s; the kernel test files 49 s (+ start-up), the model files far longer (14 of 73 tests in 120 s: they
