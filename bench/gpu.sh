@@ -21,9 +21,8 @@
 # speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
 # give it one SHAPE a call.)
 #   tests   The Triton kernels natively on CUDA (the bf16 cases, marked `gpu`, run here and only here; each shape on
-#           one fixed launch config, LLMRUN_TEST_ONE_CONFIG=1, and every config the autotuners may pick by tests of
-#           its own), the whole
-#           model on the Triton path, CUDA graphs captured and replayed, the torch.compile baseline, AWQ's search
+#           one fixed launch config, LLMRUN_TEST_ONE_CONFIG=1, the model files' too, and every config the autotuners
+#           may pick by tests of its own), the whole model on the Triton path, CUDA graphs captured and replayed, the torch.compile baseline, AWQ's search
 #           on the GPU and its checkpoint packed there. A failure is reported and the measurements still run: the
 #           device time is too scarce to lose them.
 #   embedded  The real embedded model (smollm2, Q4_1/Q8_0), joined from the halves .gpu-model/a and b that two
@@ -148,10 +147,11 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output a
 
 if [[ $steps == *" tests "* ]]; then
     # the kernels' hundreds of shapes on one fixed config each (every config checked by its own tests); the model,
-    # CUDA graphs and compiled baseline through the autotuners, as llmrun runs them
+    # CUDA graphs and compiled baseline too (through the autotuners they never ran to their end in a lease: 14 of 73
+    # tests in 120 s; the autotuner keys a step's launches share are tested on their own)
     LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-kernels tests/test_triton_ops.py tests/test_triton_attention.py \
         tests/test_triton_quant_matmul.py tests/test_triton_kv_write.py
-    run_tests tests-model tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py \
+    LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-model tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py \
         tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there
 fi
 if [[ $steps == *" embedded "* ]] && embedded; then

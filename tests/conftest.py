@@ -43,25 +43,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# A launch config the split attention kernel and the GEMV each take on CUDA under LLMRUN_TEST_ONE_CONFIG=1: the
-# split kernel's least shared memory (it fits every GPU Triton supports), and the GEMV's smallest tile.
+# A launch config the split attention kernel and the GEMVs each take on CUDA under LLMRUN_TEST_ONE_CONFIG=1: the
+# split kernel's least shared memory (it fits every GPU Triton supports), and the GEMVs' smallest tiles.
 ONE_SPLIT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 ONE_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}
+ONE_DOT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
 @pytest.fixture(autouse=True)
 def _one_config(request, monkeypatch):
     """LLMRUN_TEST_ONE_CONFIG=1 on CUDA: the autotuned kernels run one fixed config instead of timing all of theirs
-    for every new key (bench/gpu.sh sets it for the kernel test files, whose hundreds of shapes would otherwise
-    spend a GPU lease compiling and timing configs). Each config is still checked against the reference by the
-    tests that pin one config after another (`test_every_split_config`, `test_every_gemv_config`), and the model
-    and CUDA-graph tests run without it, through the autotuners."""
+    for every new key (bench/gpu.sh sets it for the test files, whose hundreds of shapes would otherwise spend a
+    GPU lease compiling and timing configs: through the autotuners the model files never ran to their end in
+    one). Each config is still checked against the reference by the tests that pin one config after another
+    (`test_every_split_config`, `test_every_gemv_config`, `test_every_dot_config`, marked `autotune`), and that a
+    kernel's launches share one autotuner key whatever the rows or the step by the tests that record them."""
     if not (_cuda and os.environ.get("LLMRUN_TEST_ONE_CONFIG") == "1") or "autotune" in request.keywords:
         return
     from llmrun.kernels import decode_attention, triton_quant_matmul
 
     for module, name, kernel, config in ((decode_attention, "_split_launcher", "_split_kernel", ONE_SPLIT_CONFIG),
-                                         (triton_quant_matmul, "_gemv_launcher", "_gemv_kernel", ONE_GEMV_CONFIG)):
+                                         (triton_quant_matmul, "_gemv_launcher", "_gemv_kernel", ONE_GEMV_CONFIG),
+                                         (triton_quant_matmul, "_dot_launcher", "_gemv_dot_kernel", ONE_DOT_CONFIG)):
         launcher, fixed = getattr(module, name), (getattr(module, kernel), config)
         monkeypatch.setattr(module, name,
                             lambda cuda, launcher=launcher, fixed=fixed: fixed if cuda else launcher(cuda))
