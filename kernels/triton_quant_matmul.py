@@ -10,8 +10,8 @@ W (N, K) is cut along K in groups of G (32, 64 or 128) sharing one fp16 scale d 
 
 Three paths, chosen by the number of activation rows M:
 - decode (and on a GPU under 16-bit x, M < 3; any M <= 16 under fp32 x): `_gemv_kernel`, one program per BLOCK_N
-  output columns and per slice of K, for up to 8 rows a launch (a block of 9-16 takes two). It dequantizes W's tiles in registers to
-  fp32, never materialized, once for all the rows; the rows of x take turns over each tile, so that each row's
+  output columns and per slice of K, for up to 8 rows a launch (a block of 9-16 takes two). It dequantizes W's
+  tiles in registers to fp32, never materialized, once for all the rows; the rows of x take turns over each tile, so that each row's
   sums are the same code whatever the rows beside it. When N
   alone gives too few programs, K is split: each slice writes an fp32 partial sum (split_k, M, N) and counts
   itself done on its columns' counter; the slice that counts last adds all the partials up in slice order and
@@ -339,8 +339,8 @@ def _gemv_dot_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """`_gemv_kernel`'s product on the tensor cores (verification blocks on a GPU, `_takes_dot`): up to BLOCK_M (16) rows of x
-    in one launch, each step's tile of W dequantized (`_w4_codes`, `_w8_codes`), rounded to x's dtype and multiplied
+    """`_gemv_kernel`'s product on the tensor cores (verification blocks on a GPU, `_takes_dot`): up to BLOCK_M
+    (16) rows of x in one launch, each step's tile of W dequantized (`_w4_codes`, `_w8_codes`), rounded to x's dtype and multiplied
     by x's rows in a tl.dot (4 bits: the low nibbles' columns and the high ones', two dots), sums in fp32; split
     K and the output as `_gemv_kernel`'s (`_write_sums`). What it trades: the weights rounded to x's dtype before
     their products (as prefill's dequantized matmul does), for a row's products costing an MMA's share instead of an

@@ -188,8 +188,8 @@ def test_an_int8_cache_dequantized_for_a_prompt_chunk(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("start, T, window", [(700, 512, None), (63, 33, None), (37, ref.RECENT - ref.KEY_GROUP + 1, 300),
-                                              (100, 600, None), (95, 1, None), (1000, 300, 700), (30, 2, None)])
+@pytest.mark.parametrize("start, T, window", [(700, 512, None), (63, 33, None),
+                                              (37, ref.RECENT - ref.KEY_GROUP + 1, 300), (100, 600, None), (95, 1, None), (1000, 300, 700), (30, 2, None)])
 def test_an_int4_prompt_chunk_attends_in_one_call(start, T, window, dtype, monkeypatch):
     """`kernels.int4_attention` (a prompt chunk over an INT4 cache on a GPU, or 16-bit on a CPU): one SDPA call
     for rows that read different key groups as codes, each row the attention of `ref.quantized_attention`'s runs,

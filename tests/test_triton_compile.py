@@ -347,9 +347,9 @@ def _shown(spec, tuned=()):
 def _choose(specs):
     """specs (in recording order, so that every run chooses the same) -> those to compile.
 
-    Per kernel, a cover of what its launches show (`_shown`) and its largest tile. An autotuned kernel's variety is split in two: a cover of its
-    configs' settings (BLOCK_N, num_warps, num_stages) on its smallest launch, and a cover of the rest with its
-    smallest config, the one whose shared memory must fit (the split kernel's autotuner drops the configs that do
+    Per kernel, a cover of what its launches show (`_shown`) and its largest tile. An autotuned kernel's variety is
+    split in two: a cover of its configs' settings (BLOCK_N, num_warps, num_stages) on its smallest launch, and a
+    cover of the rest with its smallest config, the one whose shared memory must fit (the split kernel's autotuner drops the configs that do
     not before compiling them: `_at_the_limit` adds those the decision is closest for)."""
     by_kernel = {}
     for spec in specs:

@@ -390,8 +390,8 @@ def test_gemv_dot_gives_each_row_its_own_bits(bits, offsets, row_by_row_dot, mon
 
 @pytest.mark.parametrize("env, cuda, dtype, rows, dot", [
     (None, True, torch.bfloat16, 9, True), (None, True, torch.float16, 3, True), (None, True, torch.bfloat16, 2, False),
-    (None, True, torch.float32, 9, False), (None, False, torch.bfloat16, 9, False), ("0", True, torch.bfloat16, 9, False),
-    ("1", False, torch.float32, 1, True),
+    (None, True, torch.float32, 9, False), (None, False, torch.bfloat16, 9, False),
+    ("0", True, torch.bfloat16, 9, False), ("1", False, torch.float32, 1, True),
 ])
 def test_verification_blocks_take_the_tensor_cores(env, cuda, dtype, rows, dot, monkeypatch):
     """Which GEMV a quantized matmul of up to 16 rows runs: the tensor-core one from DOT_ROWS rows of 16-bit x on a
