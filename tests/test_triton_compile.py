@@ -1,5 +1,6 @@
 """Every Triton kernel llmrun launches, compiled ahead of time for NVIDIA GPUs on a machine without one: sm_80
-(A100) and sm_90 (H100, H200), through Triton's own compiler down to a cubin.
+(A100), sm_89 (RTX 4090, L4, L40: 99 KiB of shared memory a block, as an RTX 3090's sm_86) and sm_90 (H100, H200),
+through Triton's own compiler down to a cubin.
 
 The other kernel tests run the kernels' Python under TRITON_INTERPRET=1, which never sees what only the compiler
 does: tl.dot's minimum tile sizes, dtype mismatches in the IR, ops a target lacks, more shared memory than the GPU
@@ -44,7 +45,7 @@ import torch
 pytestmark = pytest.mark.slow  # recording takes seconds, compiling a minute
 
 # target -> (compute capability, shared memory one block may use: the opt-in maximum); A100, H100 and H200
-TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}
+TARGETS = {"sm_80": (80, 163 * 1024), "sm_89": (89, 99 * 1024), "sm_90": (90, 227 * 1024)}
 H100_SMS = 132  # the GEMV's split-K follows the SM count; an A100's 108 make splits of the same kinds
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
