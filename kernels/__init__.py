@@ -53,14 +53,14 @@ def failed() -> list[str]:
 
 
 def _triton(name: str, run, fallback):
-    """run() the Triton kernel `name`; if it cannot be compiled on this machine (a Triton or driver version it
-    was never built on), say so once and use the reference op from then on."""
+    """run() the Triton kernel `name` (or a PyTorch fused path); if it cannot be compiled or run on this machine (a
+    Triton or driver version it was never built on), say so once and use the reference op from then on."""
     if name not in _failed:
         try:
             return run()
         except Exception as e:  # noqa: BLE001 - a compiler error of any kind; CUDA faults are not recoverable anyway
             _failed.add(name)
-            warnings.warn(f"llmrun: the Triton kernel {name} failed ({type(e).__name__}: {e}); using PyTorch",
+            warnings.warn(f"llmrun: the kernel {name} failed ({type(e).__name__}: {e}); using the reference op",
                           RuntimeWarning, stacklevel=3)
     return fallback()
 
@@ -141,10 +141,23 @@ def attention(q, k, v, window: int | None = None, mass=None, length=None):
     if _use_cpu_kernels(q) and _heads_contiguous(q) and _cache_rows(k) and k.stride() == v.stride() \
             and (mass is None or mass.stride(-1) == 1):
         return cpu.attention(q, k, v, window, mass)
+    if _use_triton(q) and window is None and mass is None and q.dtype in (torch.float16, torch.bfloat16):
+        return _triton("causal_lower_right", lambda: _chunk_attention(q, k, v), lambda: ref.attention(q, k, v))
     y = ref.attention(q, k, v, window)
     if mass is not None:
         mass.add_(ref.attention_mass(q, k, window))
     return y
+
+
+def _chunk_attention(q, k, v):
+    """`ref.attention` of a prompt chunk, the last T of S positions, without a window: the causal mask as PyTorch's
+    lower-right causal bias rather than a (T, S) tensor, which lets SDPA run FlashAttention on CUDA (an explicit
+    mask rules it out; where flash cannot run, the bias is materialized into that same mask)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(q.shape[1], k.shape[2])
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias, enable_gqa=q.shape[2] != k.shape[1])
+    return y.transpose(1, 2)
 
 
 def _cache_rows(x) -> bool:  # (1, Hkv, S, ...) whose rows are contiguous: a view of a KV cache buffer

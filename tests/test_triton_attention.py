@@ -383,6 +383,41 @@ def test_dispatch(bits):
             check_mass(mass, before, q, k, window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T, S, Hq, Hkv", [(20, 20, 6, 2), (33, 1000, 8, 8), (512, 1500, 9, 3)])
+def test_a_prompt_chunk_attends_through_the_lower_right_causal_bias(T, S, Hq, Hkv, dtype):
+    """A 16-bit prompt chunk's causal attention with PyTorch's lower-right causal bias instead of a mask tensor (so
+    that SDPA may run FlashAttention on CUDA): on a CPU the bias becomes the reference's mask, bit for bit; on a GPU
+    within the tolerance rule against fp32, and without falling back."""
+    g = torch.Generator().manual_seed(T + S)
+    q, k, v = (torch.randn(shape, generator=g).to(DEVICE, dtype) for shape in ((1, T, Hq, 64), (1, Hkv, S, 64),
+                                                                              (1, Hkv, S, 64)))
+    got = kernels._chunk_attention(q, k, v)
+    want = ref.attention(q, k, v)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        exact = ref.attention(q.float(), k.float(), v.float())
+        assert (got.float() - exact).abs().max() <= 2 * (want.float() - exact).abs().max() + 1e-3
+
+
+def test_which_prompt_chunks_take_the_causal_bias(monkeypatch):
+    """kernels.attention on the CUDA path (routed so here): 16-bit chunks of more than 16 rows without a window or
+    H2O's mass take the lower-right causal bias; fp32, windows and mass the reference's mask."""
+    monkeypatch.setattr(kernels, "_use_triton", lambda x: True)
+    taken = []
+    chunk = kernels._chunk_attention
+    monkeypatch.setattr(kernels, "_chunk_attention", lambda *a: taken.append(a[0].dtype) or chunk(*a))
+    monkeypatch.setattr(kernels, "_failed", set())
+    for dtype, window, mass in [(torch.bfloat16, None, None), (torch.float32, None, None), (torch.float16, 50, None),
+                                (torch.float16, None, torch.zeros(1, 2, 80)), (torch.float16, None, None)]:
+        q = torch.randn(1, 20, 4, 64).to(DEVICE, dtype)
+        k, v = (torch.randn(1, 2, 80, 64).to(DEVICE, dtype) for _ in range(2))
+        y = kernels.attention(q, k, v, window, None if mass is None else mass.to(DEVICE))
+        assert (y.float() - ref.attention(q.float(), k.float(), v.float(), window)).abs().max() <= 2e-2
+    assert taken == [torch.bfloat16, torch.float16] and not kernels._failed
+
+
 # --- every config the autotuner may pick ------------------------------------------------------------------------------
 
 
