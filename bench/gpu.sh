@@ -43,7 +43,8 @@
 #           same prompt ids); and the first SHAPE's short bf16 run
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
 #   profile First an 8000-token prefill of llama3.2-1b into an INT4 cache and a bf16 one (`gpu_profile.py
-#           --prefill`: wall time against its kernels', the kernels and the host's operators). Then each decode
+#           --prefill`: wall time against its kernels', the kernels and the host's operators), and llama3-8b's
+#           W4A16 decode step at 128 positions. Then each decode
 #           matmul of llama3.2-1b and llama3-8b alone (GPU_GEMV_SHAPES), every way it can run,
 #           against its bytes (bench/gemv.py). Then where a decode step's time goes (bench/gpu_profile.py): the
 #           step through CUDA graphs and eagerly, the sum of its kernels' own times and their count, the bandwidth
@@ -200,6 +201,8 @@ if [[ $steps == *" profile "* ]]; then
     # prefill of the 8B shape at 8k took 5.2 s, bf16's 0.33: the host or the kernels?)
     profile -prefill llama3.2-1b 8000 --kv int4 --prefill
     profile -prefill llama3.2-1b 8000 --kv bf16 --prefill
+    # issue 4's headline shape in W4A16 (never measured: its graph step against its floor)
+    profile "" llama3-8b 128 --weights int4
     # each decode matmul alone, every way it can run (cuBLAS, the GEMV on bf16, 4- and 8-bit weights), one token
     # and a 9-token block, against its bytes: the GEMV's distance from its floor per matrix (bench/gemv.py)
     gemv_shapes=${GPU_GEMV_SHAPES:-llama3.2-1b llama3-8b}

@@ -9,7 +9,8 @@
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (about 50 s) (its step
 #           times also feed `bench/replay.py simulate` here, for all of them)
-#   profile an 8000-token prefill of the 1B shape into an INT4 cache and a bf16 one (where INT4's goes); each 1B
+#   profile an 8000-token prefill of the 1B shape into an INT4 cache and a bf16 one (where INT4's goes), the 8B
+#           W4A16 step at 128 positions (issue 4's headline shape, never measured in W4A16); each 1B
 #           and 8B decode matmul alone, every way it runs (bench/gemv.py: cuBLAS, the GEMV on bf16, W4A16, W8A16,
 #           1 row and 9); where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16, with
 #           programmatic dependent launch (LLMRUN_PDL=1), W4A16 on the tensor-core GEMV for every row, llama3-8b at
