@@ -89,16 +89,11 @@ def prefill_tables(engine, prompt: list[int]) -> tuple[list[dict], int, list[dic
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         engine.prefill(prompt)
         _sync(engine)
-    kernels: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if cuda and ev.device_type.name == "CUDA":
-            kernels.setdefault(ev.name, []).append(ev.time_range.elapsed_us())
-    table = [{"kernel": name, "calls": len(us), "us": round(sum(us), 1)} for name, us in kernels.items()]
-    table.sort(key=lambda r: -r["us"])
+    table, launches = by_name(ev for ev in prof.events() if cuda and ev.device_type.name == "CUDA")
     host = [{"op": e.key, "calls": e.count, "self_cpu_us": round(e.self_cpu_time_total, 1)}
             for e in prof.key_averages() if e.self_cpu_time_total > 0]
     host.sort(key=lambda r: -r["self_cpu_us"])
-    return table, sum(r["calls"] for r in table), host
+    return table, launches, host
 
 
 def prefill_main(args, engine, workload, name: str, settings) -> int:
@@ -153,11 +148,14 @@ def kernel_table(engine, token: int) -> tuple[list[dict], int]:
         if cuda:
             torch.cuda.synchronize()
     engine.rollback(length)
+    return by_name(ev for ev in prof.events()
+                   if (ev.device_type.name == "CUDA") == cuda and (cuda or ev.cpu_parent is None))
+
+
+def by_name(events) -> tuple[list[dict], int]:
+    """Profiler events grouped by name -> (rows: calls and microseconds, slowest first; the events' number)."""
     rows: dict[str, list[float]] = {}
-    for ev in prof.events():
-        on_device = ev.device_type.name == "CUDA"
-        if on_device != cuda or (not cuda and ev.cpu_parent is not None):
-            continue
+    for ev in events:
         rows.setdefault(ev.name, []).append(ev.time_range.elapsed_us())
     table = [{"kernel": name, "calls": len(us), "us": round(sum(us), 1)} for name, us in rows.items()]
     table.sort(key=lambda r: -r["us"])

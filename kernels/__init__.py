@@ -229,8 +229,7 @@ def int4_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None)
     nq = kv.row_quantized(T)
     first, last = (nq[0], nq[-1]) if T else (kv.n_quantized, kv.n_quantized)
     ring = torch.arange(first, S, device=device) % kv.k_recent.shape[2]
-    groups = -(-last // ref.KEY_GROUP)  # the key groups the codes read: not the scales' whole capacity
-    k_codes = ref.dequantize_int4_channels(kv.k[:, :, :last], kv.k_scale[:, :, :groups], kv.k_min[:, :, :groups])
+    k_codes = ref.dequantize_int4_channels(kv.k[:, :, :last], kv.k_scale, kv.k_min)
     v_codes = ref.dequantize_int4_tokens(kv.v[:, :, :last], kv.v_scale[:, :, :last], kv.v_min[:, :, :last])
     k = torch.cat((k_codes.to(dtype), kv.k_recent[:, :, ring].to(dtype)), dim=2)
     v = torch.cat((v_codes.to(dtype), kv.v_recent[:, :, ring].to(dtype)), dim=2)

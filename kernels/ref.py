@@ -174,8 +174,9 @@ def quantize_int4_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 def dequantize_int4_channels(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """codes (..., S, D/2) with S <= n * KEY_GROUP, scale/min (..., n, D) -> (..., S, D) fp32."""
     S = codes.shape[-2]
-    scale = scale.float().repeat_interleave(KEY_GROUP, dim=-2)[..., :S, :]
-    lo = lo.float().repeat_interleave(KEY_GROUP, dim=-2)[..., :S, :]
+    groups = -(-S // KEY_GROUP)  # the groups the codes use, not the planes' whole capacity, are expanded
+    scale = scale[..., :groups, :].float().repeat_interleave(KEY_GROUP, dim=-2)[..., :S, :]
+    lo = lo[..., :groups, :].float().repeat_interleave(KEY_GROUP, dim=-2)[..., :S, :]
     return unpack_int4(codes).float() * scale + lo
 
 

@@ -9,15 +9,14 @@ W (N, K) is cut along K in groups of G (32, 64 or 128) sharing one fp16 scale d 
 `ref.dequantize_blocks` is the plain-torch definition for any G; G = 32 is also the CPU kernels' layout.
 
 Three paths, chosen by the number of activation rows M:
-- decode (and on a GPU under 16-bit x, M < 3; any M <= 16 under fp32 x): `_gemv_kernel`, one program per BLOCK_N
-  output columns and per slice of K, for up to 8 rows a launch (a block of 9-16 takes two). It dequantizes W's
-  tiles in registers to fp32, never materialized, once for all the rows; the rows of x take turns over each tile, so that each row's
-  sums are the same code whatever the rows beside it. When N
-  alone gives too few programs, K is split: each slice writes an fp32 partial sum (split_k, M, N) and counts
-  itself done on its columns' counter; the slice that counts last adds all the partials up in slice order and
-  rounds to x's dtype, then sets the counter back to 0 for the next launch. One launch however K is split (a second
-  launch to sum the slices cost an H200 48 launches and ~0.1 ms of a 1B model's 1.9 ms step), and the sum does not
-  depend on which slice finishes last.
+- decode (and on a GPU under 16-bit x, M < 3; any M <= 16 under fp32 x): `_gemv_kernel`, one program per BLOCK_N output
+  columns and per slice of K, for up to 8 rows a launch (a block of 9-16 takes two). It dequantizes W's tiles in
+  registers to fp32, never materialized, once for all the rows; the rows of x take turns over each tile, so that each
+  row's sums are the same code whatever the rows beside it. When N alone gives too few programs, K is split: each slice
+  writes an fp32 partial sum (split_k, M, N) and counts itself done on its columns' counter; the slice that counts last
+  adds all the partials up in slice order and rounds to x's dtype, then sets the counter back to 0 for the next launch.
+  One launch however K is split (a second launch to sum the slices cost an H200 48 launches and ~0.1 ms of a 1B model's
+  1.9 ms step), and the sum does not depend on which slice finishes last.
 - verification on a GPU (3 <= M <= 16 rows of 16-bit x): `_gemv_dot_kernel`, all rows in one launch, the
   dequantized tile rounded to x's dtype and multiplied on the tensor cores, split K alike. On an H100 9 rows cost
   it 1.0-1.07x one row's time, the FFMA GEMV 3.5-6.5x (`_takes_dot`). LLMRUN_GEMV_DOT=0 keeps every M on the FFMA
@@ -42,9 +41,9 @@ from . import common, ref
 DECODE_ROWS = 8  # rows of x one GEMV launch serves
 DOT_ROWS = 3  # from this many rows of 16-bit x on a GPU, the tensor-core GEMV (`_takes_dot`)
 _ONE = 0x3F800000  # 1.0's bits: `_gemv_kernel`'s argument ONE (`_code_weights`)
-VERIFY_ROWS = 16  # up to this many rows (a speculative verification block) run as GEMVs of DECODE_ROWS rows each:
-# reading the packed W twice costs far less than writing and reading it dequantized (and inside a CUDA graph that
-# copy of W would stay allocated in the graph's pool)
+VERIFY_ROWS = 16  # up to this many rows (a speculative verification block) run as GEMVs, W kept packed (on the
+# FFMA GEMV DECODE_ROWS a launch): reading the packed W twice costs far less than writing and reading it dequantized
+# (and inside a CUDA graph that copy of W would stay allocated in the graph's pool)
 
 
 # The plain-torch definition of the layout, for any group size: kernels.ref.dequantize_blocks.
@@ -339,13 +338,13 @@ def _gemv_dot_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """`_gemv_kernel`'s product on the tensor cores (verification blocks on a GPU, `_takes_dot`): up to BLOCK_M
-    (16) rows of x in one launch, each step's tile of W dequantized (`_w4_codes`, `_w8_codes`), rounded to x's dtype and multiplied
-    by x's rows in a tl.dot (4 bits: the low nibbles' columns and the high ones', two dots), sums in fp32; split
-    K and the output as `_gemv_kernel`'s (`_write_sums`). What it trades: the weights rounded to x's dtype before
+    """`_gemv_kernel`'s product on the tensor cores (verification blocks on a GPU, `_takes_dot`): up to BLOCK_M (16)
+    rows of x in one launch, each step's tile of W dequantized (`_w4_codes`, `_w8_codes`), rounded to x's dtype and
+    multiplied by x's rows in a tl.dot (4 bits: the low nibbles' columns and the high ones', two dots), sums in fp32;
+    split K and the output as `_gemv_kernel`'s (`_write_sums`). What it trades: the weights rounded to x's dtype before
     their products (as prefill's dequantized matmul does), for a row's products costing an MMA's share instead of an
-    FFMA each, so that a verification block of 9-16 rows costs about one row's launch. A row's sums still do not
-    depend on the rows beside it (an MMA's element is its own row's dot product)."""
+    FFMA each, so that a verification block of 9-16 rows costs about one row's launch. A row's sums still do not depend
+    on the rows beside it (an MMA's element is its own row's dot product)."""
     common.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
