@@ -24,12 +24,14 @@ the dot products take fp16 operands (bf16 q is converted once, exactly, within f
 rings too, which its fp16 scales already bound), because a code becomes an exact fp16 by bit arithmetic (an int8
 code two a 32-bit instruction), scaled by its fp16 scale (INT4: plus its minimum, in one fma) without converting
 the scale, the value rounding once, to 11 bits where bf16 keeps 8; bf16 operands would cost fp32 arithmetic a
-code. sm_90 steps of 64 keys: INT8 922 instructions a thread against 1201, INT4 (a tile of codes) 2253 against
-2753. INT4 keys and values switch
-from codes to the exact rings at a position that depends on the query row (`ref.QuantizedKV.row_quantized`),
-between nq_lo (the first row's) and nq_hi (the last row's): a tile of positions below nq_lo or from nq_hi on reads
-one version for every row; the one or two tiles that overlap [nq_lo, nq_hi) load both, score both keys and pick
-per (row, key), and split each row's probabilities between the two versions of the values.
+code. INT4 keys and values switch from codes to the exact rings at a position that depends on the query row
+(`ref.QuantizedKV.row_quantized`), between nq_lo (the first row's) and nq_hi (the last row's): a tile of positions
+below nq_lo or from nq_hi on reads one version for every row; the one or two tiles that overlap [nq_lo, nq_hi)
+load both, score both keys and pick per (row, key), and split each row's probabilities between the two versions
+of the values. The tiles below nq_lo, nearly all of a long cache, run first in a loop of their own that loads no
+ring (`_attend_tiles`' CODES), the rest after it. sm_90 steps of 64 keys (Triton 3.6, head_dim 128, 4 warps): bf16
+404 instructions a thread, INT8 922 (1201 in fp32 arithmetic), INT4's codes-only loop 1095 (2253 when every tile
+also loaded its ring entries and its packed bytes one at a time).
 
 Attention mass (H2O), when asked for: the split kernel also writes its masked scores to a (B, Hkv, T * G, keys)
 scratch buffer, the combine (or, with one split, the split kernel) writes each row's log2-sum-exp, and
@@ -105,11 +107,13 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
         else:
             lo = _group_values(min_base, stride_min_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
             if DTYPE == tl.float16:  # each byte loaded once, its two nibbles joined as channels 2i and 2i + 1
+                # (masked as pairs < D // 2, whose mask Triton sees constant over runs of 8 bytes: the tile is then
+                # copied ahead 8 bytes an instruction; masked as 2 * pairs < D, it was loaded a byte at a time)
                 BLOCK_N: tl.constexpr = offs_n.shape[0]
                 BLOCK_D: tl.constexpr = offs_d.shape[0]
                 pairs = tl.arange(0, BLOCK_D // 2)
                 packed = tl.load(base + offs_n[:, None] * stride_s + pairs[None, :],
-                                 mask=n_ok[:, None] & (2 * pairs < D)[None, :], other=0).to(tl.uint16)
+                                 mask=n_ok[:, None] & (pairs < D // 2)[None, :], other=0).to(tl.uint16)
                 codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_D))
                 x = tl.fma(common.exact_half(codes, 0), scale, lo)
             else:
@@ -136,6 +140,70 @@ def _load_tile(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_
         x = _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, n_ok, D,
                      BITS, GROUP, False, DTYPE, ASM)  # INT8 scales are per token
     return x
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, n_from, n_to, end, lo, pos, row_nq, rows, row_ok, bh, n_keys, keys_lo, offs_d, D,
+    k_base, ks_base, km_base, kr_base, v_base, vs_base, vm_base, vr_base,
+    stride_ks, stride_kss, stride_kms, stride_krs, stride_vs, stride_vss, stride_vms, stride_vrs,
+    ring, nq_lo, nq_hi, window, qk_scale, T, G, Scores,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, SCORES: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, CODES: tl.constexpr,
+):
+    """The online softmax of `_split_kernel`'s rows over the tiles of keys from n_from to n_to (keys from `end` on
+    masked), carried in (acc, m_i, l_i). CODES: every key of these tiles is below nq_lo, so every row reads INT4
+    codes and the rings are not loaded: on sm_90 a 64-key step of such tiles takes ~half the instructions of the
+    general step, which loads each tile's codes and ring entries and, where the rows disagree, both versions."""
+    for n0 in range(n_from, n_to, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        if CODES:
+            k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d, n_ok, D,
+                         BITS, GROUP, True, q.dtype, ASM)
+        else:
+            k = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs, ring,
+                           offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, True, q.dtype, ASM)  # (BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+        if BITS == 4 and not CODES:  # rows disagree on some positions here: codes up to nq_hi are loaded too
+            mixed = (n0 < nq_hi) & (n0 + BLOCK_N > nq_lo)
+        else:
+            mixed = False
+        coded = offs_n[None, :] < row_nq[:, None]  # (BLOCK_M, BLOCK_N): what each row reads as codes
+        if mixed:
+            k_codes = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
+                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, True, q.dtype, ASM)
+            s_codes = tl.dot(q, tl.trans(k_codes), input_precision=PRECISION)
+            s = tl.where(coded, s_codes, s)
+        s = s * qk_scale
+        visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[:, None] - offs_n[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        if SCORES:  # Scores (B, Hkv, T * G, n_keys) fp32 contiguous, for the attention mass
+            tl.store(Scores + (bh * (T * G) + rows)[:, None] * n_keys + (offs_n - keys_lo)[None, :], s,
+                     mask=row_ok[:, None] & (n_ok & (offs_n >= lo))[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if CODES:
+            v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, offs_n, offs_d, n_ok, D,
+                         BITS, GROUP, False, q.dtype, ASM)
+        else:
+            v = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs, ring,
+                           offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, False, q.dtype, ASM)
+        if mixed:
+            v_codes = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs,
+                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, False, q.dtype, ASM)
+            pv = tl.dot(tl.where(coded, p, 0.0).to(v.dtype), v_codes, input_precision=PRECISION)
+            pv += tl.dot(tl.where(coded, 0.0, p).to(v.dtype), v, input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -202,47 +270,22 @@ def _split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        k = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs, ring,
-                       offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, True, q.dtype, ASM)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
-        if BITS == 4:  # rows disagree on some positions here: codes up to nq_hi are loaded too
-            mixed = (n0 < nq_hi) & (n0 + BLOCK_N > nq_lo)
-        else:
-            mixed = False
-        coded = offs_n[None, :] < row_nq[:, None]  # (BLOCK_M, BLOCK_N): what each row reads as codes
-        if mixed:
-            k_codes = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
-                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, True, q.dtype, ASM)
-            s_codes = tl.dot(q, tl.trans(k_codes), input_precision=PRECISION)
-            s = tl.where(coded, s_codes, s)
-        s = s * qk_scale
-        visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (pos[:, None] - offs_n[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        if SCORES:  # Scores (B, Hkv, T * G, n_keys) fp32 contiguous, for the attention mass
-            bh = b * Hkv + kvh
-            tl.store(Scores + (bh * (T * G) + rows)[:, None] * n_keys + (offs_n - keys_lo)[None, :], s,
-                     mask=row_ok[:, None] & (n_ok & (offs_n >= lo))[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs, ring,
-                       offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, False, q.dtype, ASM)
-        if mixed:
-            v_codes = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs,
-                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, False, q.dtype, ASM)
-            pv = tl.dot(tl.where(coded, p, 0.0).to(v.dtype), v_codes, input_precision=PRECISION)
-            pv += tl.dot(tl.where(coded, 0.0, p).to(v.dtype), v, input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if BITS == 4:  # the tiles every row reads as codes (all below nq_lo) first, in a loop that loads no ring
+        mid = start + tl.maximum(tl.minimum(end, nq_lo) - start, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, start, mid, end, lo, pos, row_nq, rows, row_ok, b * Hkv + kvh, n_keys, keys_lo, offs_d, D,
+            k_base, ks_base, km_base, kr_base, v_base, vs_base, vm_base, vr_base,
+            stride_ks, stride_kss, stride_kms, stride_krs, stride_vs, stride_vss, stride_vms, stride_vrs,
+            ring, nq_lo, nq_hi, window, qk_scale, T, G, Scores,
+            BITS, GROUP, HAS_WINDOW, SCORES, PRECISION, BLOCK_N, ASM, True)
+    else:
+        mid = start
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, mid, end, end, lo, pos, row_nq, rows, row_ok, b * Hkv + kvh, n_keys, keys_lo, offs_d, D,
+        k_base, ks_base, km_base, kr_base, v_base, vs_base, vm_base, vr_base,
+        stride_ks, stride_kss, stride_kms, stride_krs, stride_vs, stride_vss, stride_vms, stride_vrs,
+        ring, nq_lo, nq_hi, window, qk_scale, T, G, Scores,
+        BITS, GROUP, HAS_WINDOW, SCORES, PRECISION, BLOCK_N, ASM, False)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -351,8 +394,9 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
     allocates, mostly within 1 KB. tests/test_triton_compile.py holds it against the compiler's figure for sm_80 and sm_90.
     - Loaded ahead (software pipelining), num_stages - 1 copies, or num_stages where Hopper's warpgroup MMA reads
       dense K and V straight from shared memory: per key and channel, K and V (dense, INT8's codes), or INT4's key
-      scale, min and the two rings' entries (INT4's codes and the per-group scales are gathered, too narrow to copy
-      ahead).
+      scale, min and the two rings' entries, and under 16-bit q INT4's packed codes, half a byte a channel (the
+      compilers' figures grow by one tile of them a copy, not two; under fp32 q each byte is gathered for both its
+      channels; the per-group scales are gathered too, too narrow to copy ahead).
     - Live through the loop: q (BLOCK_M, BLOCK_D) as a dot operand, and 8 bytes per row for reductions.
     - In turn within a step, the largest counted: the dequantized K tile (BLOCK_N, BLOCK_D) (two, codes and exact,
       for INT4 on Hopper; none for INT8 under 16-bit q, whose tiles go from registers into the MMA); the
@@ -364,12 +408,14 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
     per_key = (sizes["KScale"] + sizes["KMin"] + sizes["KRecent"] + sizes["VRecent"] if BITS == 4
                else sizes["K"] + sizes["V"])
     copies = num_stages if wgmma and BITS == 0 else num_stages - 1
+    if BITS == 4 and q_bytes == 2:  # packed codes, two channels a byte
+        per_key += sizes["K"] / 2
     # a dequantized K or V tile; INT8's, under 16-bit q, goes from registers into the MMA (its codes read from the
     # copies ahead in the dot's layout, the scales spread over their groups in registers)
     tile = BLOCK_N * BLOCK_D * q_bytes if BITS and not (BITS == 8 and q_bytes == 2) else 0
     p = 0 if wgmma else BLOCK_M * BLOCK_N * q_bytes * (2 if BITS == 4 and q_bytes == 4 else 1)
     step = max(tile * (2 if BITS == 4 and wgmma else 1), tile + p, BLOCK_M * BLOCK_N * 4 * SCORES)
-    return copies * BLOCK_N * BLOCK_D * per_key + BLOCK_M * BLOCK_D * q_bytes + 8 * BLOCK_M + step
+    return int(copies * BLOCK_N * BLOCK_D * per_key) + BLOCK_M * BLOCK_D * q_bytes + 8 * BLOCK_M + step
 
 
 @cache
