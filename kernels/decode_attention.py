@@ -29,9 +29,11 @@ code. INT4 keys and values switch from codes to the exact rings at a position th
 below nq_lo or from nq_hi on reads one version for every row; the one or two tiles that overlap [nq_lo, nq_hi)
 load both, score both keys and pick per (row, key), and split each row's probabilities between the two versions
 of the values. The tiles below nq_lo, nearly all of a long cache, run first in a loop of their own that loads no
-ring (`_attend_tiles`' CODES), the rest after it. sm_90 steps of 64 keys (Triton 3.6, head_dim 128, 4 warps): bf16
-404 instructions a thread, INT8 922 (1201 in fp32 arithmetic), INT4's codes-only loop 1095 (2253 when every tile
-also loaded its ring entries and its packed bytes one at a time).
+ring (`_attend_tiles`' CODES), the rest after it. Nothing a step loads is waited on within the step: the codes are
+copied a stage ahead as dense tiles are, and the per-group scales (and INT4 values' minimums), too narrow for
+that, are fetched a tile ahead in the loop (`_attend_tiles`' AHEAD). sm_90 steps of 64 keys (Triton 3.6, head_dim
+128, 4 warps): bf16 404 instructions a thread, INT8 944, INT4's codes-only loop 1120 (2253 when every tile also
+loaded its ring entries, and its packed bytes one at a time).
 
 Attention mass (H2O), when asked for: the split kernel also writes its masked scores to a (B, Hkv, T * G, keys)
 scratch buffer, the combine (or, with one split, the split kernel) writes each row's log2-sum-exp, and
@@ -72,19 +74,31 @@ def _group_values(base, stride_s, offs_n, offs_d, n_ok, D, GROUP: tl.constexpr, 
         at = offs_n[:, None] // _KEY_GROUP * stride_s + offs_d[None, :]
         x = tl.load(base + at, mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     else:
-        BLOCK_N: tl.constexpr = offs_n.shape[0]
-        BLOCK_D: tl.constexpr = offs_d.shape[0]
-        groups = tl.arange(0, BLOCK_D // GROUP)
-        mask = n_ok[:, None] & (groups * GROUP < D)[None, :]
-        per_group = tl.load(base + offs_n[:, None] * stride_s + groups[None, :], mask=mask, other=0.0)
-        x = tl.reshape(tl.broadcast_to(per_group[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP)), (BLOCK_N, BLOCK_D))
+        x = _spread(_group_tile(base, stride_s, offs_n, n_ok, D, offs_d.shape[0], GROUP), GROUP)
     return x
+
+
+@triton.jit
+def _group_tile(base, stride_s, offs_n, n_ok, D, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+    """The fp16 scales (or minimums) of a tile's positions, one per (position, group of GROUP channels):
+    (BLOCK_N, BLOCK_D // GROUP)."""
+    groups = tl.arange(0, BLOCK_D // GROUP)
+    mask = n_ok[:, None] & (groups * GROUP < D)[None, :]
+    return tl.load(base + offs_n[:, None] * stride_s + groups[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _spread(per_group, GROUP: tl.constexpr):
+    """(BLOCK_N, groups) -> (BLOCK_N, groups * GROUP): each value over its group's channels, in registers."""
+    BLOCK_N: tl.constexpr = per_group.shape[0]
+    GROUPS: tl.constexpr = per_group.shape[1]
+    return tl.reshape(tl.broadcast_to(per_group[:, :, None], (BLOCK_N, GROUPS, GROUP)), (BLOCK_N, GROUPS * GROUP))
 
 
 @triton.jit
 def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s, offs_n, offs_d, n_ok, D,
              BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, DTYPE: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, scales=None, minimums=None):
     """One (BLOCK_N, BLOCK_D) tile of K or V at positions offs_n, as the dot product consumes it (in DTYPE).
 
     Every K/V read goes through here, and a quantized tile is dequantized here, in registers. BITS 0: a dense cache.
@@ -92,12 +106,16 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
     (`common.half_codes`, with ASM its PTX form): the same bits, one rounding of the exact product either way.
     BITS 4: bytes holding channels 2i (low nibble) and 2i + 1 (high); code * scale + min, scale and min per
     (position, channel group), or with PER_CHANNEL (INT4 keys) per (group of KEY_GROUP positions, channel); in fp32
-    (each byte loaded for both its channels), or in fp16, rounded once (each byte loaded once, its nibbles joined)."""
+    (each byte loaded for both its channels), or in fp16, rounded once (each byte loaded once, its nibbles joined).
+    scales, minimums: the tile's per-group values (`_group_tile`) if the caller fetched them ahead, else None."""
     mask = n_ok[:, None] & (offs_d < D)[None, :]  # positions n_ok, channels below D
     if BITS == 0:
         x = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0.0)
     else:
-        scale = _group_values(scale_base, stride_scale_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
+        if scales is None:
+            scale = _group_values(scale_base, stride_scale_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
+        else:
+            scale = _spread(scales, GROUP)
         if BITS == 8:
             codes = tl.load(base + offs_n[:, None] * stride_s + offs_d[None, :], mask=mask, other=0)
             if DTYPE == tl.float16:
@@ -105,7 +123,10 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
             else:
                 x = common.exact_float(codes) * scale.to(tl.float32)  # (no I2F: `common`)
         else:
-            lo = _group_values(min_base, stride_min_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
+            if minimums is None:
+                lo = _group_values(min_base, stride_min_s, offs_n, offs_d, n_ok, D, GROUP, PER_CHANNEL)
+            else:
+                lo = _spread(minimums, GROUP)
             if DTYPE == tl.float16:  # each byte loaded once, its two nibbles joined as channels 2i and 2i + 1
                 # (masked as pairs < D // 2, whose mask Triton sees constant over runs of 8 bytes: the tile is then
                 # copied ahead 8 bytes an instruction; masked as 2 * pairs < D, it was loaded a byte at a time)
@@ -155,10 +176,34 @@ def _attend_tiles(
     masked), carried in (acc, m_i, l_i). CODES: every key of these tiles is below nq_lo, so every row reads INT4
     codes and the rings are not loaded: on sm_90 a 64-key step of such tiles takes ~half the instructions of the
     general step, which loads each tile's codes and ring entries and, where the rows disagree, both versions."""
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
+    # INT8's scales and INT4's value scales and minimums, one per (position, group of channels), are too narrow for
+    # Triton to copy ahead as it copies the codes: fetched a tile ahead here, so no step waits on their loads
+    AHEAD: tl.constexpr = BITS == 8 or (BITS == 4 and CODES)
+    if AHEAD:
+        offs_a = n_from + tl.arange(0, BLOCK_N)
+        vs_next = _group_tile(vs_base, stride_vss, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+        if BITS == 8:
+            ks_next = _group_tile(ks_base, stride_kss, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+        else:  # (INT4 keys' scales are per channel: copied ahead with the codes)
+            vm_next = _group_tile(vm_base, stride_vms, offs_a, offs_a < end, D, BLOCK_D, GROUP)
     for n0 in range(n_from, n_to, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        if CODES:
+        if AHEAD:
+            v_scales = vs_next
+            offs_a = offs_n + BLOCK_N
+            vs_next = _group_tile(vs_base, stride_vss, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+            if BITS == 8:
+                k_scales = ks_next
+                ks_next = _group_tile(ks_base, stride_kss, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+            else:
+                v_minimums = vm_next
+                vm_next = _group_tile(vm_base, stride_vms, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+        if BITS == 8:
+            k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d, n_ok, D,
+                         BITS, GROUP, False, q.dtype, ASM, k_scales)
+        elif CODES:
             k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d, n_ok, D,
                          BITS, GROUP, True, q.dtype, ASM)
         else:
@@ -188,9 +233,12 @@ def _attend_tiles(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if CODES:
+        if BITS == 8:
             v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, offs_n, offs_d, n_ok, D,
-                         BITS, GROUP, False, q.dtype, ASM)
+                         BITS, GROUP, False, q.dtype, ASM, v_scales)
+        elif CODES:
+            v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, offs_n, offs_d, n_ok, D,
+                         BITS, GROUP, False, q.dtype, ASM, v_scales, v_minimums)
         else:
             v = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs, ring,
                            offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, False, q.dtype, ASM)
@@ -387,8 +435,8 @@ SPLIT_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
 SHARED_MEMORY_DEFAULT = 99 * 1024
 
 
-def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bool, BLOCK_M: int, BLOCK_D: int,
-                        BLOCK_N: int, num_stages: int) -> int:
+def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, GROUP: int, SCORES: bool, BLOCK_M: int,
+                        BLOCK_D: int, BLOCK_N: int, num_stages: int, num_warps: int) -> int:
     """Bytes of shared memory `_split_kernel` takes on a GPU of compute capability `major`, given the element sizes
     of its tensors Q, K, V, KScale, KMin, KRecent, VRecent in `sizes`: an upper bound on what Triton (3.6 to 3.8)
     allocates, mostly within 1 KB. tests/test_triton_compile.py holds it against the compiler's figure for sm_80 and sm_90.
@@ -399,7 +447,8 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
       channels; the per-group scales are gathered too, too narrow to copy ahead).
     - Live through the loop: q (BLOCK_M, BLOCK_D) as a dot operand, and 8 bytes per row for reductions.
     - In turn within a step, the largest counted: the dequantized K tile (BLOCK_N, BLOCK_D) (two, codes and exact,
-      for INT4 on Hopper; none for INT8 under 16-bit q, whose tiles go from registers into the MMA); the
+      for INT4 on Hopper; for INT8 under 16-bit q none, its tiles going from registers into the MMA, but where
+      the compilers stage them: scales of 16 channels, or 16 values a thread or fewer in a tile); the
       dequantized V tile with the probabilities p (BLOCK_M, BLOCK_N), which the warpgroup MMA takes from registers (INT4 with fp32 q: both of p's parts, the rows' codes and exact shares,
       staged for the FMA dots side by side); or the fp32 scores (BLOCK_M, BLOCK_N) on their way to the mass buffer.
     """
@@ -411,8 +460,10 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, SCORES: bo
     if BITS == 4 and q_bytes == 2:  # packed codes, two channels a byte
         per_key += sizes["K"] / 2
     # a dequantized K or V tile; INT8's, under 16-bit q, goes from registers into the MMA (its codes read from the
-    # copies ahead in the dot's layout, the scales spread over their groups in registers)
-    tile = BLOCK_N * BLOCK_D * q_bytes if BITS and not (BITS == 8 and q_bytes == 2) else 0
+    # copies ahead in the dot's layout, the scales, fetched a tile ahead, spread over their groups in registers),
+    # but for the layouts Triton 3.6 and 3.8 stage (the test holds this rule to both, sm_80 to sm_90)
+    in_registers = BITS == 8 and q_bytes == 2 and GROUP >= 32 and BLOCK_N * BLOCK_D > 16 * 32 * num_warps
+    tile = BLOCK_N * BLOCK_D * q_bytes if BITS and not in_registers else 0
     p = 0 if wgmma else BLOCK_M * BLOCK_N * q_bytes * (2 if BITS == 4 and q_bytes == 4 else 1)
     step = max(tile * (2 if BITS == 4 and wgmma else 1), tile + p, BLOCK_M * BLOCK_N * 4 * SCORES)
     return int(copies * BLOCK_N * BLOCK_D * per_key) + BLOCK_M * BLOCK_D * q_bytes + 8 * BLOCK_M + step
@@ -431,8 +482,8 @@ def _configs_that_fit(configs, named_args, **kwargs):
     others, seconds each, only to skip them."""
     major, limit = _device_limits(named_args["Q"].device.index)
     sizes = {name: named_args[name].element_size() for name in ("Q", "K", "V", "KScale", "KMin", "KRecent", "VRecent")}
-    need = [split_shared_memory(major, sizes, kwargs["BITS"], kwargs["SCORES"], kwargs["BLOCK_M"], kwargs["BLOCK_D"],
-                                c.kwargs["BLOCK_N"], c.num_stages) for c in configs]
+    need = [split_shared_memory(major, sizes, kwargs["BITS"], kwargs["GROUP"], kwargs["SCORES"], kwargs["BLOCK_M"],
+                                kwargs["BLOCK_D"], c.kwargs["BLOCK_N"], c.num_stages, c.num_warps) for c in configs]
     return [c for c, n in zip(configs, need) if n <= limit] or [configs[need.index(min(need))]]
 
 

@@ -149,7 +149,7 @@ def test_autotuner_drops_configs_that_cannot_fit(monkeypatch):
     q, kv = torch.empty(1, 1, 8, 256), torch.empty(1, 1, 64, 256)
     monkeypatch.setattr(tuner, "nargs", {"Q": q, "K": kv, "V": kv, "KScale": kv, "KMin": kv, "KRecent": kv, "VRecent": kv},
                         raising=False)  # the positional args by name, as Autotuner.run sets them
-    meta = {"BITS": 0, "SCORES": False, "BLOCK_M": 16, "BLOCK_D": 256}
+    meta = {"BITS": 0, "GROUP": 32, "SCORES": False, "BLOCK_M": 16, "BLOCK_D": 256}
     monkeypatch.setattr(module, "_device_limits", lambda index: (9, 227 * 1024))
     kept = tuner.prune_configs(meta)
     assert len(kept) == 6 and {(c.kwargs["BLOCK_N"], c.num_stages) for c in kept} == {(32, 2), (32, 3), (64, 2)}

@@ -381,8 +381,9 @@ def _split_estimate(spec, arch):
     kinds = {name: kind for name, kind, _ in spec.params}
     consts = {name: value for name, kind, value in spec.params if kind == "constexpr"}
     sizes = {name: _element_bytes(kinds[name]) for name in ("Q", "K", "V", "KScale", "KMin", "KRecent", "VRecent")}
-    return split_shared_memory(arch // 10, sizes, consts["BITS"], consts["SCORES"], consts["BLOCK_M"],
-                               consts["BLOCK_D"], consts["BLOCK_N"], dict(spec.options)["num_stages"])
+    options = dict(spec.options)
+    return split_shared_memory(arch // 10, sizes, consts["BITS"], consts["GROUP"], consts["SCORES"], consts["BLOCK_M"],
+                               consts["BLOCK_D"], consts["BLOCK_N"], options["num_stages"], options["num_warps"])
 
 
 def _pruned(spec, arch, limit):
