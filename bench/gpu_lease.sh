@@ -9,24 +9,20 @@
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (about 50 s) (its step
 #           times also feed `bench/replay.py simulate` here, for all of them)
+#   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV (bench/kv_speed.py), one round each (the
+#           H100 took 227 s for both)
+#   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
+#           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1)
 #   profile an 8000-token prefill of the 1B shape into an INT4 cache and a bf16 one (where INT4's goes), the 8B
 #           W4A16 step at 128 positions (issue 4's headline shape, never measured in W4A16); each 1B
 #           and 8B decode matmul alone, every way it runs (bench/gemv.py: cuBLAS, the GEMV on bf16, W4A16, W8A16,
 #           1 row and 9); where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16, with
 #           programmatic dependent launch (LLMRUN_PDL=1), W4A16 on the tensor-core GEMV for every row, llama3-8b at
 #           128 positions, the float matmuls on the GEMV, the GEMV's K split further, llama3.1-8b at 8000 with
-#           int8 KV and bf16 (on a GPU model that has the earlier ones, these come first)
-#   tests   the GPU test files, spread over 12 pytest-xdist workers (Triton compiles on the CPUs); the kernels'
-#           on one fixed config each (LLMRUN_TEST_ONE_CONFIG=1)
-#   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare` (its bf16 torch.compile baseline included)
-#   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV (bench/kv_speed.py): not in this lease
-#           (more than 220 s for both), a second call on the warm machine if time is left, 8k again on a GPU model
-#           that has it (the H100 at 9ea29b0), for INT4's prefill in one attention call a chunk (ef135f4):
-#           GPU_RESUME=1 GPU_RERUN=llama3.1-8b-kv-speed-8192 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=kv \
-#               timeout 285 bash bench/gpu.sh
-#           (32k follows if time is left). Or, with less time, the profile step again, whose 8B runs at 8000
-#           positions the first call may not reach (the INT8 split attention's time a step):
-#           GPU_RESUME=1 ... GPU_STEPS=profile timeout 200 bash bench/gpu.sh
+#           int8 KV and bf16 (on a GPU model that has the earlier ones, these come first): begun here, and
+#           carried on in a second call on the warm machine (below)
+#   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare`: not in this lease (both GPU models have it);
+#           GPU_STEPS=speed in a second call measures it again
 # What the H200 took on 2026-11-26 (bench/results/*-lease3.log, *-lease4.log): the 1B `--compare` runs and the run
 # without graphs 144 s, the W4A16 `--compare` alone more than 90 s from a cold start (77 s warm); the four profiles
 # about 130 s; the kernel test files 49 s (+ start-up), the model files far longer (14 of 73 tests in 120 s: they
@@ -53,19 +49,21 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 }
 
 export GPU_RESUME=1
-# measured again: the Qwen pair's replay, whose verification blocks of 3-16 tokens now run on the tensor-core GEMV
-# (b39b2ce; the H100's first lease: a 9-token block 2.53 one-token steps, greedy 1.16x; predicted ~1.5 steps and
-# ~1.3x, bench/GPU_NOTES.md). New: the prefill profiles (an INT4 cache's 8k prefill against bf16's: the host or the
-# kernels?). The tests of what changed since (the GEMV's Q8_0 under fp32 x, the dispatch to the tensor cores, the
-# greedy speculation test) run again though they passed; the model files have never run to their end in a lease:
-# with the kernel files' passes on this GPU left out, they come next. The order puts what decides the next change
-# first: the replay, the profiles, the tests, the 1B W4A16 `--compare` last (the H100 has it).
-export GPU_RERUN="qwen-pair-replay-int4"
-export GPU_RETEST="test_triton_quant_matmul test_speculative test_cuda_graphs test_triton_model"
-GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 70 replay
-step 190 profile
-PYTEST_ADDOPTS="-n 12" step 160 tests
-GPU_WEIGHTS=int4 GPU_PROMPTS=128 step 90 speed llama3.2-1b
+# measured again: the kv step at 8k and 32k, one round each: the quantized decode attention no longer waits on its
+# loads within a step (INT4's codes copied ahead, the scales fetched a tile ahead; GPU_NOTES predicts INT8 above
+# bf16, INT4 within 5% of INT8), and INT4's prefill attends a chunk in one call (ef135f4); the Qwen pair's
+# replay, whose verification blocks of 3-16 tokens now run on the tensor-core GEMV (b39b2ce; the H100's first
+# lease: a 9-token block 2.53 one-token steps, greedy 1.16x; predicted ~1.5 steps and ~1.3x). The tests of what
+# changed since run again though they passed; the model files have never run to their end in a lease. The profile
+# step (the prefill profiles, the 8B W4A16 step, the 8B's INT8 split kernel at 8k) starts here and goes on in a
+# second call on the warm machine:
+#     GPU_RESUME=1 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=profile timeout 250 bash bench/gpu.sh
+export GPU_RERUN="qwen-pair-replay-int4 llama3.1-8b-kv-speed-8192 llama3.1-8b-kv-speed-32768"
+export GPU_RETEST="test_triton_attention test_triton_quant_matmul test_speculative test_cuda_graphs test_triton_model"
+GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 60 replay
+GPU_KV_REPEAT=1 step 240 kv
+PYTEST_ADDOPTS="-n 12" step 140 tests
+step 70 profile
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete
 cat "$RESULTS/lease.log" >&2
