@@ -457,8 +457,7 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, GROUP: int
     per_key = (sizes["KScale"] + sizes["KMin"] + sizes["KRecent"] + sizes["VRecent"] if BITS == 4
                else sizes["K"] + sizes["V"])
     copies = num_stages if wgmma and BITS == 0 else num_stages - 1
-    if BITS == 4 and q_bytes == 2:  # packed codes, two channels a byte
-        per_key += sizes["K"] / 2
+    codes = BLOCK_N * BLOCK_D // 2 * sizes["K"] if BITS == 4 and q_bytes == 2 else 0  # packed, two channels a byte
     # a dequantized K or V tile; INT8's, under 16-bit q, goes from registers into the MMA (its codes read from the
     # copies ahead in the dot's layout, the scales, fetched a tile ahead, spread over their groups in registers),
     # but for the layouts Triton 3.6 and 3.8 stage (the test holds this rule to both, sm_80 to sm_90)
@@ -466,7 +465,7 @@ def split_shared_memory(major: int, sizes: dict[str, int], BITS: int, GROUP: int
     tile = BLOCK_N * BLOCK_D * q_bytes if BITS and not in_registers else 0
     p = 0 if wgmma else BLOCK_M * BLOCK_N * q_bytes * (2 if BITS == 4 and q_bytes == 4 else 1)
     step = max(tile * (2 if BITS == 4 and wgmma else 1), tile + p, BLOCK_M * BLOCK_N * 4 * SCORES)
-    return int(copies * BLOCK_N * BLOCK_D * per_key) + BLOCK_M * BLOCK_D * q_bytes + 8 * BLOCK_M + step
+    return copies * (BLOCK_N * BLOCK_D * per_key + codes) + BLOCK_M * BLOCK_D * q_bytes + 8 * BLOCK_M + step
 
 
 @cache
