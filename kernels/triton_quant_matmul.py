@@ -91,27 +91,34 @@ def _w8_codes(qs_ptr, d_ptr, offs_n, n_mask, k0, k_end, stride_qn, stride_dn,
 
 
 @triton.jit
-def _gemv_raw(qs_ptr, d_ptr, m_ptr, q_row, d_row, n_ok, block, k0, k_end,
-              BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, WORDS: tl.constexpr):
-    """`_gemv_kernel`'s tile of W for the step at column k0, as stored -> (q, scale (tile, 1), offset (tile, 1)):
-    q the codes of each tile row's 8 bytes, with WORDS as two int32 words (tile, 2) (`_word_weights` takes them
-    apart), else as bytes (tile, 8); or BITS 16 the weights (tile, 8); each tile row's block scale and offset in
-    fp16 (0 where not read: BITS 16, no offsets, or past k_end). With WORDS the codes stay words until the step that
-    uses them: loaded as 8 separate bytes, they are taken apart right after their load, and the warp waits there
-    for the load it has just issued to fetch ahead. (Not under fp32 x, whose 32-byte rows of 8 values the
-    compiler lays out otherwise than the words' floats: a shuffle in the loop.)
+def _gemv_codes(qs_ptr, q_row, n_ok, block, k0, k_end, BITS: tl.constexpr, WORDS: tl.constexpr):
+    """`_gemv_kernel`'s tile of W's codes for the step at column k0, as stored: with WORDS each tile row's 8 bytes
+    as two int32 words (tile, 2) (`_word_weights` takes them apart), else as bytes (tile, 8); or BITS 16 the
+    weights (tile, 8). 0 past k_end. Loaded in the loop that uses them, the pipeliner copies them ahead into shared
+    memory (cp.async, STAGES - 1 steps ahead: `_gemv_kernel`). WORDS is not for fp32 x, whose 32-byte rows of 8
+    values the compiler lays out otherwise than the words' floats: a shuffle in the loop.
 
-    q_row, d_row (tile,): where each tile row's codes start in qs at k0 = 0 (4 bits: the byte whose low nibble is
-    the chunk's first column, the high one 16 further), in words with WORDS; and its scale's row in d. A step
-    adds one number to each: the loop keeps no addresses of its own to recompute."""
+    q_row (tile,): where each tile row's codes start in qs at k0 = 0 (4 bits: the byte whose low nibble is the
+    chunk's first column, the high one 16 further), in words with WORDS. A step adds one number to it: the loop
+    keeps no addresses of its own to recompute."""
     col = tl.multiple_of(k0, 32) + 32 * block
     ok = (n_ok & (col < k_end))[:, None]
     if WORDS:  # 8 bytes, a multiple of 8 from an aligned start
         words = qs_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + k0 // 8 * (BITS // 4)
-        q = tl.load(words + q_row[:, None] + tl.arange(0, 2)[None, :], mask=ok, other=0)
+        return tl.load(words + q_row[:, None] + tl.arange(0, 2)[None, :], mask=ok, other=0)
     else:
-        q = tl.load(qs_ptr + (k0 // 2 if BITS == 4 else k0) + q_row[:, None] + tl.arange(0, 8)[None, :], mask=ok,
-                    other=0)
+        return tl.load(qs_ptr + (k0 // 2 if BITS == 4 else k0) + q_row[:, None] + tl.arange(0, 8)[None, :], mask=ok,
+                       other=0)
+
+
+@triton.jit
+def _gemv_scales(d_ptr, m_ptr, d_row, n_ok, block, k0, k_end,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr):
+    """Each `_gemv_kernel` tile row's block scale and offset (tile, 1) in fp16 for the step at column k0 (0 where not
+    read: BITS 16, no offsets, or past k_end); d_row (tile,) the row of d its scales are in. Two bytes a load, too
+    few for cp.async: the kernel loads them a step ahead into registers itself."""
+    col = tl.multiple_of(k0, 32) + 32 * block
+    ok = (n_ok & (col < k_end))[:, None]
     at = (d_row + (k0 // 32 + block) // (GROUP // 32))[:, None]
     if BITS == 16:
         scale = tl.zeros(at.shape, dtype=tl.float16)
@@ -121,7 +128,7 @@ def _gemv_raw(qs_ptr, d_ptr, m_ptr, q_row, d_row, n_ok, block, k0, k_end,
         offset = tl.load(m_ptr + at, mask=ok, other=0)
     else:
         offset = tl.zeros(at.shape, dtype=tl.float16)
-    return q, scale, offset
+    return scale, offset
 
 
 @triton.jit
@@ -208,7 +215,7 @@ def _gemv_kernel(
     stride_xm, stride_qn, stride_dn, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     WORDS: tl.constexpr, XWORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows M of x times BLOCK_N columns of W over one slice of K, into out (M, N); with SPLIT (SPLIT_K > 1) each
     slice's fp32 sums go to parts (SPLIT_K, M, N) and the last slice of a column block to finish, as count (one
@@ -225,13 +232,18 @@ def _gemv_kernel(
     span two threads, and re-read and re-dequantized the tile for every row of x: a 9-row verification block
     cost 5 one-token steps.)
 
-    Its speed is its instruction count (the loads keep far ahead), so a code costs what it must: a mask and an FFMA
-    to become a weight, and a shift for every other one (`_code_weights`; ONE is 1.0's bits, 0x3F800000), one FFMA
-    in a row's product; a thread's tile rows are columns of one block and chunk, so its x is loaded and made fp32
-    once for all of them (unmasked: `x_first`), and W's addresses are one add a step (`_gemv_raw`). sm_90 SASS of
-    the 64x128 4-bit config under Triton 3.6, one row of x: ~364 instructions a thread for 64 codes (~5.7 a code;
-    the kernel before this one took ~9.7: an I2F trick's float subtraction, a sign-extend, two-instruction bf16
-    conversions, masked loads of x for each tile row, addresses recomputed every step).
+    Its speed is its instruction count and the bytes it keeps in flight. W's codes are copied STAGES - 1 steps
+    ahead into shared memory by Triton's pipeliner (cp.async, `tl.range`'s num_stages), or with STAGES 1 a step
+    ahead into registers; the scales a step ahead into registers (why: `_GEMV_CONFIGS`). A code costs what it must:
+    a mask and an FFMA to become a weight, and a shift for every other one (`_code_weights`; ONE is 1.0's bits,
+    0x3F800000), one FFMA in a row's product; a thread's tile rows are columns of one block and chunk, so its x is
+    loaded and made fp32 once for all of them (unmasked: `x_first`), and W's addresses are one add a step
+    (`_gemv_codes`). sm_90 SASS of
+    the 64x128 4-bit config under Triton 3.6, one row of x: 370 instructions a thread for 64 codes with STAGES 1
+    (~5.8 a code; the kernel before this one took ~9.7: an I2F trick's float subtraction, a sign-extend,
+    two-instruction bf16 conversions, masked loads of x for each tile row, addresses recomputed every step), 406
+    with STAGES 4 (the copies' addresses, their wait and two barriers a step, which guard the copies' buffers: no
+    thread's sums cross to another inside the loop, `test_triton_compile` checks it).
 
     The tile is dequantized once a step; x's rows then take turns over it, the same code for each, so a row's sums
     are taken in one order whatever the rows beside it, as greedy speculative decoding needs. BLOCK_M is always
@@ -246,7 +258,7 @@ def _gemv_kernel(
     n_ok = offs_n < N
     block = (tile // CH) % NB
     chunk = tile % CH
-    # where each tile row starts in W's planes at column 0 (`_gemv_raw`): 8 bytes (or floats) a chunk
+    # where each tile row starts in W's planes at column 0 (`_gemv_codes`): 8 bytes (or floats) a chunk
     if WORDS:
         q_row = tl.multiple_of(offs_n * (stride_qn // 4) + (4 if BITS == 4 else 8) * block + 2 * chunk, 2)
     else:
@@ -257,20 +269,26 @@ def _gemv_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the output columns
     rows = tl.arange(0, BLOCK_M)[None, :]
     acc = tl.zeros((BLOCK_N * NB * CH, BLOCK_M), dtype=tl.float32)  # each row of x's sums, in the tile's layout
-    # W's tile for a step is loaded a step ahead (raw bytes and scales, few registers): its loads are in flight
-    # while the step before is computed, rather than each step waiting out the memory's latency from its start
-    q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, q_row, d_row, n_ok, block, k_begin, k_end, BITS, GROUP,
-                                 HAS_M, WORDS)
-    common.pdl_wait(PDL)  # W's first tile is on its way while the kernel before finishes; x and the outputs wait for it
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    # W's tiles are fetched ahead: the codes STAGES - 1 steps ahead into shared memory by the pipeliner (cp.async),
+    # or with STAGES 1 a step ahead into registers here, as the scales always are (two bytes a load: too few for
+    # cp.async)
+    q = _gemv_codes(qs_ptr, q_row, n_ok, block, k_begin, k_end, BITS, WORDS)  # (unused, so never loaded, past 1)
+    scale, offset = _gemv_scales(d_ptr, m_ptr, d_row, n_ok, block, k_begin, k_end, BITS, GROUP, HAS_M)
+    common.pdl_wait(PDL)  # the first tile is on its way while the kernel before finishes (past STAGES 1, only its
+    # scales: the pipeliner issues its first copies just before the loop; a wait inside the loop it would move past
+    # x's loads)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
         col = tl.multiple_of(k0, 32) + 32 * block  # (tile,) the block's first column
         # x's 8 columns for each tile row: x_first + 0..7 (4 bits: low nibbles; the high ones 16 further). Unmasked:
         # a block past k_end (the slice's last step) reads a block of x that exists, whose weights here are 0
         x_first = tl.minimum(col, K - 32) + 8 * chunk
-        q_now, scale_now, offset_now = q, scale, offset
-        # the next step's tile (none past k_end)
-        q, scale, offset = _gemv_raw(qs_ptr, d_ptr, m_ptr, q_row, d_row, n_ok, block, k0 + BLOCK_K, k_end, BITS,
-                                     GROUP, HAS_M, WORDS)
+        if STAGES == 1:
+            q_now = q
+            q = _gemv_codes(qs_ptr, q_row, n_ok, block, k0 + BLOCK_K, k_end, BITS, WORDS)
+        else:
+            q_now = _gemv_codes(qs_ptr, q_row, n_ok, block, k0, k_end, BITS, WORDS)
+        scale_now, offset_now = scale, offset
+        scale, offset = _gemv_scales(d_ptr, m_ptr, d_row, n_ok, block, k0 + BLOCK_K, k_end, BITS, GROUP, HAS_M)
         if BITS == 16:  # float weights, as they are
             w_lo = q_now.to(tl.float32)
         else:
@@ -410,17 +428,25 @@ def _dequantize_kernel(
         tl.store(w_row + k[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & k_ok[None, :])
 
 
-# Shared memory is no limit here, unlike the attention kernel's: without a tl.dot nothing is copied ahead into it,
-# and each config takes at most BLOCK_N * BLOCK_M fp32 to sum across warps after the loop (<= 4 KB compiled for
-# sm_90). The tiles give each thread one to four 8-byte rows of W a step: 80 to 217 registers with the sums of
-# DECODE_ROWS rows of x (sm_90, 4- and 8-bit, no spills), which caps no occupancy: the grid is about two programs
-# an SM (`_default_split_k`).
+# Past STAGES 1, W's codes go through shared memory, STAGES - 1 tiles of them ahead a program (BLOCK_N * BLOCK_K *
+# BITS / 8 bytes a tile: 4 to 32 KB), plus at most BLOCK_N * BLOCK_M fp32 to sum across warps after the loop: at
+# most 68 KB, within every GPU's limit (sm_89's 99 KB the least). The tiles give each thread one to four 8-byte rows
+# of W a step: 80 to 217 registers with the sums of DECODE_ROWS rows of x (sm_90, 4- and 8-bit, no spills), two to
+# three programs an SM, as many as the grid gives (about two an SM, `_default_split_k`).
+# Why STAGES: an H100 drew 62-74% of its copy bandwidth from the one-row W4A16 GEMV on large matrices when each
+# thread fetched its tile rows one step ahead in registers (2026-11-26, STAGES 1 here): ~12 KB in flight an SM,
+# where ~3 TB/s over a DRAM latency of ~0.7-0.9 us asks 16-20 KB (W8A16, twice the bytes a thread in flight, drew
+# 85%), and its instructions issued on ~half the cycles. Three tiles ahead are ~36 KB in flight, for ~10% more
+# instructions a step (the copies, two barriers): STAGES 1 stays among the configs, and the autotuner's timing
+# decides between them.
 _GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-    for bn, bk, w in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8),
-                      (32, 256, 8)]
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages}, num_warps=w)
+    for bn, bk, w, stages in [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (64, 128, 8, 4),
+                              (128, 128, 8, 3), (32, 256, 8, 4), (64, 128, 4, 1), (128, 64, 4, 1), (32, 256, 8, 1)]
 ]
-_INTERPRETER_BLOCKS = {"BLOCK_N": 256, "BLOCK_K": 512}  # the interpreter costs per program and op, hardly per element
+GEMV_KEY = ["N", "K", "K_SPLIT", "BITS", "GROUP"]  # what the GEMVs' autotuners tune for (M not: `_gemv_launcher`)
+# the interpreter costs per program and op, hardly per element (and ignores STAGES)
+_INTERPRETER_BLOCKS = {"BLOCK_N": 256, "BLOCK_K": 512, "STAGES": 2}
 
 
 @functools.cache
@@ -431,7 +457,7 @@ def _gemv_launcher(cuda: bool):
     # sums are taken in one order whether 1 or 8 rows share a launch (the kernel reduces each row alone), and a
     # speculative block of a new size neither stops to tune nor gives a token other bits than a one-token step.
     if cuda:
-        return triton.autotune(_GEMV_CONFIGS, key=["N", "K", "K_SPLIT", "BITS", "GROUP"])(_gemv_kernel), {}
+        return triton.autotune(_GEMV_CONFIGS, key=GEMV_KEY)(_gemv_kernel), {}
     return _gemv_kernel, _INTERPRETER_BLOCKS
 
 
@@ -517,7 +543,7 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         M, N, K, k_split, split_k, _ONE,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        # codes as words under 16-bit x (see _gemv_raw), their 64-bit loads aligned
+        # codes as words under 16-bit x (see _gemv_codes), their 64-bit loads aligned
         WORDS=bits != 16 and x2.dtype != torch.float32 and qs.data_ptr() % 8 == 0,
         # bf16 x as int32 words (see _x_floats), every row 4-byte aligned
         XWORDS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0,
@@ -536,7 +562,7 @@ _DOT_CONFIGS = [
 def _dot_launcher(cuda: bool):
     """`_gemv_launcher`'s counterpart for `_gemv_dot_kernel` (M not in the key either)."""
     if cuda:
-        return triton.autotune(_DOT_CONFIGS, key=["N", "K", "K_SPLIT", "BITS", "GROUP"])(_gemv_dot_kernel), {}
+        return triton.autotune(_DOT_CONFIGS, key=GEMV_KEY)(_gemv_dot_kernel), {}
     return _gemv_dot_kernel, {"BLOCK_N": 64, "BLOCK_K": 256}
 
 

@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
 # A launch config the split attention kernel and the GEMVs each take on CUDA under LLMRUN_TEST_ONE_CONFIG=1: the
 # split kernel's least shared memory (it fits every GPU Triton supports), and the GEMVs' smallest tiles.
 ONE_SPLIT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-ONE_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}
+ONE_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "STAGES": 4, "num_warps": 4}
 ONE_DOT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 

@@ -337,7 +337,7 @@ def test_bad_shapes_say_what_fits():
 
 @pytest.mark.autotune
 @pytest.mark.parametrize("config", tqm._GEMV_CONFIGS,
-                         ids=lambda c: "{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}")
+                         ids=lambda c: "{BLOCK_N}x{BLOCK_K}-s{STAGES}".format(**c.kwargs) + f"-w{c.num_warps}")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_every_gemv_config(bits, config, monkeypatch):
     """Each tile the autotuner may pick (it times them all and keeps the winner's output unchecked), smaller than the
