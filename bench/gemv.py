@@ -1,7 +1,8 @@
 """Each decode matmul of a model shape on its own, every way llmrun can run it, against the bytes it must read:
 
     python bench/gemv.py [--shapes llama3.2-1b llama3-8b] [--rows 1 9] [--matrices qkv,o,gate_up,down,head]
-                         [--variants cublas,gemv-float,w4a16,w8a16,w4a16-dot,w8a16-dot] [--device cuda] [--reps 20]
+                         [--variants cublas,gemv-float,w4a16,w8a16,w4a16-dot,w8a16-dot,w4a16-regs,w8a16-regs]
+                         [--device cuda] [--reps 20]
                          [--out FILE.json]
 
 A decode step's profile lumps a kernel's launches together (`bench/gpu_profile.py`: `_gemv_kernel`, 65 calls);
@@ -13,6 +14,9 @@ whether the GEMV or cuBLAS serves a float matrix better, is read per shape:
   w8a16       8-bit weights in blocks of 32 through the GEMV
   w4a16-dot, w8a16-dot  the same weights through the tensor-core GEMV (`LLMRUN_GEMV_DOT=1`): 1-16 rows in one
               launch, each step's tile dequantized once and multiplied in an MMA
+  w4a16-regs, w8a16-regs  the GEMV on its STAGES 1 configs alone: W's tiles fetched a step ahead in registers, as
+              before cp.async copied them further ahead (the autotuner picks among both kinds for w4a16/w8a16)
+On a GPU each row names the config the autotuner chose for the call.
 Each figure is one call's time: --reps calls captured in a CUDA graph (as a decode step runs them: no launch
 overhead from the host), the graph replayed, the median of 10 replays divided by --reps. The floor is the bytes a
 call must read (weights, scales and offsets) over a device copy's bandwidth measured in the same run. Rows 9 and
@@ -26,19 +30,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import triton
 
 from llmrun import bench
 from llmrun.kernels import triton_quant_matmul as tqm
 from llmrun.shapes import shape_config
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("cublas", "gemv-float", "w4a16", "w8a16", "w4a16-dot", "w8a16-dot")
+VARIANTS = ("cublas", "gemv-float", "w4a16", "w8a16", "w4a16-dot", "w8a16-dot", "w4a16-regs", "w8a16-regs")
 
 
 def matrices(name: str) -> dict[str, tuple[int, int]]:
@@ -63,7 +69,38 @@ def operands(variant: str, N: int, K: int, device, dtype):
     nbytes = qs.numel() + d.numel() * 2 + (0 if m is None else m.numel() * 2)
     if variant.endswith("-dot"):  # the tensor-core GEMV (LLMRUN_GEMV_DOT=1): every row count in one launch
         return (lambda x: tqm._gemv_dot(x, qs, d, m, bits, 32)), nbytes
+    if variant.endswith("-regs"):
+        return (lambda x: _on_registers(lambda: tqm.quant_linear(x, qs, d, m, bits)) if x.is_cuda
+                else tqm.quant_linear(x, qs, d, m, bits)), nbytes
     return (lambda x: tqm.quant_linear(x, qs, d, m, bits)), nbytes
+
+
+@functools.cache
+def _register_tuner():
+    """The GEMV's autotuner over its STAGES 1 configs alone."""
+    configs = [c for c in tqm._GEMV_CONFIGS if c.kwargs["STAGES"] == 1]
+    return triton.autotune(configs, key=tqm.GEMV_KEY)(tqm._gemv_kernel)
+
+
+def _on_registers(call):
+    """call() with the GEMV's launches on `_register_tuner` (a Python-level swap: a CUDA graph captures the
+    launches)."""
+    launcher = tqm._gemv_launcher
+    tqm._gemv_launcher = lambda cuda: (_register_tuner(), {})
+    try:
+        return call()
+    finally:
+        tqm._gemv_launcher = launcher
+
+
+def tuned_config(variant: str) -> str | None:
+    """The config the autotuner chose for the variant's last call (a GPU's), as Triton prints it."""
+    if variant in ("cublas",):
+        return None
+    tuner = (tqm._dot_launcher(True)[0] if variant.endswith("-dot") else
+             _register_tuner() if variant.endswith("-regs") else tqm._gemv_launcher(True)[0])
+    best = getattr(tuner, "best_config", None)
+    return None if best is None else str(best)
 
 
 def seconds_per_call(call, x, reps: int) -> float:
@@ -113,7 +150,8 @@ def main() -> None:
         sys.exit(f"gemv.py: unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     bandwidth = bench.copy_bandwidth(device.type)
     rows = []
-    table = ["| shape | matrix | N x K | rows | variant | us | GB/s | vs floor |", "|---|---|---|---|---|---|---|---|"]
+    table = ["| shape | matrix | N x K | rows | variant | us | GB/s | vs floor | config |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for shape in args.shapes:
         for name, (N, K) in matrices(shape).items():
             if name not in args.matrices.split(","):
@@ -126,11 +164,12 @@ def main() -> None:
                            "bytes": nbytes, "floor_seconds": nbytes / bandwidth}  # the profiles' floor: a copy's rate
                     try:
                         row["seconds"] = t = seconds_per_call(call, x, args.reps)
+                        row["config"] = tuned_config(variant) if device.type == "cuda" else None
                         line = (f"| {shape} | {name} | {N} x {K} | {M} | {variant} | {t * 1e6:.1f} | "
-                                f"{nbytes / t / 1e9:.0f} | {t / row['floor_seconds']:.2f}x |")
+                                f"{nbytes / t / 1e9:.0f} | {t / row['floor_seconds']:.2f}x | {row['config'] or ''} |")
                     except Exception as e:  # noqa: BLE001 - one variant failing (a kernel that does not build) is a finding
                         row["error"] = bench.one_line(e, with_type=True)
-                        line = f"| {shape} | {name} | {N} x {K} | {M} | {variant} | failed: {row['error']} | | |"
+                        line = f"| {shape} | {name} | {N} x {K} | {M} | {variant} | failed: {row['error']} | | | |"
                     rows.append(row)
                     table.append(line)
                     print(line, file=sys.stderr)

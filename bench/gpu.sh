@@ -42,6 +42,9 @@
 #           (llmrun against the plain-PyTorch bf16 path, eager and through torch.compile(mode="reduce-overhead"),
 #           same prompt ids); and the first SHAPE's short bf16 run
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
+#   gemv    Each decode matmul of llama3.2-1b and llama3-8b alone (GPU_GEMV_SHAPES), one row, W4A16 and W8A16 on
+#           the GEMV's configs that copy W's tiles ahead by cp.async and on those that fetch a step ahead in
+#           registers (bench/gemv.py's -regs variants), against their bytes; each row names the autotuner's choice.
 #   profile First an 8000-token prefill of llama3.2-1b into an INT4 cache and a bf16 one (`gpu_profile.py
 #           --prefill`: wall time against its kernels', the kernels and the host's operators), and llama3-8b's
 #           W4A16 decode step at 128 positions. Then each decode
@@ -73,7 +76,7 @@ embedded_model_path()" 2>/dev/null; then
 fi
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
-steps=" ${GPU_STEPS:-tests embedded replay sweep speed profile kv memory} "
+steps=" ${GPU_STEPS:-tests embedded replay sweep speed gemv profile kv memory} "
 results=${RESULTS:-bench/results}
 mkdir -p "$results"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
@@ -188,6 +191,16 @@ if [[ $steps == *" speed "* ]]; then
     done
     LLMRUN_NO_CUDA_GRAPHS=1 bench "${shapes[0]}-auto-p128-n128-nographs" --random-weights "${shapes[0]}" \
         --prompt-tokens 128 --new-tokens 128 --ctx 8192
+fi
+if [[ $steps == *" gemv "* ]]; then
+    # the GEMV's W tiles copied three steps ahead by cp.async (STAGES > 1) against a step ahead in registers
+    # (STAGES 1: the H100's first lease, 62-74% of the copy bandwidth on large matrices), each matrix of the 1B and
+    # 8B alone, one row; the w4a16/w8a16 rows name the config the autotuner chose among both kinds
+    gemv_shapes=${GPU_GEMV_SHAPES:-llama3.2-1b llama3-8b}
+    name=gemv-stages-${gemv_shapes// /-}
+    done_before "$name" || python3 bench/gemv.py --shapes $gemv_shapes --rows 1 \
+        --variants w4a16,w4a16-regs,w8a16,w8a16-regs --out "$results/$stamp-$gpu-$name.json" \
+        || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
 fi
 if [[ $steps == *" profile "* ]]; then
     profile() {  # profile SUFFIX SHAPE PROMPT [ARGS...]: where a decode step's time goes (bench/gpu_profile.py), under

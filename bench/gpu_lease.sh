@@ -7,6 +7,8 @@
 #     LLMRUN_COMMIT=$(git rev-parse --short HEAD) RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf $OUT/r.tgz -C /tmp/r .
 #
 # carrying .whl and .gpu-model/tokenizer.gguf (bench/gpu_prepare.sh writes both); then commit what came back.
+#   gemv    each 1B and 8B decode matmul alone, one row, W4A16 and W8A16, the GEMV's cp.async configs against its
+#           register-fetch ones (bench/gemv.py's -regs variants; about 60-90 s with the autotuning)
 #   replay  the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (about 50 s) (its step
 #           times also feed `bench/replay.py simulate` here, for all of them)
 #   kv      llama3.1-8b at 8k and 32k positions, bf16 / int8 / int4 KV (bench/kv_speed.py), one round each (the
@@ -19,8 +21,8 @@
 #           1 row and 9); where a decode step's time goes (bench/gpu_profile.py): 1B bf16 and W4A16, with
 #           programmatic dependent launch (LLMRUN_PDL=1), W4A16 on the tensor-core GEMV for every row, llama3-8b at
 #           128 positions, the float matmuls on the GEMV, the GEMV's K split further, llama3.1-8b at 8000 with
-#           int8 KV and bf16 (on a GPU model that has the earlier ones, these come first): begun here, and
-#           carried on in a second call on the warm machine (below)
+#           int8 KV and bf16 (on a GPU model that has the earlier ones, these come first): not in this call; a
+#           second call on the warm machine (below)
 #   speed   llama3.2-1b at a 128-token prompt, W4A16, `--compare`: not in this lease (both GPU models have it);
 #           GPU_STEPS=speed in a second call measures it again
 # What the H200 took on 2026-11-26 (bench/results/*-lease3.log, *-lease4.log): the 1B `--compare` runs and the run
@@ -49,21 +51,22 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 }
 
 export GPU_RESUME=1
-# measured again: the kv step at 8k and 32k, one round each: the quantized decode attention no longer waits on its
-# loads within a step (INT4's codes copied ahead, the scales fetched a tile ahead; GPU_NOTES predicts INT8 above
-# bf16, INT4 within 5% of INT8), and INT4's prefill attends a chunk in one call (ef135f4); the Qwen pair's
-# replay, whose verification blocks of 3-16 tokens now run on the tensor-core GEMV (b39b2ce; the H100's first
-# lease: a 9-token block 2.53 one-token steps, greedy 1.16x; predicted ~1.5 steps and ~1.3x). The tests of what
-# changed since run again though they passed; the model files have never run to their end in a lease. The profile
-# step (the prefill profiles, the 8B W4A16 step, the 8B's INT8 split kernel at 8k) starts here and goes on in a
-# second call on the warm machine:
+# new: the gemv step (GPU_NOTES: the GEMV's W tiles copied three steps ahead by cp.async, predicted 1.2-1.5x on the
+# large W4A16 matrices against the register-fetch configs of the same run). Measured again: the kv step at 8k and
+# 32k, one round each: the quantized decode attention no longer waits on its loads within a step (INT4's codes
+# copied ahead, the scales fetched a tile ahead; GPU_NOTES predicts INT8 above bf16, INT4 within 5% of INT8), and
+# INT4's prefill attends a chunk in one call (ef135f4); the Qwen pair's replay, whose verification blocks of 3-16
+# tokens now run on the tensor-core GEMV (b39b2ce; the H100's first lease: a 9-token block 2.53 one-token steps,
+# greedy 1.16x; predicted ~1.5 steps and ~1.3x). The tests of what changed since run again though they passed; the
+# model files have never run to their end in a lease. The profile step (the prefill profiles, the 8B W4A16 step,
+# the 8B's INT8 split kernel at 8k) goes in a second call on the warm machine:
 #     GPU_RESUME=1 LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=profile timeout 250 bash bench/gpu.sh
 export GPU_RERUN="qwen-pair-replay-int4 llama3.1-8b-kv-speed-8192 llama3.1-8b-kv-speed-32768"
 export GPU_RETEST="test_triton_attention test_triton_quant_matmul test_speculative test_cuda_graphs test_triton_model"
+step 90 gemv
+GPU_KV_REPEAT=1 step 230 kv
 GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 60 replay
-GPU_KV_REPEAT=1 step 240 kv
-PYTEST_ADDOPTS="-n 12" step 140 tests
-step 70 profile
+PYTEST_ADDOPTS="-n 12" step 130 tests
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete
 cat "$RESULTS/lease.log" >&2
