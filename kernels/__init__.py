@@ -315,30 +315,50 @@ def cpu_kernels_serve(x: torch.Tensor) -> bool:
     return _use_cpu_kernels(x)
 
 
-def linear(x, weight, bias=None):
-    """x (..., K) @ weight^T (+ bias) -> (..., N): a float linear layer. cuBLAS (F.linear), except on CUDA with
-    LLMRUN_GEMV_FLOAT=1, where up to 16 rows in 16 bits run the Triton GEMV (`triton_quant_matmul.float_linear`): an
-    experiment the GPU profiles measure against cuBLAS (`bench/gpu.sh`), not the default until one wins."""
-    if (_use_triton(x) and os.environ.get("LLMRUN_GEMV_FLOAT") == "1" and x.numel() <= 16 * x.shape[-1]
-            and x.shape[-1] % 32 == 0 and weight.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)):
-        from .triton_quant_matmul import float_linear
+def linear(x, weight, bias=None, gated: bool = False):
+    """x (..., K) @ weight^T (+ bias) -> (..., N): a float linear layer; gated (weight's rows [gate; up], a SwiGLU
+    MLP's fused projection): silu_mul of the two halves, (..., N / 2), in one launch on the GEMV. On CUDA, a decode
+    step's rows (fewer than
+    `DOT_ROWS`, 3) in 16 bits run the Triton GEMV (`triton_quant_matmul.float_linear`), more rows cuBLAS (F.linear):
+    on an H100 (2026-11-26) the GEMV took the 1B shape's bf16 step from 1.405 to 1.347 ms, and one row of every 8B
+    matrix but qkv in 0.81-0.98x cuBLAS's time, where a block of 9 rows costs it 3.4-4.7x one row and cuBLAS ~1x.
+    LLMRUN_GEMV_FLOAT=0: cuBLAS for every row count; =1: the GEMV for up to 16 rows, whose row has the same bits
+    whatever the rows beside it (greedy speculation bit for bit plain greedy's, as LLMRUN_GEMV_DOT=0 gives packed
+    weights). K must divide into blocks of 32, the weight be in x's dtype. Elsewhere, F.linear."""
+    if (_use_triton(x) and x.shape[-1] % 32 == 0 and weight.dtype == x.dtype
+            and x.dtype in (torch.float16, torch.bfloat16)):
+        from .triton_quant_matmul import DOT_ROWS, VERIFY_ROWS, float_linear
 
-        return _triton("float_linear", lambda: float_linear(x, weight, bias), lambda: F.linear(x, weight, bias))
-    return F.linear(x, weight, bias)
+        choice = os.environ.get("LLMRUN_GEMV_FLOAT")
+        rows = VERIFY_ROWS if choice == "1" else 0 if choice == "0" else DOT_ROWS - 1
+        if x.numel() <= rows * x.shape[-1] and not (gated and weight.shape[0] % 2):
+            return _triton("float_linear", lambda: float_linear(x, weight, bias, gated),
+                           lambda: _gate(F.linear(x, weight, bias), gated))
+    return _gate(F.linear(x, weight, bias), gated)
 
 
-def quant_matmul(x, qs, d, m, bits: int, bias=None):
+def _gate(y, gated: bool):
+    """y, or with gated silu_mul of its two halves along the last dimension."""
+    if not gated:
+        return y
+    half = y.shape[-1] // 2
+    return silu_mul(y[..., :half], y[..., half:])
+
+
+def quant_matmul(x, qs, d, m, bits: int, bias=None, gated: bool = False):
     """x (..., K) @ W^T (+ bias (N,)) -> (..., N) in x's dtype, W (N, K) in 4- or 8-bit blocks
-    (`ref.dequantize_blocks`). On CUDA the Triton kernel keeps activations in 16 bits (W4A16 / W8A16) and adds the
-    bias in its fp32 sums; the CPU kernel rounds activations to 8 bits, and the bias is added to its result."""
+    (`ref.dequantize_blocks`); gated as `linear`'s. On CUDA the Triton kernel keeps activations in 16 bits (W4A16 /
+    W8A16), adds the bias in its fp32 sums and gates as it writes them; the CPU kernel rounds activations to 8 bits,
+    and the bias is added to its result."""
     if _use_triton(x):
         from .triton_quant_matmul import quant_linear
 
-        return _triton("quant_matmul", lambda: quant_linear(x, qs, d, m, bits, bias=bias),
-                       lambda: _plus(x.float() @ ref.dequantize_blocks(qs, d, m, bits).T, bias).to(x.dtype))
+        return _triton("quant_matmul", lambda: quant_linear(x, qs, d, m, bits, bias=bias, gated=gated),
+                       lambda: _gate(_plus(x.float() @ ref.dequantize_blocks(qs, d, m, bits).T, bias).to(x.dtype),
+                                     gated))
     if _use_cpu_kernels(x):
-        return _plus(cpu.quant_matmul(x, qs, d, m, bits), bias)
-    return _plus(ref.quant_matmul(x, qs, d, m, bits).to(x.dtype), bias)
+        return _gate(_plus(cpu.quant_matmul(x, qs, d, m, bits), bias), gated)
+    return _gate(_plus(ref.quant_matmul(x, qs, d, m, bits).to(x.dtype), bias), gated)
 
 
 def _plus(y, bias):

@@ -215,7 +215,7 @@ def _gemv_kernel(
     stride_xm, stride_qn, stride_dn, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     WORDS: tl.constexpr, XWORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows M of x times BLOCK_N columns of W over one slice of K, into out (M, N); with SPLIT (SPLIT_K > 1) each
     slice's fp32 sums go to parts (SPLIT_K, M, N) and the last slice of a column block to finish, as count (one
@@ -254,8 +254,7 @@ def _gemv_kernel(
     NB: tl.constexpr = BLOCK_K // 32  # blocks of 32 columns a step
     CH: tl.constexpr = 2 if BITS == 4 else 4  # chunks of 8 columns a block: 32 nibbles, or 32 int8 or floats
     tile = tl.arange(0, BLOCK_N * NB * CH)  # tile row: (column of W, block, chunk)
-    offs_n = pid_n * BLOCK_N + tile // (NB * CH)
-    n_ok = offs_n < N
+    offs_n, n_ok = _w_rows(pid_n, tile // (NB * CH), N, BLOCK_N, GATED)
     block = (tile // CH) % NB
     chunk = tile % CH
     # where each tile row starts in W's planes at column 0 (`_gemv_codes`): 8 bytes (or floats) a chunk
@@ -266,7 +265,7 @@ def _gemv_kernel(
     d_row = offs_n * stride_dn
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the output columns
+    n, n_out = _w_rows(pid_n, tl.arange(0, BLOCK_N), N, BLOCK_N, GATED)  # W's rows of the program's sums
     rows = tl.arange(0, BLOCK_M)[None, :]
     acc = tl.zeros((BLOCK_N * NB * CH, BLOCK_M), dtype=tl.float32)  # each row of x's sums, in the tile's layout
     # W's tiles are fetched ahead: the codes STAGES - 1 steps ahead into shared memory by the pipeliner (cp.async),
@@ -320,32 +319,66 @@ def _gemv_kernel(
                     part = tl.sum(w_lo * x_lo, axis=1)
                 acc = tl.where(rows == r, acc + part[:, None], acc)  # only row r's sums: no adds of 0
     total = tl.sum(tl.reshape(acc, (BLOCK_N, NB * CH, BLOCK_M)), axis=1)  # (BLOCK_N, BLOCK_M)
-    _write_sums(total, n, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr, stride_om,
-                HAS_BIAS, SPLIT)
+    _write_sums(total, n, n_out, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr,
+                stride_om, HAS_BIAS, SPLIT, GATED)
 
 
 @triton.jit
-def _write_sums(total, n, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr, stride_om,
-                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """A program's fp32 sums total (BLOCK_N, BLOCK_M), columns n of rows `rows` (1, BLOCK_M), into out: rounded
-    once, plus the bias; with SPLIT through parts and the column block's counter (`_gemv_kernel`)."""
+def _w_rows(pid_n, c, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """-> (W's row, whether it exists) for each column c of program pid_n's BLOCK_N: the block pid_n of W's N rows; or
+    with GATED (W = [gate; up], N = 2F rows) gate rows pid_n * BLOCK_N / 2 + c for the first half of the columns
+    and the up rows F further for the second, so that a program holds both factors of its outputs (`_write_sums`)."""
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = pid_n * HALF + c % HALF
+        return j + (c // HALF) * (N // 2), j < N // 2
+    else:
+        return pid_n * BLOCK_N + c, pid_n * BLOCK_N + c < N
+
+
+@triton.jit
+def _store_out(total, pid_n, rows, M, N, out_ptr, stride_om, GATED: tl.constexpr):
+    """A program's final fp32 sums total (BLOCK_N, BLOCK_M) into out (M, N), rounded once to out's dtype; with GATED
+    (`_w_rows`' columns, out (M, N / 2)) silu(gate) * up of the rounded sums, as `kernels.activation`'s kernel
+    computes it from a gate/up output in out's dtype, rounded again: the same bits as the two launches."""
+    BLOCK_N: tl.constexpr = total.shape[0]
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        rounded = total.to(out_ptr.dtype.element_ty).to(tl.float32)
+        g, u = tl.split(tl.permute(tl.reshape(rounded, (2, HALF, total.shape[1])), (1, 2, 0)))  # (HALF, BLOCK_M)
+        y = g / (1.0 + tl.exp(-g)) * u
+        o = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(out_ptr + rows * stride_om + o[:, None], y.to(out_ptr.dtype.element_ty),
+                 mask=(rows < M) & (o[:, None] < N // 2))
+    else:
+        o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + rows * stride_om + o[:, None], total.to(out_ptr.dtype.element_ty),
+                 mask=(rows < M) & (o[:, None] < N))
+
+
+@triton.jit
+def _write_sums(total, n, n_ok, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr, stride_om,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr):
+    """A program's fp32 sums total (BLOCK_N, BLOCK_M), W's rows n (where n_ok) of x's rows `rows` (1, BLOCK_M), into
+    out: plus the bias, rounded once (`_store_out`, which GATED combines); with SPLIT through parts (SPLIT_K, M, N)
+    and the column block's counter (`_gemv_kernel`)."""
     if HAS_BIAS:  # added once, by the first slice of K, in fp32 before the one rounding
-        total += tl.load(bias_ptr + n, mask=(n < N) & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
-    out_ok = (rows < M) & (n[:, None] < N)
+        total += tl.load(bias_ptr + n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
     if SPLIT:
+        sums_ok = (rows < M) & n_ok[:, None]
         parts = parts_ptr + rows * N + n[:, None]  # this column block's sums in slice 0
-        tl.store(parts + pid_k * M * N, total, mask=out_ok)
+        tl.store(parts + pid_k * M * N, total, mask=sums_ok)
         # Every thread's stores, then one release: a slice that counts after this one sees them (the acquire half)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last slice: the others' sums are written
             total = tl.zeros(total.shape, dtype=tl.float32)
             for s in range(SPLIT_K):  # in slice order, whichever came last
-                total += tl.load(parts + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows * stride_om + n[:, None], total.to(out_ptr.dtype.element_ty), mask=out_ok)
+                total += tl.load(parts + s * M * N, mask=sums_ok, other=0.0, cache_modifier=".cg")
+            _store_out(total, pid_n, rows, M, N, out_ptr, stride_om, GATED)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next launch
     else:
-        tl.store(out_ptr + rows * stride_om + n[:, None], total.to(out_ptr.dtype.element_ty), mask=out_ok)
+        _store_out(total, pid_n, rows, M, N, out_ptr, stride_om, GATED)
 
 
 @triton.jit
@@ -354,7 +387,7 @@ def _gemv_dot_kernel(
     M, N, K, K_SPLIT, SPLIT_K,
     stride_xm, stride_qn, stride_dn, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
 ):
     """`_gemv_kernel`'s product on the tensor cores (verification blocks on a GPU, `_takes_dot`): up to BLOCK_M (16)
     rows of x in one launch, each step's tile of W dequantized (`_w4_codes`, `_w8_codes`), rounded to x's dtype and
@@ -366,8 +399,7 @@ def _gemv_dot_kernel(
     common.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
+    n, n_ok = _w_rows(pid_n, tl.arange(0, BLOCK_N), N, BLOCK_N, GATED)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     k_begin = pid_k * K_SPLIT
@@ -396,8 +428,8 @@ def _gemv_dot_kernel(
             w = scale * common.exact_float(q)
             x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=precision)
-    _write_sums(tl.trans(acc), n, rows[None, :], M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr,
-                stride_om, HAS_BIAS, SPLIT)
+    _write_sums(tl.trans(acc), n, n_ok, rows[None, :], M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr,
+                count_ptr, stride_om, HAS_BIAS, SPLIT, GATED)
 
 
 @triton.jit
@@ -512,15 +544,16 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
-def _split_plan(x2, N: int, split_k: int | None, out: torch.Tensor | None = None):
+def _split_plan(x2, N: int, split_k: int | None, out: torch.Tensor | None = None, gated: bool = False):
     """A GEMV launch's split of K and buffers for x2 (M, K) and N columns -> (y, parts, count, k_split, split_k):
-    the output (`out` if given), the slices' fp32 sums and the device's counters (y standing in when unsplit),
-    the columns a slice covers (whole blocks of 32) and the slices that makes (split_k None: by device)."""
+    the output (`out` if given; gated: N / 2 columns), the slices' fp32 sums and the device's counters (y standing
+    in when unsplit), the columns a slice covers (whole blocks of 32) and the slices that makes (split_k None: by
+    device)."""
     M, K = x2.shape
     split_k = split_k or _default_split_k(x2, N, K)
     k_split = triton.cdiv(K // 32, split_k) * 32
     split_k = triton.cdiv(K, k_split)
-    y = torch.empty((M, N), device=x2.device, dtype=x2.dtype) if out is None else out
+    y = torch.empty((M, N // 2 if gated else N), device=x2.device, dtype=x2.dtype) if out is None else out
     if split_k == 1:
         return y, y, y, k_split, split_k
     if triton.cdiv(N, 32) > _COUNTERS:
@@ -530,12 +563,13 @@ def _split_plan(x2, N: int, split_k: int | None, out: torch.Tensor | None = None
 
 
 def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=None,
-          out: torch.Tensor | None = None) -> torch.Tensor:
+          out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x2 (M, K) contiguous, M <= DECODE_ROWS -> (M, N) in x2's dtype, plus bias (N,) if given, written into `out`
-    (rows of stride out.stride(0), contiguous within) if given. split_k: slices of K (None: by device)."""
+    (rows of stride out.stride(0), contiguous within) if given. split_k: slices of K (None: by device). gated: W's
+    rows are [gate; up], and the result silu(gate) * up (M, N / 2) (`_store_out`)."""
     M, K = x2.shape
     N = qs.shape[0]
-    y, parts, count, k_split, split_k = _split_plan(x2, N, split_k, out)
+    y, parts, count, k_split, split_k = _split_plan(x2, N, split_k, out, gated)
     kernel, blocks = _gemv_launcher(x2.is_cuda)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](
@@ -547,7 +581,7 @@ def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=
         WORDS=bits != 16 and x2.dtype != torch.float32 and qs.data_ptr() % 8 == 0,
         # bf16 x as int32 words (see _x_floats), every row 4-byte aligned
         XWORDS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0,
-        BLOCK_M=DECODE_ROWS, **blocks, **common.pdl_options(x2),
+        BLOCK_M=DECODE_ROWS, GATED=gated, **blocks, **common.pdl_options(x2),
     )
     return y
 
@@ -566,12 +600,13 @@ def _dot_launcher(cuda: bool):
     return _gemv_dot_kernel, {"BLOCK_N": 64, "BLOCK_K": 256}
 
 
-def _gemv_dot(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=None) -> torch.Tensor:
-    """x2 (M, K) contiguous, M <= VERIFY_ROWS -> (M, N) through `_gemv_dot_kernel`, in one launch; split_k as
-    `_gemv`'s."""
+def _gemv_dot(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=None,
+              gated: bool = False) -> torch.Tensor:
+    """x2 (M, K) contiguous, M <= VERIFY_ROWS -> (M, N) through `_gemv_dot_kernel`, in one launch; split_k and gated
+    as `_gemv`'s."""
     M, K = x2.shape
     N = qs.shape[0]
-    y, parts, count, k_split, split_k = _split_plan(x2, N, split_k)
+    y, parts, count, k_split, split_k = _split_plan(x2, N, split_k, gated=gated)
     kernel, blocks = _dot_launcher(x2.is_cuda)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](
@@ -579,7 +614,7 @@ def _gemv_dot(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, b
         M, N, K, k_split, split_k,
         x2.stride(0), qs.stride(0), d.stride(0), y.stride(0),
         BITS=bits, GROUP=group, HAS_M=m is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        BLOCK_M=VERIFY_ROWS, **blocks, **common.pdl_options(x2),
+        BLOCK_M=VERIFY_ROWS, GATED=gated, **blocks, **common.pdl_options(x2),
     )
     return y
 
@@ -606,33 +641,34 @@ def _takes_dot(x2, bits: int) -> bool:
     return x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16) and x2.shape[0] >= DOT_ROWS
 
 
-def _gemv_rows(x2, qs, d, m, bits: int, group: int, bias) -> torch.Tensor:
-    """x2 (M, K), M <= VERIFY_ROWS -> (M, N): a GEMV launch for each DECODE_ROWS rows, each writing its own rows of
-    one output; or (`_takes_dot`) one launch of the tensor-core GEMV for them all."""
+def _gemv_rows(x2, qs, d, m, bits: int, group: int, bias, gated: bool = False) -> torch.Tensor:
+    """x2 (M, K), M <= VERIFY_ROWS -> (M, N) (gated: (M, N / 2), `_gemv`): a GEMV launch for each DECODE_ROWS rows,
+    each writing its own rows of one output; or (`_takes_dot`) one launch of the tensor-core GEMV for them all."""
     if _takes_dot(x2, bits):
-        return _gemv_dot(x2, qs, d, m, bits, group, bias=bias)
-    y = x2.new_empty(x2.shape[0], qs.shape[0])
+        return _gemv_dot(x2, qs, d, m, bits, group, bias=bias, gated=gated)
+    y = x2.new_empty(x2.shape[0], qs.shape[0] // 2 if gated else qs.shape[0])
     for r0 in range(0, x2.shape[0], DECODE_ROWS):
-        _gemv(x2[r0 : r0 + DECODE_ROWS], qs, d, m, bits, group, bias=bias, out=y[r0 : r0 + DECODE_ROWS])
+        _gemv(x2[r0 : r0 + DECODE_ROWS], qs, d, m, bits, group, bias=bias, out=y[r0 : r0 + DECODE_ROWS], gated=gated)
     return y
 
 
-def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 gated: bool = False) -> torch.Tensor:
     """y = x @ weight^T (+ bias) for up to VERIFY_ROWS rows of x, weight (N, K) in x's dtype (fp16 or bf16: a tile
     row of 8 fp32 weights would span two threads), K a multiple of 32: the GEMV above on float weights (BITS 16),
-    fp32 sums rounded once, bias added in them. For cuBLAS's M = 1
-    matmuls that fall short of the bandwidth at small sizes (an H200's 1B qkv and o: 5.8 µs each for 12.6 and
-    8.4 MB; `bench/GPU_NOTES.md`, hypothesis 2). `kernels.linear` runs it only when asked (LLMRUN_GEMV_FLOAT=1)."""
+    fp32 sums rounded once, bias added in them; gated (weight's rows [gate; up]): silu(gate) * up (..., N / 2), as
+    `quant_linear`. Measured against cuBLAS's M = 1 matmuls in `bench/GPU_NOTES.md` (hypothesis 2); `kernels.linear`
+    runs it for a decode step's rows."""
     N, K = weight.shape
     if (weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16) or K % 32 or x.shape[-1] != K
-            or x.numel() // K > VERIFY_ROWS):
+            or x.numel() // K > VERIFY_ROWS or (gated and N % 2)):
         raise ValueError(f"float_linear takes up to {VERIFY_ROWS} rows of x (..., K) and weight (N, K), both fp16 or "
-                         f"bf16, K a multiple of 32; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
-                         f"{weight.dtype}")
+                         f"bf16, K a multiple of 32 (and N even, gated); got x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     bias = None if bias is None else bias.to(x.dtype).contiguous()
     weight = weight.contiguous()  # (BITS 16 reads no scales: the weight stands in for them)
-    y = _gemv_rows(_rows(x), weight, weight, None, 16, 32, bias)
-    return y.reshape(*x.shape[:-1], N)
+    y = _gemv_rows(_rows(x), weight, weight, None, 16, 32, bias, gated)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -657,7 +693,7 @@ def dequantize(qs, d, m, bits: int, group: int, dtype: torch.dtype, ids: torch.T
 
 
 def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
-                 group: int = 32, bias: torch.Tensor | None = None) -> torch.Tensor:
+                 group: int = 32, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """y = x @ W^T (+ bias) for W (N, K) packed in `bits`-bit groups of `group` columns; activations stay as they are.
 
     x: (..., K) fp16, bf16 or fp32. qs: uint8 (N, K/2) for 4 bits (GGML nibble order within blocks of 32),
@@ -667,16 +703,25 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     Returns (..., N) in x's dtype, accumulated in fp32. Up to VERIFY_ROWS rows of x: the GEMV kernel, DECODE_ROWS
     rows a launch, or from DOT_ROWS rows of 16-bit x on a GPU the tensor-core GEMV (`_takes_dot`), W never
     materialized; more: W dequantized to x's dtype, then torch.matmul.
+    gated: W's rows are [gate; up] (a SwiGLU MLP's fused projection) and the result is silu(gate) * up (..., N / 2),
+    computed from the rounded product as `kernels.activation.silu_mul` computes it, bit for bit; the GEMVs do it
+    as they write their sums, saving that kernel's launch.
     """
     N, K = _check(x, qs, d, m, bits, group)
+    if gated and N % 2:
+        raise ValueError(f"a gated product takes W's rows as [gate; up]: an even number of them, got {N}")
     x2 = _rows(x)
     qs, d = qs.contiguous(), d.contiguous()
     m = None if m is None else m.contiguous()
     bias = None if bias is None else bias.to(x.dtype).contiguous()
     if x2.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], N)
+        return x.new_empty(*x.shape[:-1], N // 2 if gated else N)
     if x2.shape[0] <= VERIFY_ROWS:  # a decode step (one launch, no copy) or a verification block
-        y = _gemv_rows(x2, qs, d, m, bits, group, bias)
+        y = _gemv_rows(x2, qs, d, m, bits, group, bias, gated)
     else:
         y = torch.nn.functional.linear(x2, dequantize(qs, d, m, bits, group, x.dtype), bias)
-    return y.reshape(*x.shape[:-1], N)
+        if gated:
+            from .activation import silu_mul
+
+            y = silu_mul(y[:, : N // 2], y[:, N // 2 :])
+    return y.reshape(*x.shape[:-1], y.shape[-1])

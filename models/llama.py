@@ -27,8 +27,8 @@ STACK_MAX_TOKENS = 16  # forwards of up to this many tokens run through the CPU'
 class Linear(nn.Linear):
     """An `nn.Linear` whose forward is `kernels.linear`, the one dispatch point for float matmuls."""
 
-    def forward(self, x):
-        return kernels.linear(x, self.weight, self.bias)
+    def forward(self, x, gated: bool = False):
+        return kernels.linear(x, self.weight, self.bias, gated)
 
 
 class RMSNorm(nn.Module):
@@ -80,8 +80,9 @@ class MLP(nn.Module):
         self.down = Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        gate_up = self.gate_up(x)
-        return self.down(kernels.silu_mul(gate_up[..., : self.ffn_dim], gate_up[..., self.ffn_dim :]))
+        # silu(gate) * up: on a GPU the gate/up matmul's GEMV writes it (a decode step's launch fewer), elsewhere
+        # kernels.silu_mul after the matmul
+        return self.down(self.gate_up(x, gated=True))
 
 
 class Block(nn.Module):

@@ -31,8 +31,8 @@ class QuantLinear(_Blocks):
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x):
-        return kernels.quant_matmul(x, self.qs, self.d, self.m, self.bits, self.bias)
+    def forward(self, x, gated: bool = False):
+        return kernels.quant_matmul(x, self.qs, self.d, self.m, self.bits, self.bias, gated)
 
 
 class QuantEmbedding(_Blocks):

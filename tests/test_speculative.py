@@ -189,12 +189,14 @@ def test_greedy_identity_on_the_plain_pytorch_path(smollm2_dequant):
 def test_greedy_speculation_on_a_gpu_emits_the_plain_greedy_tokens(dtype, monkeypatch):
     """On a GPU the embedded model's greedy reply is the same with every drafter: a one-token step and each
     verification length run as graphs of their own, and the Triton kernels give a row the same bits in a block
-    of any length (their autotune keys leave the row count out). bf16 with LLMRUN_GEMV_DOT=0: by default a bf16
-    block of 3 or more tokens runs its 4-bit matmuls on the tensor cores, whose rows round otherwise than a step's."""
+    of any length (their autotune keys leave the row count out). bf16 with LLMRUN_GEMV_DOT=0 and LLMRUN_GEMV_FLOAT=1:
+    by default a bf16 block of 3 or more tokens runs its 4-bit matmuls on the tensor cores and its float ones on
+    cuBLAS, whose rows round otherwise than a step's."""
     from llmrun.loading import load_model
 
     if dtype == "bf16":
         monkeypatch.setenv("LLMRUN_GEMV_DOT", "0")
+        monkeypatch.setenv("LLMRUN_GEMV_FLOAT", "1")
 
     engine = Engine(load_model("smollm2", "cuda", dtype, "auto"), max_len=512)
     assert engine.graphs is not None

@@ -245,7 +245,8 @@ def _quant_matmul(shape, dtype):
     GEMV kernel, split-K by SM count, 8 rows a launch) and for 17 (W dequantized for torch.matmul), and the
     embedding's rows looked up; AWQ's groups of 64 and 128 through the kernel's own API (the model's layers hold
     blocks of 32); each linear layer through the tensor-core GEMV (LLMRUN_GEMV_DOT=1) for a row and a verification
-    block; and each linear layer on float weights through the GEMV (LLMRUN_GEMV_FLOAT=1)."""
+    block; and each linear layer on float weights through the GEMV (LLMRUN_GEMV_FLOAT=1). The MLP's gate/up gated
+    too (silu(gate) * up, written as the GEMVs write their sums)."""
     from llmrun import kernels
     from llmrun.kernels.triton_quant_matmul import quant_linear
 
@@ -257,6 +258,9 @@ def _quant_matmul(shape, dtype):
             qs, d, m = _planes(N, K, bits, offsets, 32)
             for M in (1, 2, 3, 8, 13) + (prefill if N == dim else ()):  # 13: a launch of 8 rows, then one of 5
                 kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits)
+            if N == 2 * F:  # the MLP's gate/up, gated as it writes its sums
+                for M in (1, 3, 13):
+                    kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits, gated=True)
             if N == vocab:  # the embedding's lookup (a tied head's table), a decode step's and a prompt's
                 for T in (1, 17):
                     kernels.quant_rows(torch.zeros(1, T, dtype=torch.long), qs, d, m, bits, dtype)
@@ -270,11 +274,13 @@ def _quant_matmul(shape, dtype):
             for N, K in linears:
                 qs, d, m = _planes(N, K, bits, offsets, 32)
                 for M in (1, 13):
-                    kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits)
+                    kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits, gated=N == 2 * F)
     for N, K in linears:  # float weights (LLMRUN_GEMV_FLOAT=1): the GEMV without scales
         w = torch.empty(N, K, dtype=dtype)  # never read: no memory for the vocabulary's rows
         for M in (1, 8, 13):
             kernels.linear(torch.zeros(1, M, K, dtype=dtype), w)
+            if N == 2 * F:
+                kernels.linear(torch.zeros(1, M, K, dtype=dtype), w, gated=True)
 
 
 def _planes(N, K, bits, offsets, group):

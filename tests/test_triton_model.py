@@ -98,8 +98,8 @@ def test_a_verification_block_gives_each_row_a_one_token_steps_logits(tmp_path, 
 
 @pytest.mark.slow
 def test_float_weights_on_the_gemv(tmp_path, triton_everywhere, row_by_row_dot, monkeypatch):
-    """LLMRUN_GEMV_FLOAT=1 (an experiment the GPU profiles measure): a float model's decode steps and verification
-    blocks run their linear layers on the GEMV. fp16 (the GEMV takes 16-bit weights): the logits of the same model
+    """LLMRUN_GEMV_FLOAT=1: a float model's decode steps and verification blocks run their linear layers on the
+    GEMV (by default its one-token steps alone). fp16 (the GEMV takes 16-bit weights): the logits of the same model
     on F.linear, within fp16's rounding, and a block of 9 tokens gives each row, bit for bit, a one-token step's."""
     from llmrun.kernels import decode_attention
 
@@ -125,6 +125,39 @@ def test_float_weights_on_the_gemv(tmp_path, triton_everywhere, row_by_row_dot, 
     assert "float_linear" in triton_everywhere
     assert torch.equal(block, steps)
     torch.testing.assert_close(block, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype, dtype", [("Q4_0", "fp32"), ("Q8_0", "fp32"), ("F16", "fp16")])
+def test_a_decode_step_gates_inside_the_gate_up_matmul(tmp_path, triton_everywhere, monkeypatch, qtype, dtype):
+    """A decode step's MLP runs silu(gate) * up inside the gate/up GEMV (packed and float weights): no silu_mul
+    launch, and logits bit for bit those of the gate/up product followed by silu_mul (a prefill and a
+    verification block beside it: fused or not by their own paths)."""
+    from llmrun.models import llama
+
+    model = random_model(dataclasses.replace(CONFIGS["qwen2"], head_dim=32))
+    loaded = load_model(str(write_gguf(tmp_path / f"m-{qtype}.gguf", model, qtype=qtype)), DEVICE, dtype, "auto").model
+    tokens = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    cache_dtype = torch.float32 if dtype == "fp32" else torch.float16
+
+    def logits(pieces):
+        cache = KVCache.for_model(loaded, 32, cache_dtype, DEVICE)
+        out, start, step_ops = [], 0, set()
+        with torch.no_grad():
+            for size in pieces:
+                triton_everywhere.clear()
+                out.append(loaded(tokens[:, start : start + size], start, cache)[0])
+                if size == 1:
+                    step_ops |= triton_everywhere
+                start += size
+        return torch.cat(out), step_ops
+
+    fused, step_ops = logits([20, 1, 3])
+    assert "silu_mul" not in step_ops and {"quant_linear" if qtype != "F16" else "float_linear"} <= step_ops
+    monkeypatch.setattr(llama.MLP, "forward", lambda self, x: self.down(
+        kernels.silu_mul(*self.gate_up(x).split(self.ffn_dim, dim=-1))))
+    unfused, step_ops = logits([20, 1, 3])
+    assert "silu_mul" in step_ops
+    assert torch.equal(fused, unfused)
 
 
 def test_a_decode_step_adds_each_residual_inside_a_norm(tmp_path, triton_everywhere, monkeypatch):

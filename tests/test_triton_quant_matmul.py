@@ -213,28 +213,39 @@ def test_float_linear_refuses_what_it_cannot_run():
             tqm.float_linear(x, weight)
 
 
-def test_linear_runs_the_gemv_only_when_asked(monkeypatch):
-    """`kernels.linear`: F.linear, unless on CUDA (faked here) with LLMRUN_GEMV_FLOAT=1 and at most 16 rows in 16
-    bits whose K divides into blocks of 32; never inside `reference_ops`."""
+def test_linear_runs_the_gemv_for_decode_steps(monkeypatch):
+    """`kernels.linear` on CUDA (faked here): the GEMV for up to 2 rows in 16 bits whose K divides into blocks of 32,
+    F.linear (cuBLAS) for more rows; LLMRUN_GEMV_FLOAT=1 the GEMV up to 16 rows, =0 never; never on fp32, never
+    inside `reference_ops`."""
     import torch.nn.functional as F
 
     from llmrun import kernels
 
     calls = []
     monkeypatch.setattr(kernels, "_use_triton", lambda x: not kernels._reference)
-    monkeypatch.setattr(tqm, "float_linear", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
+    monkeypatch.setattr(tqm, "float_linear",
+                        lambda x, w, b=None, gated=False: calls.append(x.shape) or F.linear(x, w, b))
+    monkeypatch.setattr(kernels, "_failed", set())
     w = torch.randn(40, 64).half()
-    for rows in (1, 16, 17):
-        kernels.linear(torch.randn(1, rows, 64).half(), w)
-    assert calls == []
-    monkeypatch.setenv("LLMRUN_GEMV_FLOAT", "1")
-    for rows in (1, 16, 17):
-        kernels.linear(torch.randn(1, rows, 64).half(), w)
-    kernels.linear(torch.randn(1, 1, 48).half(), torch.randn(40, 48).half())  # K not in blocks of 32
-    kernels.linear(torch.randn(1, 1, 64), w.float())  # fp32
-    with kernels.reference_ops():
-        kernels.linear(torch.randn(1, 1, 64).half(), w)
-    assert calls == [(1, 1, 64), (1, 16, 64)]
+
+    def rows_on_the_gemv(choice):
+        calls.clear()
+        if choice is None:
+            monkeypatch.delenv("LLMRUN_GEMV_FLOAT", raising=False)
+        else:
+            monkeypatch.setenv("LLMRUN_GEMV_FLOAT", choice)
+        for rows in (1, 2, 3, 16, 17):
+            kernels.linear(torch.randn(1, rows, 64).half(), w)
+        kernels.linear(torch.randn(1, 1, 48).half(), torch.randn(40, 48).half())  # K not in blocks of 32
+        kernels.linear(torch.randn(1, 1, 64), w.float())  # fp32
+        with kernels.reference_ops():
+            kernels.linear(torch.randn(1, 1, 64).half(), w)
+        assert not kernels._failed
+        return [shape[1] for shape in calls]
+
+    assert rows_on_the_gemv(None) == [1, 2]
+    assert rows_on_the_gemv("1") == [1, 2, 3, 16]
+    assert rows_on_the_gemv("0") == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -370,6 +381,48 @@ def test_gemv_dot(bits, offsets, group, M, split_k, dtype):
     err = (y.float() - expected).abs().max().item()
     assert y.dtype == dtype and y.shape == (M, N)
     assert err <= 2 * torch_err + ATOL[dtype] * max(expected.abs().max().item(), 1.0), (err, torch_err)
+
+
+def _silu_mul_of(y):
+    from llmrun.kernels.activation import silu_mul
+
+    half = y.shape[-1] // 2
+    return silu_mul(y[..., :half], y[..., half:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel, M, split_k", [("ffma", 1, None), ("ffma", 2, 3), ("ffma", 8, 2), ("dot", 3, None),
+                                                ("dot", 16, 2)])
+@pytest.mark.parametrize("bits, offsets", FORMATS)
+def test_a_gated_gemv_writes_silu_mul_of_its_product(bits, offsets, kernel, M, split_k, dtype, row_by_row_dot):
+    """gated=True (W = [gate; up], a SwiGLU MLP's projection): silu(gate) * up as the GEMVs write their sums, bit for
+    bit what the product and `kernels.activation`'s silu_mul give in two launches: F = 70 gate rows (no block of
+    columns divides it), split K or not, a bias, both GEMVs (the tensor-core one's tl.dot computed row by row under
+    the interpreter, as an MMA computes each element on its own wherever its column sits)."""
+    N, K = 140, 576
+    qs, d, m = random_planes(N, K, bits, offsets, 32, seed=M + bits)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    gemv = tqm._gemv if kernel == "ffma" else tqm._gemv_dot
+    y = gemv(x, qs, d, m, bits, 32, split_k, bias, gated=True)
+    assert y.shape == (M, 70) and y.dtype == dtype
+    assert torch.equal(y, _silu_mul_of(gemv(x, qs, d, m, bits, 32, split_k, bias)))
+
+
+@pytest.mark.parametrize("rows", [1, 9, 17])
+def test_gated_entry_points(rows, monkeypatch):
+    """quant_linear and float_linear take gated=True for every row count (17: W dequantized, then silu_mul), their
+    result silu_mul of the ungated one's halves, bit for bit; an odd number of W's rows cannot be [gate; up]."""
+    monkeypatch.setenv("LLMRUN_GEMV_DOT", "0")
+    qs, d, m = random_planes(96, 320, 4, True, 32, seed=rows)
+    x = torch.randn(1, rows, 320, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.float16)
+    y = tqm.quant_linear(x, qs, d, m, 4, gated=True)
+    assert y.shape == (1, rows, 48) and torch.equal(y, _silu_mul_of(tqm.quant_linear(x, qs, d, m, 4)))
+    if rows <= tqm.VERIFY_ROWS:
+        w = (torch.randn(96, 320, generator=torch.Generator().manual_seed(7)) / 16).to(DEVICE, torch.float16)
+        assert torch.equal(tqm.float_linear(x, w, gated=True), _silu_mul_of(tqm.float_linear(x, w)))
+    with pytest.raises(ValueError, match="even"):
+        tqm.quant_linear(x, qs[:95], d[:95], m[:95], 4, gated=True)
 
 
 @pytest.mark.parametrize("bits, offsets", FORMATS)
