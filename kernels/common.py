@@ -1,4 +1,5 @@
-"""What the Triton kernels share: programmatic dependent launch, and integer codes turned into floats.
+"""What the Triton kernels share: programmatic dependent launch, counters of finished programs, and integer codes
+turned into floats.
 
 Programmatic dependent launch (PDL; Hopper and later): a kernel launched with it may start while the kernel before
 it in the stream is finishing, and waits (`griddepcontrol.wait`) only where it needs that kernel's results. A
@@ -9,6 +10,10 @@ a decode step takes a PDL constexpr and calls `pdl_wait(PDL)` before it reads an
 before it writes anything (before it, only weights, which no kernel writes during a forward, may be read); the
 wait then lets the next kernel start. Its wrapper launches it with `pdl_options(x)`. Off unless LLMRUN_PDL=1: an
 experiment the GPU profiles measure against the plain launches (`bench/gpu.sh`).
+
+Counters (`counters`): a kernel split over programs that must be summed or merged (the GEMV's slices of K, the
+attention's splits of the keys) lets the program that finishes last do it, as a device counter tells, instead of
+a second launch.
 
 Codes to floats (`exact_float`): a quantized weight or cache value is its integer code times a scale (plus a
 minimum). Converting the code with `.to(tl.float32)` compiles to I2F, which Hopper runs at 16 a clock an SM, a
@@ -29,6 +34,21 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: never enabled
     gdc_launch_dependents = gdc_wait = None
+
+
+COUNTERS = 1 << 16  # int32 counters a device holds for the kernels that finish their work in the program that ends
+# last: the split GEMV (one a column block) and the split attention (one a batch, kv head and row block)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's COUNTERS int32 counters, all 0 between launches: a kernel's programs count themselves done on
+    them, and the last one sets back each it used. One buffer a device, allocated on first use (before any CUDA
+    graph captures a step: warm-up steps run eagerly first), shared by every kernel: they run one after another on
+    one stream (with PDL too: a kernel touches them only after its wait)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 @functools.cache

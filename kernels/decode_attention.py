@@ -3,8 +3,9 @@ verification), against the S cached positions. `kernels.ref.attention` is the sp
 
 FlashDecoding: the keys a step can see are cut into splits along S; one program per (batch, kv head, split,
 row block) runs an online softmax over its keys and writes a partial result (its output normalised by its own
-sum, and the log2-sum-exp of its scores); `_combine_kernel` then merges the splits of each (batch, token,
-query head). With one split the first kernel writes the output directly.
+sum, and the log2-sum-exp of its scores), and the split of a (batch, kv head, row block) that finishes last, as
+a device counter tells, merges them for each of its rows (`_combine_row`): one launch a step. With one split the
+program writes the output directly.
 
 GQA: the G = Hq / Hkv query heads that share a kv head, times the T tokens, are the T * G rows of the score tiles
 (BLOCK_M = 16 rows a program, masked), so each K/V tile is loaded once for up to 16 of them.
@@ -36,7 +37,7 @@ that, are fetched a tile ahead in the loop (`_attend_tiles`' AHEAD). sm_90 steps
 loaded its ring entries, and its packed bytes one at a time).
 
 Attention mass (H2O), when asked for: the split kernel also writes its masked scores to a (B, Hkv, T * G, keys)
-scratch buffer, the combine (or, with one split, the split kernel) writes each row's log2-sum-exp, and
+scratch buffer, the combine (or, with one split, the split itself) writes each row's log2-sum-exp, and
 `_mass_kernel` adds each key's probabilities, summed over the rows of its kv head, to the caller's buffer.
 
 On CUDA the split kernel is autotuned, over the configs whose estimated shared memory (`split_shared_memory`) fits
@@ -57,7 +58,7 @@ from . import common, ref
 
 SPLIT_LEN = 256  # keys per split: splits start at its multiples (every BLOCK_N divides it)
 BLOCK_M = 16  # query rows (tokens x grouped heads) per program, the least tl.dot takes; more rows, more programs
-COMBINE_CHUNK = 16  # splits the combine sums in one fixed-shape reduction
+COMBINE_CHUNK = tl.constexpr(16)  # splits the combine sums in one fixed-shape reduction
 
 
 _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)  # positions per INT4 key scale
@@ -256,7 +257,7 @@ def _attend_tiles(
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, KScale, KMin, KRecent, VScale, VMin, VRecent, Out, MidO, MidLse, Lse, Scores, SLen,
+    Q, K, V, KScale, KMin, KRecent, VScale, VMin, VRecent, Out, MidO, MidLse, Lse, Scores, SLen, Count,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -350,24 +351,34 @@ def _split_kernel(
         mid = ((b * T + t) * Hq + h) * n_splits + split  # (BLOCK_M,)
         tl.store(MidO + mid[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
         tl.store(MidLse + mid, lse, mask=row_ok)
+        # The split of this (batch, kv head, row block) that finishes last combines them all, row by row: no launch
+        # of its own. Every thread's stores, then one release; the last split's acquire sees every split's
+        tl.debug_barrier()
+        counter = Count + pid_bh * tl.num_programs(2) + pid_m  # 0 before the launch, and after it
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            top = tl.zeros([BLOCK_M], tl.float32)  # each row's largest split lse, and its weights' sum
+            total = tl.full([BLOCK_M], 1.0, tl.float32)
+            for r in range(pid_m * BLOCK_M, tl.minimum(pid_m * BLOCK_M + BLOCK_M, T * G)):  # row = t * G + g
+                top_r, total_r = _combine_row(MidO, MidLse, Out, b, r // G, kvh * G + r % G, stride_ob, stride_ot,
+                                              stride_oh, T, Hq, n_splits, first_split, D, COMBINE_CHUNK, BLOCK_D)
+                top = tl.where(rows == r, top_r, top)
+                total = tl.where(rows == r, total_r, total)
+            if SCORES:  # Lse (B, T, Hq) fp32 contiguous: each row's log2-sum-exp over all its keys (the log2 out of
+                # the loop: libdevice's takes the exponent apart with an I2F)
+                tl.store(Lse + (b * T + t) * Hq + h, top + tl.math.log2(total), mask=row_ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # for the next launch
 
 
 @triton.jit
-def _combine_kernel(
-    MidO, MidLse, Out, Lse,
-    stride_ob, stride_ot, stride_oh,
-    T, Hq, n_splits, first_split, D,
-    WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-):
-    """The output of one (b, t, h): the splits' outputs weighted by exp2(their lse - the largest). Split j of the
+def _combine_row(MidO, MidLse, Out, b, t, h, stride_ob, stride_ot, stride_oh, T, Hq, n_splits, first_split, D,
+                 CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output of one (b, t, h): the splits' outputs weighted by exp2(their lse - the largest) -> (the largest lse,
+    the weights' sum), of which the row's lse over all its keys is largest + log2(sum). Split j of the
     keys adds into slot j % CHUNK of a (CHUNK, BLOCK_D) accumulator, chunk after chunk from the one holding the first
     split, then one reduction of fixed shape sums the slots: a split that exists for some rows of a block and not
-    for others (or not in a one-token step) adds exact zeros and moves nothing else."""
-    common.pdl_wait(PDL)
-    row = tl.program_id(0)  # (b * T + t) * Hq + h
-    b = row // (T * Hq)
-    t = (row // Hq) % T
-    h = row % Hq
+    for others (or not in a one-token step) adds exact zeros and moves nothing else. The splits' results come from
+    other programs: read from L2 (.cg), after the last split's acquire (`_split_kernel`)."""
+    row = (b * T + t) * Hq + h
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     base = row * n_splits  # MidLse / MidO entry of split first_split
@@ -375,7 +386,8 @@ def _combine_kernel(
     m = tl.full([CHUNK], float("-inf"), tl.float32)
     for c in range(c0, first_split + n_splits, CHUNK):
         i = c + offs_c - first_split
-        m = tl.maximum(m, tl.load(MidLse + base + i, mask=(i >= 0) & (i < n_splits), other=float("-inf")))
+        m = tl.maximum(m, tl.load(MidLse + base + i, mask=(i >= 0) & (i < n_splits), other=float("-inf"),
+                                  cache_modifier=".cg"))
     m_all = tl.max(m, 0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     acc = tl.zeros([CHUNK, BLOCK_D], tl.float32)
@@ -383,16 +395,16 @@ def _combine_kernel(
     for c in range(c0, first_split + n_splits, CHUNK):
         i = c + offs_c - first_split
         ok = (i >= 0) & (i < n_splits)
-        w = tl.math.exp2(tl.load(MidLse + base + i, mask=ok, other=float("-inf")) - m_all)  # an empty split: 0
-        o = tl.load(MidO + (base + i)[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        w = tl.math.exp2(tl.load(MidLse + base + i, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_all)
+        o = tl.load(MidO + (base + i)[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0,
+                    cache_modifier=".cg")  # an empty split: w 0
         acc += o * w[:, None]
         den += w
     total = tl.sum(den, 0)
     out = tl.sum(acc, 0) / total
     tl.store(Out + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=offs_d < D)
-    if WRITE_LSE:  # Lse (B, T, Hq) fp32 contiguous: the row's log2-sum-exp over all its keys
-        tl.store(Lse + row, m_all + tl.math.log2(total))
+    return m_all, total
 
 
 @triton.jit
@@ -620,10 +632,11 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         scores = torch.empty(B, Hkv, T * G, keys, dtype=torch.float32, device=q.device)  # log2 units, keys [lo, S)
 
     count = _unused(q.device, torch.int32) if length is None else length
-    pdl = common.pdl_options(q)  # the same for the step's two or three launches
+    assert B * Hkv * m_blocks <= common.COUNTERS, (B, Hkv, m_blocks)
+    pdl = common.pdl_options(q)  # the same for the step's one or two launches
     kernel, settings = _split_launcher(q.is_cuda)
     kernel[(B * Hkv, num_splits, m_blocks)](
-        q, *cache, out, mid_o, mid_lse, lse, scores, count,
+        q, *cache, out, mid_o, mid_lse, lse, scores, count, common.counters(q.device),
         q.stride(0), q.stride(1), q.stride(2),
         *(stride for x in cache for stride in x.stride()[:3]),
         out.stride(0), out.stride(1), out.stride(2),
@@ -633,11 +646,6 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
         ASM=q.is_cuda and torch.version.hip is None, **settings, **pdl,
     )
-    if not direct:
-        _combine_kernel[(B * T * Hq,)](
-            mid_o, mid_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), T, Hq, num_splits, first_split,
-            D, WRITE_LSE=mass is not None, CHUNK=COMBINE_CHUNK, BLOCK_D=BLOCK_D, **pdl,
-        )
     if mass is not None:
         BLOCK_S = 128
         _mass_kernel[(B * Hkv, triton.cdiv(keys, BLOCK_S))](

@@ -531,19 +531,6 @@ def _check(x, qs, d, m, bits: int, group: int) -> tuple[int, int]:
     return N, K
 
 
-_COUNTERS = 1 << 16  # column blocks a split GEMV may have: N up to 2M columns at the smallest BLOCK_N (32)
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """The device's int32 counters of finished K slices, one a column block, all 0 between launches (each split
-    launch sets back the ones it used). One buffer a device, allocated on first use (before any CUDA graph captures
-    a step: warm-up steps run eagerly first), shared by every GEMV: they run one after another on one stream."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def _split_plan(x2, N: int, split_k: int | None, out: torch.Tensor | None = None, gated: bool = False):
     """A GEMV launch's split of K and buffers for x2 (M, K) and N columns -> (y, parts, count, k_split, split_k):
     the output (`out` if given; gated: N / 2 columns), the slices' fp32 sums and the device's counters (y standing
@@ -556,10 +543,10 @@ def _split_plan(x2, N: int, split_k: int | None, out: torch.Tensor | None = None
     y = torch.empty((M, N // 2 if gated else N), device=x2.device, dtype=x2.dtype) if out is None else out
     if split_k == 1:
         return y, y, y, k_split, split_k
-    if triton.cdiv(N, 32) > _COUNTERS:
-        raise ValueError(f"a split GEMV takes at most {_COUNTERS * 32} columns, got {N}")
+    if triton.cdiv(N, 32) > common.COUNTERS:  # a counter a column block, the smallest BLOCK_N 32
+        raise ValueError(f"a split GEMV takes at most {common.COUNTERS * 32} columns, got {N}")
     parts = torch.empty((split_k, M, N), device=x2.device, dtype=torch.float32)
-    return y, parts, _split_counters(x2.device), k_split, split_k
+    return y, parts, common.counters(x2.device), k_split, split_k
 
 
 def _gemv(x2, qs, d, m, bits: int, group: int, split_k: int | None = None, bias=None,

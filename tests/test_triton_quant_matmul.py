@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from llmrun.kernels import common
 from llmrun.kernels import triton_quant_matmul as tqm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,7 +136,7 @@ def test_the_last_slice_sums_every_slice_in_order(bits, offsets, split_k):
         want += part
     for _ in range(2):  # twice: the second launch finds the counters as the first found them
         assert torch.equal(tqm._gemv(x, qs, d, m, bits, group, split_k, bias), want)
-        assert not tqm._split_counters(x.device).any()
+        assert not common.counters(x.device).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES[1:])
