@@ -210,6 +210,12 @@ if [[ $steps == *" profile "* ]]; then
         python3 bench/gpu_profile.py --random-weights "$2" --prompt-tokens "$3" "${@:4}" \
             --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     }
+    # issue 4's bf16 headline shape and the 1B steps first: the decode step's launches a layer 12 -> 10 (the
+    # gate/up GEMV gates, the attention merges in its last split) and the float matmuls on the GEMV (GPU_NOTES
+    # predicts the 8B at 128 positions ~85% of its floor); GPU_RERUN names them on a GPU model that has them
+    profile "" llama3-8b 128
+    profile "" llama3.2-1b 128
+    profile "" llama3.2-1b 128 --weights int4
     # an 8000-token prefill into an INT4 cache and a bf16 one: its wall time against its kernels' (the H100's INT4
     # prefill of the 8B shape at 8k took 5.2 s, bf16's 0.33: the host or the kernels?)
     profile -prefill llama3.2-1b 8000 --kv int4 --prefill
