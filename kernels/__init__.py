@@ -318,10 +318,10 @@ def cpu_kernels_serve(x: torch.Tensor) -> bool:
 def linear(x, weight, bias=None, gated: bool = False):
     """x (..., K) @ weight^T (+ bias) -> (..., N): a float linear layer; gated (weight's rows [gate; up], a SwiGLU
     MLP's fused projection): silu_mul of the two halves, (..., N / 2), in one launch on the GEMV. On CUDA, a decode
-    step's rows (fewer than
-    `DOT_ROWS`, 3) in 16 bits run the Triton GEMV (`triton_quant_matmul.float_linear`), more rows cuBLAS (F.linear):
-    on an H100 (2026-11-26) the GEMV took the 1B shape's bf16 step from 1.405 to 1.347 ms, and one row of every 8B
-    matrix but qkv in 0.81-0.98x cuBLAS's time, where a block of 9 rows costs it 3.4-4.7x one row and cuBLAS ~1x.
+    step's rows (fewer than `DOT_ROWS`, 3) in 16 bits run the Triton GEMV (`triton_quant_matmul.float_linear`),
+    more rows cuBLAS (F.linear): on an H100 (2026-11-26) the GEMV took the 1B shape's bf16 step from 1.405 to
+    1.347 ms, and one row of every 8B matrix but qkv in 0.81-0.98x cuBLAS's time, where a block of 9 rows costs it
+    3.4-4.7x one row and cuBLAS ~1x.
     LLMRUN_GEMV_FLOAT=0: cuBLAS for every row count; =1: the GEMV for up to 16 rows, whose row has the same bits
     whatever the rows beside it (greedy speculation bit for bit plain greedy's, as LLMRUN_GEMV_DOT=0 gives packed
     weights). K must divide into blocks of 32, the weight be in x's dtype. Elsewhere, F.linear."""

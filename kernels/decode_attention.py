@@ -352,7 +352,7 @@ def _split_kernel(
         tl.store(MidO + mid[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
         tl.store(MidLse + mid, lse, mask=row_ok)
         # The split of this (batch, kv head, row block) that finishes last combines them all, row by row: no launch
-        # of its own. Every thread's stores, then one release; the last split's acquire sees every split's
+        # of its own. Every thread's stores, then one release; the last split's acquire sees every split's results
         tl.debug_barrier()
         counter = Count + pid_bh * tl.num_programs(2) + pid_m  # 0 before the launch, and after it
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:

@@ -238,11 +238,10 @@ def _gemv_kernel(
     a mask and an FFMA to become a weight, and a shift for every other one (`_code_weights`; ONE is 1.0's bits,
     0x3F800000), one FFMA in a row's product; a thread's tile rows are columns of one block and chunk, so its x is
     loaded and made fp32 once for all of them (unmasked: `x_first`), and W's addresses are one add a step
-    (`_gemv_codes`). sm_90 SASS of
-    the 64x128 4-bit config under Triton 3.6, one row of x: 370 instructions a thread for 64 codes with STAGES 1
-    (~5.8 a code; the kernel before this one took ~9.7: an I2F trick's float subtraction, a sign-extend,
-    two-instruction bf16 conversions, masked loads of x for each tile row, addresses recomputed every step), 406
-    with STAGES 4 (the copies' addresses, their wait and two barriers a step, which guard the copies' buffers: no
+    (`_gemv_codes`). sm_90 SASS of the 64x128 4-bit config under Triton 3.6, one row of x: 370 instructions a
+    thread for 64 codes with STAGES 1 (~5.8 a code; the kernel before this one took ~9.7: an I2F trick's float
+    subtraction, a sign-extend, two-instruction bf16 conversions, masked loads of x for each tile row, addresses
+    recomputed every step), 406 with STAGES 4 (the copies' addresses, their wait and two barriers a step, which guard the copies' buffers: no
     thread's sums cross to another inside the loop, `test_triton_compile` checks it).
 
     The tile is dequantized once a step; x's rows then take turns over it, the same code for each, so a row's sums
