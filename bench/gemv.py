@@ -95,7 +95,7 @@ def _on_registers(call):
 
 def tuned_config(variant: str) -> str | None:
     """The config the autotuner chose for the variant's last call (a GPU's), as Triton prints it."""
-    if variant in ("cublas",):
+    if variant == "cublas":
         return None
     tuner = (tqm._dot_launcher(True)[0] if variant.endswith("-dot") else
              _register_tuner() if variant.endswith("-regs") else tqm._gemv_launcher(True)[0])

@@ -210,7 +210,7 @@ if [[ $steps == *" profile "* ]]; then
         python3 bench/gpu_profile.py --random-weights "$2" --prompt-tokens "$3" "${@:4}" \
             --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     }
-    # issue 4's bf16 headline shape and the 1B steps first: the decode step's launches a layer 12 -> 10 (the
+    # issue 4's bf16 headline shape (its graph step against the floor) and the 1B steps first, bf16 and W4A16: the decode step's launches a layer 12 -> 10 (the
     # gate/up GEMV gates, the attention merges in its last split) and the float matmuls on the GEMV (GPU_NOTES
     # predicts the 8B at 128 positions ~85% of its floor); GPU_RERUN names them on a GPU model that has them
     profile "" llama3-8b 128
@@ -228,8 +228,6 @@ if [[ $steps == *" profile "* ]]; then
     name=gemv-${gemv_shapes// /-}
     done_before "$name" || python3 bench/gemv.py --shapes $gemv_shapes --rows 1 9 --variants cublas,gemv-float,w4a16,w8a16 \
         --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
-    profile "" llama3.2-1b 128
-    profile "" llama3.2-1b 128 --weights int4
     # programmatic dependent launch: each kernel launched to overlap the one before (kernels/common.py)
     LLMRUN_PDL=1 profile -pdl llama3.2-1b 128 --weights int4
     # the W4A16 matmuls on the tensor-core GEMV (one launch for any 1-16 rows, a dequantized tile into an MMA)
@@ -237,7 +235,6 @@ if [[ $steps == *" profile "* ]]; then
     name=gemv-dot-llama3.2-1b  # and its matmuls alone beside the GEMV's, a row and blocks of 9 and 16
     done_before "$name" || python3 bench/gemv.py --shapes llama3.2-1b --rows 1 9 16 --variants w4a16,w4a16-dot \
         --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
-    profile "" llama3-8b 128  # issue 4's headline shape at a short context: its graph step against the floor
     LLMRUN_PDL=1 profile -pdl llama3.2-1b 128
     # the float matmuls through the GEMV instead of cuBLAS (hypothesis 2: cuBLAS's M = 1 matmuls at the 1B shape's
     # small sizes run well under the bandwidth)

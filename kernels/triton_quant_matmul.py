@@ -264,13 +264,14 @@ def _gemv_kernel(
     d_row = offs_n * stride_dn
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    n, n_out = _w_rows(pid_n, tl.arange(0, BLOCK_N), N, BLOCK_N, GATED)  # W's rows of the program's sums
+    n, n_exists = _w_rows(pid_n, tl.arange(0, BLOCK_N), N, BLOCK_N, GATED)  # W's rows of the program's sums
     rows = tl.arange(0, BLOCK_M)[None, :]
     acc = tl.zeros((BLOCK_N * NB * CH, BLOCK_M), dtype=tl.float32)  # each row of x's sums, in the tile's layout
     # W's tiles are fetched ahead: the codes STAGES - 1 steps ahead into shared memory by the pipeliner (cp.async),
     # or with STAGES 1 a step ahead into registers here, as the scales always are (two bytes a load: too few for
     # cp.async)
-    q = _gemv_codes(qs_ptr, q_row, n_ok, block, k_begin, k_end, BITS, WORDS)  # (unused, so never loaded, past 1)
+    if STAGES == 1:
+        q = _gemv_codes(qs_ptr, q_row, n_ok, block, k_begin, k_end, BITS, WORDS)
     scale, offset = _gemv_scales(d_ptr, m_ptr, d_row, n_ok, block, k_begin, k_end, BITS, GROUP, HAS_M)
     common.pdl_wait(PDL)  # the first tile is on its way while the kernel before finishes (past STAGES 1, only its
     # scales: the pipeliner issues its first copies just before the loop; a wait inside the loop it would move past
@@ -318,7 +319,7 @@ def _gemv_kernel(
                     part = tl.sum(w_lo * x_lo, axis=1)
                 acc = tl.where(rows == r, acc + part[:, None], acc)  # only row r's sums: no adds of 0
     total = tl.sum(tl.reshape(acc, (BLOCK_N, NB * CH, BLOCK_M)), axis=1)  # (BLOCK_N, BLOCK_M)
-    _write_sums(total, n, n_out, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr,
+    _write_sums(total, n, n_exists, rows, M, N, pid_n, pid_k, SPLIT_K, bias_ptr, out_ptr, parts_ptr, count_ptr,
                 stride_om, HAS_BIAS, SPLIT, GATED)
 
 
