@@ -231,7 +231,7 @@ class Generation:
         self._stops = StopMatcher(params.stop)
         self._constraint = None if engine.grammar is None else engine.grammar.start()
         self.stats.constrained = self._constraint is not None
-        rng = Randomness(params.seed, engine.device)
+        rng = Randomness(params.seed)
         t0, t_first = time.perf_counter(), None
         try:  # the prefill too: after Ctrl-C during it, `finally` still records where the cache stands
             logits, stats.reused_tokens = engine.prefill(self.prompt)

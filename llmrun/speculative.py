@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.sampling import Randomness, SamplingParams, draw, sample, token_probs
+from llmrun.sampling import (Randomness, SamplingParams, not_finite, draw_at, fetch, pick, sample, sample_probs,
+                             survivors, to_device, token_probs, uniforms)
 
 
 @dataclass
@@ -73,7 +74,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
 
     if params.greedy:
         if not penalize:
-            best = logits.argmax(-1).tolist()
+            best = fetch(logits.argmax(-1))
             n = 0
             while n < k and decide(position + n, drafts[n] == best[n]):
                 n += 1
@@ -82,24 +83,64 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
             token = sample(logits[i], params, None, seen(i))
             if i == k or not decide(position + i, token == drafts[i]):
                 return i, token
-    vocab = logits.shape[-1]
+    us = [uniforms(rng.at(position + i)) for i in range(k + 1)]  # row i's two draws
+    if penalize:  # each row's penalty counts the drafts before it
+        return _verify_rows(logits, proposal, params, us, seen, position, decide)
+    # Every row at once, as device work over the rows' top-k survivors, and one wait for what it decided
+    rows = survivors(logits[: k + 1], params)
+    u = to_device(us, torch.float64, logits.device)  # (K+1, 2)
+    tokens, finite = pick(rows.ids, rows.probs, u[:, :1])  # (K+1,) row i's own draw from p
+    if proposal.probs is None:
+        got = fetch(torch.stack((tokens, rows.exact.long(), finite.long())))  # (3, K+1)
+        if not all(got[1]):  # a tie at the k-th value: the definition's distribution, row by row
+            return _verify_rows(logits, proposal, params, us, seen, position, decide)
+        if not all(got[2]):
+            raise not_finite()
+        for i, x in enumerate(drafts):
+            if not decide(position + i, got[0][i] == x):
+                return i, got[0][i]
+        return k, got[0][k]
+    q = fit_vocab(proposal.probs.to(logits.device, torch.float32), logits.shape[-1])  # (K, V)
+    x = to_device(drafts, torch.int64, logits.device)[:, None]  # (K, 1)
+    p, ids = rows.probs[:k], None if rows.ids is None else rows.ids[:k]  # (K, n)
+    px = p.gather(-1, x) if ids is None else (p * (ids == x)).sum(-1, keepdim=True)  # (K, 1) p(x), 0 if dropped
+    accepted = u[:k, :1] * q.gather(-1, x) < px  # r < p(x) / q(x)
+    residual = (p - (q if ids is None else q.gather(-1, ids))).clamp_(min=0.0)  # 0 where p is 0 anyway
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p <= q everywhere: p == q but rounding
+    fixed, fixed_finite = pick(ids, residual, u[:k, 1:])  # (K,) row i's token on a rejection
+    ok = (finite.all() & fixed_finite.all())[None]
+    got = fetch(torch.cat((accepted[:, 0].long(), fixed, tokens[k:], rows.exact.long(), ok.long())))
+    if not all(got[2 * k + 1 : 3 * k + 2]):
+        return _verify_rows(logits, proposal, params, us, seen, position, decide)
+    if not got[-1]:
+        raise not_finite()
+    for i in range(k):
+        if not decide(position + i, bool(got[i])):
+            return i, got[k + i]
+    return k, got[2 * k]
+
+
+def _verify_rows(logits, proposal, params, us, seen, position, decide) -> tuple[int, int]:
+    """`verify`'s sampled rule a row at a time over each row's whole-vocabulary distribution (`token_probs`), with
+    the same draws: for a row penalized by the drafts before it, or a tie at the k-th value."""
+    drafts, vocab = proposal.tokens, logits.shape[-1]
     for i, x in enumerate(drafts):
         p = token_probs(logits[i], params, seen(i))  # (V,)
-        generator = rng.at(position + i)
         if proposal.probs is None:
-            token = draw(p, generator)
+            token = draw_at(p, us[i][0])
             if decide(position + i, token == x):
                 continue
             return i, token
         q = fit_vocab(proposal.probs[i].to(p.device, torch.float32), vocab)
-        qx, px = float(q[x]), float(p[x])
-        if decide(position + i, torch.rand((), generator=generator, device=p.device).item() * qx < px):  # r < p/q
+        qx, px = fetch(torch.stack((q[x], p[x])))
+        if decide(position + i, us[i][0] * qx < px):  # r < p/q
             continue
         residual = (p - q).clamp_(min=0.0)
-        if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q up to rounding
+        if fetch(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q up to rounding
             residual = p
-        return i, draw(residual, generator)
-    return k, draw(token_probs(logits[k], params, seen(k)), rng.at(position + k))
+        return i, draw_at(residual, us[i][1])
+    k = len(drafts)
+    return k, draw_at(token_probs(logits[k], params, seen(k)), us[k][0])
 
 
 def fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -189,8 +230,7 @@ class ModelDrafter:
             if params.greedy:
                 token = sample(logits, params, None, history)
             else:
-                q = token_probs(logits, params, history)
-                token = draw(q, rng.at(len(context) + i, stream=1))
+                token, q = sample_probs(logits, params, rng.at(len(context) + i, stream=1), history)
                 probs.append(q)
             tokens.append(token)
             if constraint is not None:

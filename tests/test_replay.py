@@ -62,7 +62,7 @@ def test_given_the_emitted_token_a_draft_token_was_accepted_with_min_p_q_over_p(
     draws = torch.Generator().manual_seed(1)
     for seed in range(trials):
         x = int(torch.multinomial(q, 1, generator=draws))
-        n, token = verify(logits, Proposal([x], q[None]), params, Randomness(seed, "cpu"))
+        n, token = verify(logits, Proposal([x], q[None]), params, Randomness(seed))
         y = x if n else token
         emitted[y] += 1
         accepted[y] += n

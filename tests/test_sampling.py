@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from llmrun.sampling import (SamplingParams, apply_repetition_penalty, draw, filter_logits, sample,
-                            token_probs)
+from llmrun.errors import LlmrunError
+from llmrun.sampling import (SamplingParams, apply_repetition_penalty, draw, draw_at, filter_logits, pick, sample,
+                            survivors, token_probs)
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -126,3 +127,86 @@ def test_draw_takes_only_tokens_with_weight_and_follows_the_weights():
     expected = torch.tensor([1.0, 2.0, 5.0]) / 8 * len(tokens)
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 13.82, chi2  # 2 degrees of freedom, 0.1% critical value
+
+
+# --- the draw: device work over the survivors, one wait ----------------------------------------------------------
+
+
+def test_pick_inverts_the_cumulative_weights_in_token_id_order():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0]])  # shares: id 1 [0, .5), id 3 [.5, .75), id 4 [.75, 1)
+    for u, want in [(0.0, 1), (0.49, 1), (0.5, 3), (0.74, 3), (0.75, 4), (1 - 2**-53, 4)]:
+        assert pick(None, weights, u)[0].tolist() == [want], u
+    ids = torch.tensor([[40, 7, 12]])  # the same shares at ids given out of order: id order decides
+    assert [pick(ids, torch.tensor([[1.0, 2.0, 1.0]]), u)[0].item() for u in (0.2, 0.6, 0.9)] == [7, 12, 40]
+
+
+def test_pick_flags_rows_whose_weights_are_not_finite():
+    weights = torch.tensor([[0.5, 0.5], [float("nan"), 1.0], [0.0, 0.0], [float("inf"), 1.0]])
+    tokens, finite = pick(None, weights, torch.full((4, 1), 0.3, dtype=torch.float64))
+    assert finite.tolist() == [True, False, False, False]
+    assert ((0 <= tokens) & (tokens < 2)).all()  # an index a gather can take, whatever the row held
+    with pytest.raises(LlmrunError, match="not finite"):
+        sample(torch.tensor([1.0, float("nan"), 0.0]), SamplingParams(temperature=1.0, top_k=2), None)
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(40, 0.95, 0.05), (7, 1.0, 0.0), (0, 0.9, 0.0), (5000, 1.0, 0.1)])
+def test_a_draw_from_the_survivors_is_the_draw_from_the_whole_distribution(top_k, top_p, min_p):
+    """`sample` draws among the top-k survivors, `draw` over the dense vector `token_probs` gives: for the same
+    uniform they pick the same token (a plain step and a speculative row draw alike)."""
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        logits = torch.randn(5000, generator=gen) * 4
+        rows = survivors(logits[None], params)
+        probs = token_probs(logits, params)
+        for u in torch.rand(5, generator=gen, dtype=torch.float64).tolist():
+            sparse = pick(rows.ids, rows.probs, u)[0].item()
+            assert sparse == draw_at(probs, u) and probs[sparse] > 0, (trial, u)
+        assert sample(logits, params, torch.Generator().manual_seed(trial)) == \
+            draw(probs, torch.Generator().manual_seed(trial))
+
+
+def test_rows_at_once_are_each_row_alone():
+    """verify filters every row of a block in one pass: each row's survivors as the row's own."""
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05)
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(1)) * 3
+    rows = survivors(logits, params)
+    for i in range(6):
+        alone = survivors(logits[i : i + 1], params)
+        assert torch.equal(rows.ids[i], alone.ids[0]) and torch.equal(rows.probs[i], alone.probs[0])
+        assert torch.equal(rows.dense(3000)[i], token_probs(logits[i], params))
+
+
+def test_a_tie_at_the_kth_token_draws_from_the_definition():
+    logits = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 0.0])  # top-3 cuts through three equal values
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
+    assert survivors(logits[None], params).exact.tolist() == [False]
+    probs = full_vocabulary_probs(logits, params)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([sample(logits, params, g) for _ in range(4000)]), minlength=6).float()
+    assert counts[5] == 0 and (counts[:5] > 0).all()  # every tied token drawn, as the definition keeps them all
+    chi2 = ((counts[:5] - probs[:5] * 4000) ** 2 / (probs[:5] * 4000)).sum().item()
+    assert chi2 < 18.47, chi2  # 4 degrees of freedom, 0.1% critical value
+
+
+@pytest.mark.gpu
+def test_a_sampled_token_waits_for_the_device_once():
+    """On a GPU nothing in sampling synchronizes but `fetch`'s wait on its own copy: under the sync debug mode
+    every implicit wait (`.item()`, `nonzero`, a pageable copy) raises."""
+    from llmrun.sampling import Randomness
+    from llmrun.speculative import Proposal, verify
+
+    logits = torch.randn(9, 49152, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3
+    params = SamplingParams(temperature=0.8, seed=1)
+    drafts = logits[1:].argmax(-1).tolist()
+    q = torch.softmax(logits[:8].roll(1, -1), -1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            sample(logits[0], params, torch.Generator().manual_seed(2))
+            sample(logits[0], SamplingParams(temperature=0), None)
+            verify(logits, Proposal(drafts), params, Randomness(3), position=10)
+            verify(logits, Proposal(drafts, q), params, Randomness(3), position=10)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

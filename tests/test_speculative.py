@@ -6,9 +6,10 @@ import torch
 
 from llmrun.errors import LlmrunError
 from llmrun.generate import Engine
-from llmrun.sampling import Randomness, SamplingParams, token_probs
+from llmrun.sampling import Randomness, SamplingParams, token_probs, uniforms
 from llmrun.speculative import (
-    DraftLength, ModelDrafter, NgramDrafter, Proposal, Speculator, check_same_vocabulary, make_speculator, verify,
+    DraftLength, ModelDrafter, NgramDrafter, Proposal, Speculator, _verify_rows, check_same_vocabulary, make_speculator,
+    verify,
 )
 
 from .conftest import run_main
@@ -266,11 +267,36 @@ def test_verification_samples_the_target_distribution(draft_kind):
     for trial in range(trials):
         x = int(torch.multinomial(q, 1, generator=gen)) if draft_kind == "model" else 2
         proposal = Proposal([x], q[None] if draft_kind == "model" else None)
-        accepted, nxt = verify(target, proposal, params, Randomness(trial, "cpu"))
+        accepted, nxt = verify(target, proposal, params, Randomness(trial))
         counts[x if accepted else nxt] += 1
     assert _chi_square_p_value(counts, p) > 1e-3
     # The test can fail: the draft's own distribution is far from the target's.
     assert _chi_square_p_value(torch.tensor([(q * trials).round().tolist()]).squeeze(0) * (p > 0), p) < 1e-6
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "ngram"])
+@pytest.mark.parametrize("top_k, top_p, min_p", [(40, 0.95, 0.05), (0, 0.9, 0.0), (3, 1.0, 0.0)])
+def test_every_row_at_once_decides_as_row_by_row(draft_kind, top_k, top_p, min_p):
+    """verify decides a block's rows in one pass over their top-k survivors; the row-by-row rule over each row's
+    whole-vocabulary distribution (`_verify_rows`, the path of a penalty or a tie) must decide the same with the
+    same draws: the same accepted count and the same next token, over blocks where most drafts are rejected and
+    blocks where most are accepted."""
+    params = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p, min_p=min_p)
+    gen = torch.Generator().manual_seed(4)
+    outcomes = set()
+    for trial in range(150):
+        K, V = 1 + trial % 6, 300
+        logits = torch.randn(K + 1, V, generator=gen) * (1 + trial % 4)
+        q = torch.stack([token_probs(r, params) for r in logits[:K] + torch.randn(K, V, generator=gen) * 0.5])
+        drafts = [int(torch.multinomial(r, 1, generator=gen)) for r in q]
+        if draft_kind == "ngram":
+            q = None
+        proposal, rng = Proposal(drafts, q), Randomness(trial)
+        got = verify(logits, proposal, params, rng, position=7)
+        us = [uniforms(rng.at(7 + i)) for i in range(K + 1)]
+        assert got == _verify_rows(logits, proposal, params, us, lambda i: None, 7, lambda _, a: a), trial
+        outcomes.add(got[0] == K)
+    assert outcomes == {True, False}
 
 
 def _sequence_probs(model, prompt, params, length, eos):
