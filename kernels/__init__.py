@@ -287,6 +287,29 @@ def write_dense(k, v, k_out, v_out, slots) -> None:
     _index_copy(k, v, k_out, v_out, slots)
 
 
+def rope_write_dense(qkv, n_heads: int, cos, sin, k_out, v_out, slots):
+    """A decode step's RoPE and float cache write: qkv (B, T, n_heads + 2 Hkv, D), its q and k heads rotated by
+    cos/sin (T, D) (`apply_rope`), the rotated k and the v heads written into k_out, v_out (B, Hkv, C, D) at the
+    consecutive slots (T,) from slots[0] (`write_dense`); -> the rotated q (B, T, n_heads, D). On CUDA one Triton
+    launch for both, rotating qkv in place."""
+    if _use_triton(qkv) and qkv.stride(3) == 1 and qkv.stride(2) == qkv.shape[3]:
+        from .rotary import rope_write_ as triton_rope_write_
+
+        def run():
+            triton_rope_write_(qkv, n_heads, cos, sin, k_out, v_out, slots)
+            return qkv[:, :, :n_heads]
+
+        return _triton("rope_write", run, lambda: _rope_write_dense(qkv, n_heads, cos, sin, k_out, v_out, slots))
+    return _rope_write_dense(qkv, n_heads, cos, sin, k_out, v_out, slots)
+
+
+def _rope_write_dense(qkv, n_heads, cos, sin, k_out, v_out, slots):
+    Hkv = (qkv.shape[2] - n_heads) // 2
+    qk = apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)
+    write_dense(qk[:, :, n_heads:].transpose(1, 2), qkv[:, :, n_heads + Hkv :].transpose(1, 2), k_out, v_out, slots)
+    return qk[:, :, :n_heads]
+
+
 def _index_copy(k, v, k_out, v_out, slots) -> None:
     k_out.index_copy_(2, slots, k.to(k_out.dtype))
     v_out.index_copy_(2, slots, v.to(v_out.dtype))

@@ -448,10 +448,25 @@ class KVCache:
             k_read, v_read = k_read.to(k.dtype), v_read.to(k.dtype)
         return k_read, v_read, mass
 
-    def _update_at(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """`update` at `device_step`'s slots: returns the buffers' first `capacity` slots (attention reads `length`)."""
+    def update_qkv(self, layer: int, position: int, qkv: torch.Tensor, n_heads: int, cos, sin):
+        """RoPE, then `update`: qkv (B, T, n_heads + 2 Hkv, D) the fused projection of the tokens at positions
+        [position, position + T), its q and k heads rotated by cos/sin (T, D), k and v written. Returns (the rotated q
+        (B, T, n_heads, D), then what `update` returns). A CUDA graph's step over a float cache rotates and writes
+        in one launch (`kernels.rope_write_dense`): a launch fewer a layer."""
+        Hkv = self.shape[2]
         step = self.device_step
-        self.store.write_at(layer, step.slots, k.transpose(1, 2), v.transpose(1, 2))
+        if step is not None and isinstance(self.store, _DenseStore):
+            q = kernels.rope_write_dense(qkv, n_heads, cos, sin, self.store._k[layer], self.store._v[layer], step.slots)
+            return (q, *self._update_at(layer, None, None))
+        qk = kernels.apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)  # q and k heads in one pass
+        return (qk[:, :, :n_heads], *self.update(layer, position, qk[:, :, n_heads:], qkv[:, :, n_heads + Hkv :]))
+
+    def _update_at(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None):
+        """`update` at `device_step`'s slots (k and v None: written already, `update_qkv`): returns the buffers'
+        first `capacity` slots (attention reads `length`)."""
+        step = self.device_step
+        if k is not None:
+            self.store.write_at(layer, step.slots, k.transpose(1, 2), v.transpose(1, 2))
         if self.positions is not None:
             B, H = self.shape[1:3]
             self.positions[layer].index_copy_(2, step.slots, step.positions.expand(B, H, -1))
@@ -460,7 +475,7 @@ class KVCache:
             self.scores[layer].index_fill_(2, step.slots, 0)
             mass = self.scores[layer, :, :, : step.capacity]
         k_read, v_read = self.store.read_at(layer, step.capacity)
-        if v_read is not None and k_read.dtype != k.dtype:
+        if v_read is not None and k is not None and k_read.dtype != k.dtype:
             raise ValueError("a device step needs the cache in the compute dtype")
         return k_read, v_read, mass
 

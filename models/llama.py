@@ -54,15 +54,16 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
-        qk = kernels.apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads in one pass
-        q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv :]  # (B, T, H, D) each
         if cache is None:
+            qk = kernels.apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads in one pass
+            q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv :]  # (B, T, H, D) each
             # k, v (B, Hkv, T, D), copied to rows as a cache holds them: the kernel a cached forward runs serves, so
             # each row's bits are those of the same row computed with a cache (the C kernels are batch invariant)
             y = kernels.attention(q, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), window)
         else:
-            # k, v (B, Hkv, S, D) over the cache's S slots, or a quantized cache (v None); mass: H2O's scores
-            k, v, mass = cache.update(self.layer_idx, start_pos, k, v)
+            # q rotated (B, T, Hq, D); k, v (B, Hkv, S, D) over the cache's S slots, or a quantized cache (v None);
+            # mass: H2O's scores
+            q, k, v, mass = cache.update_qkv(self.layer_idx, start_pos, qkv, Hq, cos, sin)
             step = getattr(cache, "device_step", None)  # a CUDA graph's step: the keys in use are counted on the device
             length = None if step is None else step.length
             if v is None:

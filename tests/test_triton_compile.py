@@ -181,7 +181,8 @@ def _sweep():
 
 
 def _small_ops(shape, dtype):
-    """RMSNorm (with and without the residual add), RoPE on the q and k heads of the fused qkv, the SiLU gate."""
+    """RMSNorm (with and without the residual add), RoPE on the q and k heads of the fused qkv (and with a float
+    cache's write), the SiLU gate."""
     from llmrun import kernels
 
     dim, Hq, Hkv, D, F = shape[:5]
@@ -192,6 +193,9 @@ def _small_ops(shape, dtype):
         kernels.add_rms_norm(x, y, weight, 1e-5)
         qkv = torch.empty(1, T, Hq + 2 * Hkv, D, dtype=dtype)
         kernels.apply_rope(qkv[:, :, : Hq + Hkv], torch.empty(T, D), torch.empty(T, D))
+        k_out, v_out = torch.empty(2, 1, Hkv, 64, D, dtype=dtype).unbind(0)  # a CUDA graph's step: with the write
+        kernels.rope_write_dense(qkv, Hq, torch.empty(T, D, dtype=dtype), torch.empty(T, D, dtype=dtype), k_out, v_out,
+                                 torch.arange(3, 3 + T))
         gate_up = torch.empty(1, T, 2 * F, dtype=dtype)
         kernels.silu_mul(gate_up[..., :F], gate_up[..., F:])
 

@@ -30,7 +30,8 @@ def triton_everywhere(monkeypatch):
     monkeypatch.setattr(kernels, "_failed", set())  # a kernel that fails would fall back to PyTorch: none may
     monkeypatch.setattr(Transformer, "_decode_stack", lambda self, x, cache: None)
     ran = set()
-    for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rope_"), (activation, "silu_mul"),
+    for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rope_"), (rotary, "rope_write_"),
+                         (activation, "silu_mul"),
                          (decode_attention, "decode_attention"), (decode_attention, "quantized_decode_attention"),
                          (triton_quant_matmul, "quant_linear"), (triton_quant_matmul, "float_linear"),
                          (kv_write, "write_int8_pair"), (kv_write, "write_int4"), (kv_write, "write_dense")]:

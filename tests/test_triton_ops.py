@@ -1,4 +1,5 @@
-"""The small Triton kernels (RMSNorm with the fused residual add, RoPE in place, SiLU gate) against kernels/ref.py.
+"""The small Triton kernels (RMSNorm with the fused residual add, RoPE in place, with a float cache's write too, SiLU
+gate) against kernels/ref.py.
 
 On a machine without CUDA they run under the Triton interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1); bf16 runs only on a GPU. Tolerance: within 2 x torch's own error in the same dtype
@@ -12,7 +13,8 @@ import triton.language as tl
 
 from llmrun.kernels import common, ref
 from llmrun.kernels.norm import add_rms_norm, rms_norm
-from llmrun.kernels.rotary import rope_
+from llmrun.kernels.kv_write import write_dense
+from llmrun.kernels.rotary import rope_, rope_write_
 from llmrun.kernels.activation import silu_mul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,6 +60,28 @@ def test_rope_in_place_on_a_slice_of_fused_heads(dtype, B, T, H, D):
     x = torch.randn(B, T, H, D, device=DEVICE).to(dtype)
     rounded = rope_(x.clone(), cos.to(dtype), sin.to(dtype))
     assert torch.equal(rounded, rope_(x.clone(), cos.to(dtype).float(), sin.to(dtype).float()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, Hq, Hkv, D, slot, C", [(1, 1, 9, 3, 64, 0, 40), (2, 5, 4, 4, 80, 7, 33),
+                                                       (1, 16, 32, 8, 128, 1000, 1100), (1, 3, 14, 2, 96, 30, 64)])
+def test_rope_and_the_cache_write_in_one_launch_are_the_two_launches(dtype, B, T, Hq, Hkv, D, slot, C):
+    """A decode step's RoPE and float cache write in one launch: bit for bit `rope_` on the q and k heads and
+    `write_dense` of the rotated k and the v heads, nothing else of the cache touched (GQA ratios 3, 1, 4, 7)."""
+    g = torch.Generator().manual_seed(slot)
+    qkv = torch.randn(B, T, Hq + 2 * Hkv, D, generator=g).to(dtype).to(DEVICE)
+    angles = torch.randn(T, D // 2, generator=g)
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(dtype).to(DEVICE) for f in (torch.cos, torch.sin))
+    k_out, v_out = torch.randn(2, B, Hkv, C, D, generator=g).to(dtype).to(DEVICE).unbind(0)
+    slots = torch.arange(slot, slot + T, device=DEVICE)
+    want, want_k, want_v = qkv.clone(), k_out.clone(), v_out.clone()
+    rope_(want[:, :, : Hq + Hkv], cos, sin)
+    write_dense(want[:, :, Hq : Hq + Hkv].transpose(1, 2), want[:, :, Hq + Hkv :].transpose(1, 2), want_k, want_v,
+                slots)
+    rope_write_(qkv, Hq, cos, sin, k_out, v_out, slots)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for got, expected in [(qkv, want), (k_out, want_k), (v_out, want_v)]:
+        assert torch.equal(got.view(bits), expected.view(bits))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
