@@ -303,6 +303,28 @@ def rope_write_dense(qkv, n_heads: int, cos, sin, k_out, v_out, slots):
     return _rope_write_dense(qkv, n_heads, cos, sin, k_out, v_out, slots)
 
 
+def rope_write_int8(qkv, n_heads: int, cos, sin, codes, scales, slots):
+    """`rope_write_dense` for an INT8 cache's layer (codes (2, B, Hkv, C, D), scales (2, B, Hkv, C, D / group)):
+    RoPE, then `write_int8_pair` of the rotated k and the v heads; -> the rotated q. On CUDA one Triton launch."""
+    if _use_triton(qkv) and qkv.stride(3) == 1 and qkv.stride(2) == qkv.shape[3]:
+        from .kv_write import rope_write_int8_ as triton_rope_write_int8_
+
+        def run():
+            triton_rope_write_int8_(qkv, n_heads, cos, sin, codes, scales, slots)
+            return qkv[:, :, :n_heads]
+
+        return _triton("rope_write_int8", run, lambda: _rope_write_int8(qkv, n_heads, cos, sin, codes, scales, slots))
+    return _rope_write_int8(qkv, n_heads, cos, sin, codes, scales, slots)
+
+
+def _rope_write_int8(qkv, n_heads, cos, sin, codes, scales, slots):
+    Hkv = (qkv.shape[2] - n_heads) // 2
+    qk = apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)
+    write_int8_pair(qk[:, :, n_heads:].transpose(1, 2), qkv[:, :, n_heads + Hkv :].transpose(1, 2), codes, scales,
+                    slots)
+    return qk[:, :, :n_heads]
+
+
 def _rope_write_dense(qkv, n_heads, cos, sin, k_out, v_out, slots):
     Hkv = (qkv.shape[2] - n_heads) // 2
     qk = apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)

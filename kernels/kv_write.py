@@ -1,6 +1,7 @@
 """Triton writes of new tokens' K/V into a quantized KV cache: the quantization fused with the store, so that a decode
 step writes a layer's INT8 cache in one launch and its INT4 cache in two, rather than the twenty-odd small kernels of
-the torch code (each a node of the step's CUDA graph); a float cache's K and V go in one launch too.
+the torch code (each a node of the step's CUDA graph); a float cache's K and V go in one launch too, and in a
+CUDA graph's step an INT8 cache's write also rotates q and k first (`rope_write_int8_`: RoPE's launch gone).
 `kernels.ref.write_int8` and `kernels.ref.write_int4` are the specification, and the arithmetic is theirs bit for
 bit: fp32 division rounded to nearest (`div_rn`, where `/` in Triton is an approximation), products rounded to fp32
 before they are rounded to codes (`_round_product`: a GPU would fuse the two), fp16 scales rounded to nearest even,
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common, ref
+from . import common, ref, rotary
 
 _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)
 
@@ -69,6 +70,43 @@ def _int8_rows_kernel(X0, X1, Codes, Scales, Slots, stride_xb, stride_xh, stride
     tl.store(Codes + n * stride_cn + b * stride_cb + h * stride_ch + slot * stride_cs + d, codes.to(tl.int8), mask=ok)
     tl.store(Scales + n * stride_sn + b * stride_sb + h * stride_sh + slot * stride_ss + g, scale,
              mask=g * GROUP < D)
+
+
+@triton.jit
+def _rope_write_int8_kernel(X, Cos, Sin, Codes, Scales, Slots, T, HQ, HKV, half, stride_xb, stride_xt, stride_cn,
+                            stride_cb, stride_ch, stride_cs, stride_sn, stride_sb, stride_sh, stride_ss,
+                            GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, t) of a fused projection X (B, T, HQ + 2 HKV, 2 half): token t's q and k heads rotated in place
+    (`rotary._rope_kernel`'s code), then its HKV key and HKV value rows quantized as `_int8_rows_kernel` quantizes
+    them, into Codes[0], Scales[0] (keys) and Codes[1], Scales[1] (values) at slot slots[0] + t. The keys are read
+    back from X after a barrier: the bits `rope_` stored, whatever the compiler fuses."""
+    common.pdl_wait(PDL)
+    pid = tl.program_id(0)
+    b, t = pid // T, pid % T
+    token = b * stride_xb + t * stride_xt
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < HQ + HKV) & (cols < half)
+    base = token + heads * (2 * half) + cols
+    y1, y2 = rotary._rotated(X, Cos, Sin, base, t, half, mask, cols)
+    tl.store(X + base, y1, mask=mask)
+    tl.store(X + base + half, y2, mask=mask)
+    tl.debug_barrier()  # this program's rotated keys, stored by its threads, are read back by others below
+    slot = tl.load(Slots) + t
+    r = tl.arange(0, BLOCK_R)[:, None, None]  # rows: keys 0..HKV-1, then values; row r is head HQ + r of X
+    g = tl.arange(0, BLOCK_G)[None, :, None]  # channel groups
+    d = g * GROUP + tl.arange(0, GROUP)[None, None, :]  # (1, BLOCK_G, GROUP) channels
+    ok = (r < 2 * HKV) & (d < 2 * half)
+    x = tl.load(X + token + (HQ + r) * (2 * half) + d, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), 2), 127.0).to(tl.float16)  # (BLOCK_R, BLOCK_G)
+    codes = tl.minimum(tl.maximum(_round_product(x, _inverse(scale)[:, :, None]), -127.0), 127.0)
+    n, h = r // HKV, r % HKV
+    tl.store(Codes + n * stride_cn + b * stride_cb + h * stride_ch + slot * stride_cs + d, codes.to(tl.int8), mask=ok)
+    r, g = tl.arange(0, BLOCK_R)[:, None], tl.arange(0, BLOCK_G)[None, :]  # scale's (BLOCK_R, BLOCK_G)
+    n, h = r // HKV, r % HKV
+    tl.store(Scales + n * stride_sn + b * stride_sb + h * stride_sh + slot * stride_ss + g, scale,
+             mask=(r < 2 * HKV) & (g * GROUP < 2 * half))
 
 
 @triton.jit
@@ -207,6 +245,24 @@ def _write_int8(xs, codes, scales, slots) -> None:
                                            *_rows(codes[0]), scales.stride(0), *_rows(scales[0]), H, D,
                                            GROUP=group, BLOCK_G=triton.next_power_of_2(D // group),
                                            **common.pdl_options(xs[0]))
+
+
+def rope_write_int8_(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, codes: torch.Tensor,
+                     scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """qkv (B, T, n_heads + 2 Hkv, D): its q and k heads rotated in place by cos/sin (T, D), then the rotated k and the
+    v heads written into an INT8 cache's layer (codes (2, B, Hkv, C, D), scales (2, B, Hkv, C, D / group)) at the
+    consecutive slots from slots[0]: `rotary.rope_` then `write_int8_pair`, bit for bit, in one launch."""
+    B, T, H, D = qkv.shape
+    Hkv = (H - n_heads) // 2
+    assert qkv.stride(3) == 1 and qkv.stride(2) == D, "each token's heads must be packed"
+    group = D // scales.shape[-1]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _rope_write_int8_kernel[(B * T,)](qkv, cos, sin, codes, scales, slots, T, n_heads, Hkv, D // 2, qkv.stride(0),
+                                      qkv.stride(1), codes.stride(0), *_rows(codes[0]), scales.stride(0),
+                                      *_rows(scales[0]), GROUP=group, BLOCK_H=triton.next_power_of_2(n_heads + Hkv),
+                                      BLOCK_HALF=triton.next_power_of_2(D // 2),
+                                      BLOCK_R=triton.next_power_of_2(2 * Hkv), BLOCK_G=triton.next_power_of_2(D // group),
+                                      **common.pdl_options(qkv))
 
 
 def write_dense(k: torch.Tensor, v: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,

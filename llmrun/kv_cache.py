@@ -78,6 +78,9 @@ class _DenseStore:
     def write_at(self, layer, slots, k, v):  # slots (T,) consecutive, int64 on the device: no host value read
         kernels.write_dense(k, v, self._k[layer], self._v[layer], slots)
 
+    def rope_write_at(self, layer, slots, qkv, n_heads, cos, sin):  # `KVCache.update_qkv`: -> the rotated q
+        return kernels.rope_write_dense(qkv, n_heads, cos, sin, self._k[layer], self._v[layer], slots)
+
     def read(self, layer, length):
         return self._k[layer].narrow(2, 0, length), self._v[layer].narrow(2, 0, length)
 
@@ -125,6 +128,9 @@ class _Int8Store:
 
     def write_at(self, layer, slots, k, v):  # slots consecutive
         kernels.write_int8_pair(k, v, self.codes[:, layer], self.scales[:, layer], slots)
+
+    def rope_write_at(self, layer, slots, qkv, n_heads, cos, sin):
+        return kernels.rope_write_int8(qkv, n_heads, cos, sin, self.codes[:, layer], self.scales[:, layer], slots)
 
     def read(self, layer, length):
         c, s = self.codes[:, layer, :, :, :length], self.scales[:, layer, :, :, :length]
@@ -452,11 +458,12 @@ class KVCache:
         """RoPE, then `update`: qkv (B, T, n_heads + 2 Hkv, D) the fused projection of the tokens at positions
         [position, position + T), its q and k heads rotated by cos/sin (T, D), k and v written. Returns (the rotated q
         (B, T, n_heads, D), then what `update` returns). A CUDA graph's step over a float cache rotates and writes
-        in one launch (`kernels.rope_write_dense`): a launch fewer a layer."""
+        in one launch (`kernels.rope_write_dense`), and so does one over an INT8 cache (`kernels.rope_write_int8`): a
+        launch fewer a layer."""
         Hkv = self.shape[2]
         step = self.device_step
-        if step is not None and isinstance(self.store, _DenseStore):
-            q = kernels.rope_write_dense(qkv, n_heads, cos, sin, self.store._k[layer], self.store._v[layer], step.slots)
+        if step is not None and isinstance(self.store, (_DenseStore, _Int8Store)):
+            q = self.store.rope_write_at(layer, step.slots, qkv, n_heads, cos, sin)
             return (q, *self._update_at(layer, None, None))
         qk = kernels.apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)  # q and k heads in one pass
         return (qk[:, :, :n_heads], *self.update(layer, position, qk[:, :, n_heads:], qkv[:, :, n_heads + Hkv :]))

@@ -181,9 +181,10 @@ def _sweep():
 
 
 def _small_ops(shape, dtype):
-    """RMSNorm (with and without the residual add), RoPE on the q and k heads of the fused qkv (and with a float
-    cache's write), the SiLU gate."""
+    """RMSNorm (with and without the residual add), RoPE on the q and k heads of the fused qkv (and with a float or
+    INT8 cache's write), the SiLU gate."""
     from llmrun import kernels
+    from llmrun.kernels import ref
 
     dim, Hq, Hkv, D, F = shape[:5]
     weight = torch.empty(dim, dtype=dtype)
@@ -196,6 +197,10 @@ def _small_ops(shape, dtype):
         k_out, v_out = torch.empty(2, 1, Hkv, 64, D, dtype=dtype).unbind(0)  # a CUDA graph's step: with the write
         kernels.rope_write_dense(qkv, Hq, torch.empty(T, D, dtype=dtype), torch.empty(T, D, dtype=dtype), k_out, v_out,
                                  torch.arange(3, 3 + T))
+        codes = torch.zeros(2, 1, Hkv, 64, D, dtype=torch.int8)  # and with an INT8 cache's
+        scales = torch.zeros(2, 1, Hkv, 64, D // ref.kv_group(D), dtype=torch.float16)
+        kernels.rope_write_int8(qkv.normal_(), Hq, torch.zeros(T, D, dtype=dtype), torch.ones(T, D, dtype=dtype), codes,
+                                scales, torch.arange(3, 3 + T))
         gate_up = torch.empty(1, T, 2 * F, dtype=dtype)
         kernels.silu_mul(gate_up[..., :F], gate_up[..., F:])
 

@@ -65,6 +65,37 @@ def test_int8_pair_is_two_int8_writes(B, H, T, slot, C, D):
     assert torch.equal(codes, want_codes) and torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, Hq, Hkv, D, slot, C", [(1, 1, 9, 3, 64, 0, 40), (2, 5, 4, 4, 96, 7, 33),
+                                                       (1, 16, 32, 8, 128, 1000, 1100), (1, 3, 14, 2, 80, 30, 64)])
+def test_rope_and_the_int8_write_in_one_launch_are_the_two_launches(dtype, B, T, Hq, Hkv, D, slot, C):
+    """A CUDA graph's step over an INT8 cache: RoPE of the q and k heads in place and the write of the rotated k and
+    the v heads in one launch, bit for bit `rotary.rope_` then `write_int8_pair` (GQA ratios 3, 1, 4, 7; head_dim
+    80's groups of 16), nothing else of the layer touched. Keys and values carry outliers, ties and a head of
+    zeros (scale 0)."""
+    from llmrun.kernels.rotary import rope_
+
+    g = torch.Generator().manual_seed(slot + D)
+    qkv = torch.cat((torch.randn(B, T, Hq, D, generator=g), new_tokens(B, Hkv, T, D, torch.float32, D).transpose(1, 2),
+                     new_tokens(B, Hkv, T, D, torch.float32, D + 1).transpose(1, 2)), 2).cpu()
+    qkv[:, :, Hq + Hkv - 1] = 0  # a key head of zeros
+    qkv = qkv.to(dtype).to(DEVICE)
+    angles = torch.randn(T, D // 2, generator=g)
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(dtype).to(DEVICE) for f in (torch.cos, torch.sin))
+    group = ref.kv_group(D)
+    codes = garbage_like((3, 2, B, Hkv, C, D), torch.int8, 3)[1]  # layer 1's (2, ...) view of (L, 2, ...)
+    scales = garbage_like((3, 2, B, Hkv, C, D // group), torch.float16, 4)[1]
+    want, want_codes, want_scales = qkv.clone(), codes.clone(), scales.clone()
+    slots = torch.arange(slot, slot + T, device=DEVICE)
+    rope_(want[:, :, : Hq + Hkv], cos, sin)
+    kv_write.write_int8_pair(want[:, :, Hq : Hq + Hkv].transpose(1, 2), want[:, :, Hq + Hkv :].transpose(1, 2),
+                             want_codes, want_scales, slots)
+    kv_write.rope_write_int8_(qkv, Hq, cos, sin, codes, scales, slots)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(qkv.view(bits), want.view(bits))
+    assert torch.equal(codes, want_codes) and torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
                                                 (torch.float16, torch.float16),
                                                 pytest.param(torch.bfloat16, torch.bfloat16, marks=pytest.mark.gpu)])

@@ -34,7 +34,8 @@ def triton_everywhere(monkeypatch):
                          (activation, "silu_mul"),
                          (decode_attention, "decode_attention"), (decode_attention, "quantized_decode_attention"),
                          (triton_quant_matmul, "quant_linear"), (triton_quant_matmul, "float_linear"),
-                         (kv_write, "write_int8_pair"), (kv_write, "write_int4"), (kv_write, "write_dense")]:
+                         (kv_write, "write_int8_pair"), (kv_write, "write_int4"), (kv_write, "write_dense"),
+                         (kv_write, "rope_write_int8_")]:
         def spy(*args, _f=getattr(module, name), _name=name, **kwargs):
             ran.add(_name)
             return _f(*args, **kwargs)
