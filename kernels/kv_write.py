@@ -257,12 +257,11 @@ def rope_write_int8_(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: to
     assert qkv.stride(3) == 1 and qkv.stride(2) == D, "each token's heads must be packed"
     group = D // scales.shape[-1]
     cos, sin = cos.contiguous(), sin.contiguous()
+    blocks = {"BLOCK_H": n_heads + Hkv, "BLOCK_HALF": D // 2, "BLOCK_R": 2 * Hkv, "BLOCK_G": D // group}
     _rope_write_int8_kernel[(B * T,)](qkv, cos, sin, codes, scales, slots, T, n_heads, Hkv, D // 2, qkv.stride(0),
                                       qkv.stride(1), codes.stride(0), *_rows(codes[0]), scales.stride(0),
-                                      *_rows(scales[0]), GROUP=group, BLOCK_H=triton.next_power_of_2(n_heads + Hkv),
-                                      BLOCK_HALF=triton.next_power_of_2(D // 2),
-                                      BLOCK_R=triton.next_power_of_2(2 * Hkv), BLOCK_G=triton.next_power_of_2(D // group),
-                                      **common.pdl_options(qkv))
+                                      *_rows(scales[0]), GROUP=group, **common.pdl_options(qkv),
+                                      **{name: triton.next_power_of_2(n) for name, n in blocks.items()})
 
 
 def write_dense(k: torch.Tensor, v: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,

@@ -5,9 +5,10 @@ filters to target and draft alike. Order (as in HF transformers): penalty, tempe
 
 A draw is the inverse of the cumulative distribution in token-id order at a uniform number drawn on the host
 (`uniforms`, from the position's stream of `Randomness`), and everything before it is device work over the top-k
-survivors: on a GPU a sampled token costs a few dozen small launches, enqueued while the forward runs, and one wait, for the token itself (`fetch`). (The
-data-dependent branches, `nonzero` and `torch.multinomial` of the draw before waited several times a token: plain
-decoding at temperature 0.8 ran 0.8 ms a token slower than greedy on the H100 and the H200, the same graphs.)
+survivors: on a GPU a sampled token costs a few dozen small launches, enqueued while the forward runs, and one
+wait, for the token itself (`fetch`). (The data-dependent branches, `nonzero` and `torch.multinomial` of the draw
+before waited several times a token: plain decoding at temperature 0.8 ran 0.8 ms a token slower than greedy on
+the H100 and the H200, the same graphs.)
 """
 
 from __future__ import annotations

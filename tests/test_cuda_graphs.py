@@ -89,8 +89,8 @@ def test_a_device_step_is_the_ordinary_step(tiny_gguf, triton_everywhere, kv_for
     torch.testing.assert_close(torch.cat(outs[1]), torch.cat(outs[0]), rtol=1e-5, atol=1e-5)
     assert_same_cache(caches[1], caches[0])
     # a float or INT8 cache's RoPE and write: one launch
-    assert triton_everywhere & {"rope_write_", "rope_write_int8_"} == {"fp32": {"rope_write_"},
-                                                                         "int8": {"rope_write_int8_"}}.get(kv_format, set())
+    fused = {"fp32": {"rope_write_"}, "int8": {"rope_write_int8_"}}.get(kv_format, set())
+    assert triton_everywhere & {"rope_write_", "rope_write_int8_"} == fused
 
 
 @pytest.mark.parametrize("window", [None, 5])
