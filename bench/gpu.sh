@@ -156,7 +156,7 @@ if [[ $steps == *" tests "* ]]; then
     LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-kernels tests/test_triton_ops.py tests/test_triton_attention.py \
         tests/test_triton_quant_matmul.py tests/test_triton_kv_write.py
     LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-model tests/test_triton_model.py tests/test_cuda_graphs.py \
-        tests/test_compiled.py \
+        tests/test_compiled.py tests/test_sampling.py \
         tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there
 fi
 if [[ $steps == *" embedded "* ]] && embedded; then
