@@ -292,44 +292,39 @@ def rope_write_dense(qkv, n_heads: int, cos, sin, k_out, v_out, slots):
     cos/sin (T, D) (`apply_rope`), the rotated k and the v heads written into k_out, v_out (B, Hkv, C, D) at the
     consecutive slots (T,) from slots[0] (`write_dense`); -> the rotated q (B, T, n_heads, D). On CUDA one Triton
     launch for both, rotating qkv in place."""
-    if _use_triton(qkv) and qkv.stride(3) == 1 and qkv.stride(2) == qkv.shape[3]:
-        from .rotary import rope_write_ as triton_rope_write_
+    def kernel():
+        from .rotary import rope_write_
+        return rope_write_
 
-        def run():
-            triton_rope_write_(qkv, n_heads, cos, sin, k_out, v_out, slots)
-            return qkv[:, :, :n_heads]
-
-        return _triton("rope_write", run, lambda: _rope_write_dense(qkv, n_heads, cos, sin, k_out, v_out, slots))
-    return _rope_write_dense(qkv, n_heads, cos, sin, k_out, v_out, slots)
+    return _rope_write("rope_write", kernel, write_dense, qkv, n_heads, cos, sin, (k_out, v_out), slots)
 
 
 def rope_write_int8(qkv, n_heads: int, cos, sin, codes, scales, slots):
     """`rope_write_dense` for an INT8 cache's layer (codes (2, B, Hkv, C, D), scales (2, B, Hkv, C, D / group)):
     RoPE, then `write_int8_pair` of the rotated k and the v heads; -> the rotated q. On CUDA one Triton launch."""
+    def kernel():
+        from .kv_write import rope_write_int8_
+        return rope_write_int8_
+
+    return _rope_write("rope_write_int8", kernel, write_int8_pair, qkv, n_heads, cos, sin, (codes, scales), slots)
+
+
+def _rope_write(name, kernel, write, qkv, n_heads, cos, sin, cache, slots):
+    """RoPE of qkv's q and k heads, then write(k, v, *cache, slots) of the rotated k and the v heads -> the rotated
+    q; on CUDA kernel() (the Triton function) does both in one launch."""
+    def apart():
+        Hkv = (qkv.shape[2] - n_heads) // 2
+        qk = apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)
+        write(qk[:, :, n_heads:].transpose(1, 2), qkv[:, :, n_heads + Hkv :].transpose(1, 2), *cache, slots)
+        return qk[:, :, :n_heads]
+
+    def fused():
+        kernel()(qkv, n_heads, cos, sin, *cache, slots)
+        return qkv[:, :, :n_heads]
+
     if _use_triton(qkv) and qkv.stride(3) == 1 and qkv.stride(2) == qkv.shape[3]:
-        from .kv_write import rope_write_int8_ as triton_rope_write_int8_
-
-        def run():
-            triton_rope_write_int8_(qkv, n_heads, cos, sin, codes, scales, slots)
-            return qkv[:, :, :n_heads]
-
-        return _triton("rope_write_int8", run, lambda: _rope_write_int8(qkv, n_heads, cos, sin, codes, scales, slots))
-    return _rope_write_int8(qkv, n_heads, cos, sin, codes, scales, slots)
-
-
-def _rope_write_int8(qkv, n_heads, cos, sin, codes, scales, slots):
-    Hkv = (qkv.shape[2] - n_heads) // 2
-    qk = apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)
-    write_int8_pair(qk[:, :, n_heads:].transpose(1, 2), qkv[:, :, n_heads + Hkv :].transpose(1, 2), codes, scales,
-                    slots)
-    return qk[:, :, :n_heads]
-
-
-def _rope_write_dense(qkv, n_heads, cos, sin, k_out, v_out, slots):
-    Hkv = (qkv.shape[2] - n_heads) // 2
-    qk = apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)
-    write_dense(qk[:, :, n_heads:].transpose(1, 2), qkv[:, :, n_heads + Hkv :].transpose(1, 2), k_out, v_out, slots)
-    return qk[:, :, :n_heads]
+        return _triton(name, fused, apart)
+    return apart()
 
 
 def _index_copy(k, v, k_out, v_out, slots) -> None:
