@@ -438,7 +438,7 @@ class KVCache:
         (`kernels.ref.QuantizedKV`, None); and the (B, Hkv, end) accumulator H2O's attention mass goes to (or None).
         """
         if self.device_step is not None:
-            return self._update_at(layer, k, v)
+            return self._update_at(layer, k.dtype, k, v)
         slot = self.slot(position)
         end = slot + k.shape[1]
         if end > self.max_len:
@@ -464,13 +464,13 @@ class KVCache:
         step = self.device_step
         if step is not None and isinstance(self.store, (_DenseStore, _Int8Store)):
             q = self.store.rope_write_at(layer, step.slots, qkv, n_heads, cos, sin)
-            return (q, *self._update_at(layer, None, None))
+            return (q, *self._update_at(layer, qkv.dtype))
         qk = kernels.apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)  # q and k heads in one pass
         return (qk[:, :, :n_heads], *self.update(layer, position, qk[:, :, n_heads:], qkv[:, :, n_heads + Hkv :]))
 
-    def _update_at(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None):
-        """`update` at `device_step`'s slots (k and v None: written already, `update_qkv`): returns the buffers'
-        first `capacity` slots (attention reads `length`)."""
+    def _update_at(self, layer: int, dtype: torch.dtype, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
+        """`update` at `device_step`'s slots of K/V in `dtype` (k and v None: written already, `update_qkv`): returns
+        the buffers' first `capacity` slots (attention reads `length`)."""
         step = self.device_step
         if k is not None:
             self.store.write_at(layer, step.slots, k.transpose(1, 2), v.transpose(1, 2))
@@ -482,7 +482,7 @@ class KVCache:
             self.scores[layer].index_fill_(2, step.slots, 0)
             mass = self.scores[layer, :, :, : step.capacity]
         k_read, v_read = self.store.read_at(layer, step.capacity)
-        if v_read is not None and k is not None and k_read.dtype != k.dtype:
+        if v_read is not None and k_read.dtype != dtype:
             raise ValueError("a device step needs the cache in the compute dtype")
         return k_read, v_read, mass
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.sampling import (Randomness, SamplingParams, not_finite, draw_at, fetch, pick, sample, sample_probs,
+from llmrun.sampling import (Randomness, SamplingParams, draw_at, fetch, not_finite, pick, sample, sample_probs,
                              survivors, to_device, token_probs, uniforms)
 
 
