@@ -210,9 +210,10 @@ if [[ $steps == *" profile "* ]]; then
         python3 bench/gpu_profile.py --random-weights "$2" --prompt-tokens "$3" "${@:4}" \
             --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
     }
-    # issue 4's bf16 headline shape (its graph step against the floor) and the 1B steps first, bf16 and W4A16: the decode step's launches a layer 12 -> 10 (the
-    # gate/up GEMV gates, the attention merges in its last split) and the float matmuls on the GEMV (GPU_NOTES
-    # predicts the 8B at 128 positions ~85% of its floor); GPU_RERUN names them on a GPU model that has them
+    # issue 4's bf16 headline shape (its graph step against the floor) and the 1B steps first, bf16 and W4A16: the
+    # decode step's launches a layer 12 -> 8 (the gate/up GEMV gates, the attention merges in its last split, RoPE
+    # writes the cache) and the float matmuls on the GEMV (GPU_NOTES predicts the 8B at 128 positions ~85-87% of its
+    # floor); GPU_RERUN names them on a GPU model that has them
     profile "" llama3-8b 128
     profile "" llama3.2-1b 128
     profile "" llama3.2-1b 128 --weights int4

@@ -85,13 +85,7 @@ def _rope_write_int8_kernel(X, Cos, Sin, Codes, Scales, Slots, T, HQ, HKV, half,
     pid = tl.program_id(0)
     b, t = pid // T, pid % T
     token = b * stride_xb + t * stride_xt
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < HQ + HKV) & (cols < half)
-    base = token + heads * (2 * half) + cols
-    y1, y2 = rotary._rotated(X, Cos, Sin, base, t, half, mask, cols)
-    tl.store(X + base, y1, mask=mask)
-    tl.store(X + base + half, y2, mask=mask)
+    rotary._rope_in_place(X, Cos, Sin, token, t, HQ + HKV, half, BLOCK_H, BLOCK_HALF)
     tl.debug_barrier()  # this program's rotated keys, stored by its threads, are read back by others below
     slot = tl.load(Slots) + t
     r = tl.arange(0, BLOCK_R)[:, None, None]  # rows: keys 0..HKV-1, then values; row r is head HQ + r of X

@@ -22,17 +22,24 @@ from . import common
 
 
 @triton.jit
-def _rotated(x_ptr, cos_ptr, sin_ptr, base, t, half, mask, cols):
-    """The heads at x_ptr + base (offsets of their first halves), rotated by token t's angles: (y1, y2), the two
-    halves in x's dtype (the products in fp32)."""
-    x1 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + base + half, mask=mask, other=0.0).to(tl.float32)
+def _rope_in_place(x_ptr, cos_ptr, sin_ptr, token, t, H, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the first H heads of the token at x_ptr + token by token t's angles, in place (the products in fp32)
+    -> their two halves (y1, y2) (BLOCK_H, BLOCK_HALF) as stored, in x's dtype."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < H) & (cols < half)
+    base = x_ptr + token + heads * (2 * half) + cols
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
     c1 = tl.load(cos_ptr + t * 2 * half + cols, mask=cols < half, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * 2 * half + cols, mask=cols < half, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + t * 2 * half + half + cols, mask=cols < half, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * 2 * half + half + cols, mask=cols < half, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    return (x1 * c1 - x2 * s1).to(dtype), (x2 * c2 + x1 * s2).to(dtype)
+    y1 = (x1 * c1 - x2 * s1).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * c2 + x1 * s2).to(x_ptr.dtype.element_ty)
+    tl.store(base, y1, mask=mask)
+    tl.store(base + half, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
@@ -41,13 +48,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, T, H, half, b_stride, t_stride,
     common.pdl_wait(PDL)  # the tables too are a step's own (the positions' rows)
     pid = tl.program_id(0)
     b, t = pid // T, pid % T
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < H) & (cols < half)
-    base = b * b_stride + t * t_stride + heads * (2 * half) + cols
-    y1, y2 = _rotated(x_ptr, cos_ptr, sin_ptr, base, t, half, mask, cols)
-    tl.store(x_ptr + base, y1, mask=mask)
-    tl.store(x_ptr + base + half, y2, mask=mask)
+    _rope_in_place(x_ptr, cos_ptr, sin_ptr, b * b_stride + t * t_stride, t, H, half, BLOCK_H, BLOCK_HALF)
 
 
 @triton.jit
@@ -59,20 +60,17 @@ def _rope_write_kernel(x_ptr, cos_ptr, sin_ptr, KOut, VOut, Slots, T, HQ, HKV, h
     common.pdl_wait(PDL)
     pid = tl.program_id(0)
     b, t = pid // T, pid % T
-    heads = tl.arange(0, BLOCK_H)[:, None]
+    token = b * b_stride + t * t_stride
+    y1, y2 = _rope_in_place(x_ptr, cos_ptr, sin_ptr, token, t, HQ + HKV, half, BLOCK_H, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_H)[:, None]  # y1's and y2's rows and columns
     cols = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < HQ + HKV) & (cols < half)
-    base = b * b_stride + t * t_stride + heads * (2 * half) + cols
-    y1, y2 = _rotated(x_ptr, cos_ptr, sin_ptr, base, t, half, mask, cols)
-    tl.store(x_ptr + base, y1, mask=mask)
-    tl.store(x_ptr + base + half, y2, mask=mask)
     slot = tl.load(Slots) + t
-    is_k = mask & (heads >= HQ)
+    is_k = (heads >= HQ) & (heads < HQ + HKV) & (cols < half)
     k_at = b * stride_ob + tl.where(is_k, heads - HQ, 0) * stride_oh + slot * stride_os + cols
     tl.store(KOut + k_at, y1.to(KOut.dtype.element_ty), mask=is_k)
     tl.store(KOut + k_at + half, y2.to(KOut.dtype.element_ty), mask=is_k)
     is_v = (heads < HKV) & (cols < half)  # v head j sits at head HQ + HKV + j of the token
-    v = base + (HQ + HKV) * (2 * half)
+    v = token + (HQ + HKV + heads) * (2 * half) + cols
     v_at = b * stride_ob + heads * stride_oh + slot * stride_os + cols
     tl.store(VOut + v_at, tl.load(x_ptr + v, mask=is_v).to(VOut.dtype.element_ty), mask=is_v)
     tl.store(VOut + v_at + half, tl.load(x_ptr + v + half, mask=is_v).to(VOut.dtype.element_ty), mask=is_v)

@@ -241,8 +241,8 @@ def _gemv_kernel(
     (`_gemv_codes`). sm_90 SASS of the 64x128 4-bit config under Triton 3.6, one row of x: 370 instructions a
     thread for 64 codes with STAGES 1 (~5.8 a code; the kernel before this one took ~9.7: an I2F trick's float
     subtraction, a sign-extend, two-instruction bf16 conversions, masked loads of x for each tile row, addresses
-    recomputed every step), 406 with STAGES 4 (the copies' addresses, their wait and two barriers a step, which guard the copies' buffers: no
-    thread's sums cross to another inside the loop, `test_triton_compile` checks it).
+    recomputed every step), 406 with STAGES 4 (the copies' addresses, their wait and two barriers a step, which
+    guard the copies' buffers: no thread's sums cross to another inside the loop, `test_triton_compile` checks it).
 
     The tile is dequantized once a step; x's rows then take turns over it, the same code for each, so a row's sums
     are taken in one order whatever the rows beside it, as greedy speculative decoding needs. BLOCK_M is always

@@ -438,7 +438,7 @@ class KVCache:
         (`kernels.ref.QuantizedKV`, None); and the (B, Hkv, end) accumulator H2O's attention mass goes to (or None).
         """
         if self.device_step is not None:
-            return self._update_at(layer, k.dtype, k, v)
+            return self._update_at(layer, k, v)
         slot = self.slot(position)
         end = slot + k.shape[1]
         if end > self.max_len:
@@ -464,16 +464,19 @@ class KVCache:
         step = self.device_step
         if step is not None and isinstance(self.store, (_DenseStore, _Int8Store)):
             q = self.store.rope_write_at(layer, step.slots, qkv, n_heads, cos, sin)
-            return (q, *self._update_at(layer, qkv.dtype))
+            return (q, *self._written_at(layer, qkv.dtype))
         qk = kernels.apply_rope(qkv[:, :, : n_heads + Hkv], cos, sin)  # q and k heads in one pass
         return (qk[:, :, :n_heads], *self.update(layer, position, qk[:, :, n_heads:], qkv[:, :, n_heads + Hkv :]))
 
-    def _update_at(self, layer: int, dtype: torch.dtype, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
-        """`update` at `device_step`'s slots of K/V in `dtype` (k and v None: written already, `update_qkv`): returns
-        the buffers' first `capacity` slots (attention reads `length`)."""
+    def _update_at(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """`update` at `device_step`'s slots."""
+        self.store.write_at(layer, self.device_step.slots, k.transpose(1, 2), v.transpose(1, 2))
+        return self._written_at(layer, k.dtype)
+
+    def _written_at(self, layer: int, dtype: torch.dtype):
+        """After K and V in `dtype` were written at `device_step`'s slots: their positions (eviction) and H2O's mass
+        noted; returns the buffers' first `capacity` slots (attention reads `length`)."""
         step = self.device_step
-        if k is not None:
-            self.store.write_at(layer, step.slots, k.transpose(1, 2), v.transpose(1, 2))
         if self.positions is not None:
             B, H = self.shape[1:3]
             self.positions[layer].index_copy_(2, step.slots, step.positions.expand(B, H, -1))

@@ -89,8 +89,8 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
     # Every row at once, as device work over the rows' top-k survivors, and one wait for what it decided
     rows = survivors(logits[: k + 1], params)
     u = to_device(us, torch.float64, logits.device)  # (K+1, 2)
-    tokens, finite = pick(rows.ids, rows.probs, u[:, :1])  # (K+1,) row i's own draw from p
     if proposal.probs is None:
+        tokens, finite = pick(rows.ids, rows.probs, u[:, :1])  # (K+1,) row i's own draw from p
         got = fetch(torch.stack((tokens, rows.exact.long(), finite.long())))  # (3, K+1)
         if not all(got[1]):  # a tie at the k-th value: the definition's distribution, row by row
             return _verify_rows(logits, proposal, params, us, seen, position, decide)
@@ -108,8 +108,9 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
     residual = (p - (q if ids is None else q.gather(-1, ids))).clamp_(min=0.0)  # 0 where p is 0 anyway
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p <= q everywhere: p == q but rounding
     fixed, fixed_finite = pick(ids, residual, u[:k, 1:])  # (K,) row i's token on a rejection
-    ok = (finite.all() & fixed_finite.all())[None]
-    got = fetch(torch.cat((accepted[:, 0].long(), fixed, tokens[k:], rows.exact.long(), ok.long())))
+    bonus, finite = pick(None if rows.ids is None else rows.ids[k:], rows.probs[k:], u[k:, :1])  # all accepted
+    ok = finite & fixed_finite.all()  # (1,)
+    got = fetch(torch.cat((accepted[:, 0].long(), fixed, bonus, rows.exact.long(), ok.long())))
     if not all(got[2 * k + 1 : 3 * k + 2]):
         return _verify_rows(logits, proposal, params, us, seen, position, decide)
     if not got[-1]:
