@@ -42,10 +42,13 @@ class CompiledDecode:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model._forward(tokens, positions, self.cache, False)
 
-    def forward(self, ids: list[int], position: int, slot: int) -> torch.Tensor | None:
+    def forward(self, ids: list[int] | torch.Tensor, position: int, slot: int) -> torch.Tensor | None:
         if len(ids) != 1:
             return None
-        self.inputs.copy_(torch.tensor([[ids[0]], [position], [slot]]), non_blocking=True)
+        token = ids if torch.is_tensor(ids) else None
+        self.inputs.copy_(torch.tensor([[0 if token is not None else ids[0]], [position], [slot]]), non_blocking=True)
+        if token is not None:
+            self.inputs[0].copy_(token)  # a token drawn on the device, not read by the host (`Engine.plain_steps`)
         self.step.length.fill_(slot + 1)
         self.cache.device_step = self.step
         try:

@@ -89,13 +89,15 @@ class DecodeGraphs:
         finally:
             self.cache.device_step = None
 
-    def _capture(self, staged: torch.Tensor, span: int) -> _Graph:
+    def _capture(self, staged: torch.Tensor, tokens: torch.Tensor | None, span: int) -> _Graph:
         global _captures
         _captures += 1
         T = staged.shape[1]
         cuda = self.device.type == "cuda"
         host = torch.empty(3, T, dtype=torch.int64, pin_memory=cuda)
         inputs = staged.to(self.device)  # the step being run: the warm-up runs it (writing what it will write)
+        if tokens is not None:
+            inputs[0].copy_(tokens)
         # The warm-up's writes are the step's own, done again by the replay; H2O's attention mass is added to, so
         # it is put back as it was before the replay adds the step's share once
         mass = None if self.cache.scores is None else self.cache.scores.clone()
@@ -107,22 +109,25 @@ class DecodeGraphs:
             copied.record()
         return _Graph(replay, host, inputs, logits, copied)
 
-    def forward(self, ids: list[int], position: int, slot: int) -> torch.Tensor | None:
+    def forward(self, ids: list[int] | torch.Tensor, position: int, slot: int) -> torch.Tensor | None:
         """Logits (1, T, V) fp32 (a new tensor) of the T = len(ids) tokens at positions position.. written into
         cache slots slot.. (the caller has made room for them); None if the graph could not be captured (said
-        once; the caller runs the step eagerly, now and from then on)."""
+        once; the caller runs the step eagerly, now and from then on). ids may be a tensor (T,) on the device:
+        copied into the graph's inputs there, without the host reading them."""
         T = len(ids)
         if self.failed or T > MAX_TOKENS:
             return None
         if self.model._cos is not self.tables[0]:  # the tables the graphs read were replaced: capture anew
             self.graphs.clear()
             self.tables = self.model._rope_tables(self.model.config.max_seq_len, self.device)
-        staged = torch.tensor([ids, range(position, position + T), range(slot, slot + T)], dtype=torch.int64)
+        tokens = ids if torch.is_tensor(ids) else None
+        staged = torch.tensor([[0] * T if tokens is not None else ids, range(position, position + T),
+                               range(slot, slot + T)], dtype=torch.int64)
         span = min(max(MIN_SPAN, 1 << (slot + T - 1).bit_length()), self.cache.max_len)
         g = self.graphs.get((T, span))
         if g is None:
             try:
-                g = self.graphs[T, span] = self._capture(staged, span)
+                g = self.graphs[T, span] = self._capture(staged, tokens, span)
             except Exception as e:  # noqa: BLE001 - whatever broke the capture, the eager step still works
                 self.failed = f"{type(e).__name__}: {e}"
                 self.graphs.clear()
@@ -135,6 +140,8 @@ class DecodeGraphs:
         g.inputs.copy_(g.host, non_blocking=True)
         if g.copied is not None:
             g.copied.record()
+        if tokens is not None:
+            g.inputs[0].copy_(tokens)  # behind the work that made them
         g.replay()
         self.cache.wrote(slot, T)
         return g.logits.clone()  # the next replay of this T overwrites g.logits

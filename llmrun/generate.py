@@ -6,8 +6,11 @@ extends the previous one (the next chat turn) prefills only its new tokens.
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +19,12 @@ from llmrun import cuda_graphs
 from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
 from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
-from llmrun.sampling import Randomness, SamplingParams, sample
+from llmrun.sampling import Ahead, Randomness, SamplingParams, sample
 from llmrun.speculative import Proposal, verify
 from llmrun.tokenizer import StreamDecoder
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the (T, S) attention scores of long prompts
+UNREAD = -1  # in an engine's token list: a token fed from the device whose value the host has not read yet
 
 
 @dataclass
@@ -142,6 +146,11 @@ class Engine:
         self.speculator = None
         self.grammar = None
         self.graphs = cuda_graphs.for_engine(self.model, self.cache)  # on CUDA: decode steps as CUDA graphs
+        # plain decoding enqueues each step before the host reads the token it feeds (`plain_steps`): where the
+        # device runs behind the host (CUDA) and the cache never evicts (a forward past a reply's end must leave
+        # it without a trace: an evicting cache may have dropped tokens to make room for it)
+        self.pipeline = (self.device.type == "cuda" and eviction is None
+                         and os.environ.get("LLMRUN_PIPELINE", "1") != "0")
 
     def sibling(self, loaded: LoadedModel | None = None, model=None) -> Engine:
         """An engine with this one's context and KV-cache settings, for another model (a speculative draft)."""
@@ -162,18 +171,65 @@ class Engine:
             self.tokens.clear()
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], last_only: bool = True) -> torch.Tensor:
-        """Run ids after the cached tokens; return the logits (V,) of the last one (or (T, V))."""
+    def forward(self, ids: list[int] | torch.Tensor, last_only: bool = True) -> torch.Tensor:
+        """Run ids after the cached tokens; return the logits (V,) of the last one (or (T, V)). ids may be a
+        tensor (T,) on the device, whose values the host has not read: the token list holds UNREAD in their place
+        until the caller puts them there."""
         self.cache.make_room(len(ids))  # evicts, or raises ContextOverflowError
         start = self.cache.length
         logits = None if self.graphs is None else self.graphs.forward(ids, self.cache.position, start)
         if logits is None:
-            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            x = ids.view(1, -1) if torch.is_tensor(ids) else torch.tensor([ids], dtype=torch.long, device=self.device)
             logits = self.model(x, start_pos=self.cache.position, cache=self.cache, last_only=last_only)
         # Only now, with the forward complete, do the cache and the token list advance (Ctrl-C safe).
         self.cache.length = start + len(ids)
-        self.tokens.extend(ids)
+        self.tokens.extend([UNREAD] * len(ids) if torch.is_tensor(ids) else ids)
         return logits[0, -1] if last_only else logits[0]
+
+    def plain_steps(self, token: int, params: SamplingParams, rng: Randomness, steps: int) -> Iterator[int]:
+        """Plain decoding: feed `token`, then each token sampled after it, `steps` forwards at most, and yield each
+        sampled token (`sample`'s, for the same seed) as the host reads it.
+
+        On a pipelined engine (`pipeline`: a GPU) the next forward is enqueued before the host reads the token it
+        feeds, straight from the device where the draw left it, so the device goes from step to step while the
+        host streams, detokenizes and checks for stops. A forward fed past the reply's end (the consumer stops
+        taking tokens: an end token, a stop string, Ctrl-C) leaves the cache when the generator closes, so the cache
+        and the token list end as plain decoding leaves them. A draw that needs the whole vocabulary (a tie at
+        top-k's edge) gives another token than the one fed ahead: that forward is rolled back and run again."""
+        if steps <= 0:
+            return
+        if not self.pipeline:
+            for _ in range(steps):
+                logits = self.forward([token])
+                token = sample(logits, params, None if params.greedy else rng.at(len(self.tokens)))
+                yield token
+            return
+
+        def launch(fed) -> Ahead:  # a forward fed `fed` (a host token or a device one), and the draw after it
+            logits = self.forward(fed if torch.is_tensor(fed) else [fed])
+            return Ahead(logits, params, None if params.greedy else rng.at(len(self.tokens)))
+
+        ahead, launched, spare = launch(token), 1, None  # spare: where the forward fed ahead of the host went
+        try:
+            while ahead is not None:
+                nxt = None
+                if launched < steps:
+                    spare = len(self.tokens)
+                    nxt, launched = launch(ahead.token), launched + 1
+                token, fed_right = ahead.read()
+                if nxt is not None and not fed_right:
+                    self.rollback(spare)
+                    nxt, launched = None, launched - 1
+                elif nxt is not None:
+                    self.tokens[spare] = token
+                yield token
+                spare = None  # the consumer took the token: the forward that fed it (or will) is plain decoding's
+                if nxt is None and launched < steps:
+                    nxt, launched = launch(token), launched + 1
+                ahead = nxt
+        finally:
+            if spare is not None and len(self.tokens) > spare:
+                self.rollback(spare)
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Make the cache hold `prompt`, reusing the longest cached prefix; return the last logits (V,) and the
@@ -249,22 +305,26 @@ class Generation:
             tokens = [sample(logits, params, rng.at(len(engine.tokens)), self._history())]
             t_first = time.perf_counter()
             stats.ttft_s = t_first - t0
-            while True:
-                for used, token in enumerate(tokens, 1):
-                    piece = self._take(token)
-                    if piece:
-                        self.text += piece
-                        yield piece
-                    if stats.finish_reason != "interrupted":
-                        self._uncount(len(tokens) - used)
-                        break
-                else:
-                    if len(engine.tokens) >= engine.max_len:
-                        stats.finish_reason = "context"
+            plain = spec is None and self._constraint is None and params.repetition_penalty == 1.0
+            if plain:  # one token a forward (`Engine.plain_steps`)
+                yield from self._plain(tokens[0], rng)
+            else:
+                while True:
+                    for used, token in enumerate(tokens, 1):
+                        piece = self._take(token)
+                        if piece:
+                            self.text += piece
+                            yield piece
+                        if stats.finish_reason != "interrupted":
+                            self._uncount(len(tokens) - used)
+                            break
                     else:
-                        tokens = self._step(tokens[-1], rng)
-                        continue
-                break
+                        if len(engine.tokens) >= engine.max_len:
+                            stats.finish_reason = "context"
+                        else:
+                            tokens = self._step(tokens[-1], rng)
+                            continue
+                    break
             if not self._stops.stopped:
                 tail = self._stops.feed(self._detok.flush())
                 tail += "" if self._stops.stopped else self._stops.flush()
@@ -279,6 +339,28 @@ class Generation:
                 stats.grammar_s = self._constraint.seconds
             if t_first is not None:
                 stats.decode_s = time.perf_counter() - t_first
+
+    def _plain(self, first: int, rng: Randomness):
+        """Plain decoding after the reply's first token: yield the text of each token until the reply ends."""
+        engine, stats = self.engine, self.stats
+        # the forwards plain decoding may run after the first token: one a token up to the reply's length, while
+        # the context has room
+        room = int(min(self.params.max_new_tokens - 1, engine.max_len - len(engine.tokens)))
+        steps = engine.plain_steps(first, self.params, rng, room)
+        try:
+            for i, token in enumerate(itertools.chain([first], steps)):
+                if i:  # a step's token (the first is the prefill's)
+                    stats.decode_steps += 1
+                    stats.decode_tokens += 1
+                piece = self._take(token)
+                if piece:
+                    self.text += piece
+                    yield piece
+                if stats.finish_reason != "interrupted":
+                    return
+            stats.finish_reason = "context"  # steps ran out before the reply's length: the context is full
+        finally:
+            steps.close()  # a forward fed past the reply's end leaves the cache now
 
     def _history(self, length: int | None = None) -> torch.Tensor | None:
         """The context's (first `length`) token ids, for the repetition penalty."""

@@ -8,7 +8,8 @@ A draw is the inverse of the cumulative distribution in token-id order at a unif
 survivors: on a GPU a sampled token costs a few dozen small launches, enqueued while the forward runs, and one
 wait, for the token itself (`fetch`). (The data-dependent branches, `nonzero` and `torch.multinomial` of the draw
 before waited several times a token: plain decoding at temperature 0.8 ran 0.8 ms a token slower than greedy on
-the H100 and the H200, the same graphs.)
+the H100 and the H200, the same graphs.) `Ahead` leaves a drawn token on the device for the next forward to read,
+the host reading it later: pipelined plain decoding (`Engine.plain_steps`).
 """
 
 from __future__ import annotations
@@ -219,14 +220,62 @@ def fetch(tensor: torch.Tensor):
     """tensor's values on the host (`tolist`). From a GPU through pinned memory, waiting for that copy's event
     alone: the one wait of a sampled token (a `.item()` or `.tolist()` would too, but as a synchronizing op that
     `torch.cuda.set_sync_debug_mode` flags, so that a test can hold sampling to this one)."""
-    if tensor.device.type != "cuda":
-        return tensor.tolist()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()
+    return Fetch(tensor).wait()
+
+
+class Fetch:
+    """A device tensor's values on their way to the host: the copy is enqueued now, behind the work that makes
+    them, and `wait` waits for it alone, so that work enqueued in between (the next decode step) runs meanwhile."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.done = tensor, None
+        if tensor.device.type == "cuda":
+            self.tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.tensor.copy_(tensor, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def wait(self):
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tensor.tolist()
+
+
+class Ahead:
+    """A token drawn on the device whose value the host has not read yet (`Engine.plain_steps` and a model draft
+    feed `token` to the next forward before reading it): `sample`'s draw for logits (V,) at a generator's uniform,
+    as device work, with the copy of its value to the host enqueued behind it. `read` gives `sample`'s very token;
+    with `dense` (sampled), `probs` is then the distribution (V,) it was drawn from (`sample_probs`'s)."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 dense: bool = False):
+        self.logits, self.params, self.probs = logits, params, None
+        if params.greedy:
+            self.u, self.token = None, logits.float().argmax().view(1)
+            self._values = Fetch(self.token)
+            return
+        self.u = uniforms(generator)[0]
+        rows = survivors(logits.float()[None], params)
+        self.token, finite = pick(rows.ids, rows.probs, self.u)  # (1,)
+        self._values = Fetch(torch.stack((self.token[0], rows.exact[0].long(), finite[0].long())))
+        if dense:
+            self.probs = rows.dense(logits.shape[-1])[0]
+
+    def read(self) -> tuple[int, bool]:
+        """-> (the token, whether it is `token`'s value: False where the k-th value tied with a token top-k left
+        out, and the token is the whole-vocabulary definition's draw at the same uniform instead, `probs` the
+        definition's distribution). Waits for the device; raises as `sample` does on logits that are not finite."""
+        values = self._values.wait()
+        if self.u is None:
+            return values[0], True
+        token, exact, finite = values
+        if not exact:
+            probs = vocabulary_probs(self.logits.float(), self.params)
+            self.probs = None if self.probs is None else probs
+            return draw_at(probs, self.u), False
+        if not finite:
+            raise not_finite()
+        return token, True
 
 
 _MASK = (1 << 64) - 1

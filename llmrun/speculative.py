@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.sampling import (Randomness, SamplingParams, draw_at, fetch, not_finite, pick, sample, sample_probs,
-                             survivors, to_device, token_probs, uniforms)
+from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, fetch, not_finite, pick, sample,
+                             sample_probs, survivors, to_device, token_probs, uniforms)
 
 
 @dataclass
@@ -223,6 +223,9 @@ class ModelDrafter:
         logits, _ = engine.prefill(context)  # one or two new tokens; after a pause in drafting, every one since
         setup_s = time.perf_counter() - t0 if behind > 2 else 0.0
         penalize = params.repetition_penalty != 1.0
+        if engine.pipeline and constraint is None and not penalize:
+            tokens, probs = self._draft_ahead(logits, len(context), k, params, rng)
+            return Proposal(tokens, probs, setup_s)
         tokens, probs = [], []
         for i in range(k):
             history = torch.tensor(engine.tokens, device=engine.device) if penalize else None
@@ -243,6 +246,32 @@ class ModelDrafter:
         if constraint is not None:
             constraint.rollback(len(tokens))
         return Proposal(tokens, torch.stack(probs) if probs else None, setup_s)
+
+    def _draft_ahead(self, logits, position: int, k: int, params: SamplingParams, rng):
+        """`propose`'s drafts on a pipelined engine (a GPU): each draft token fed to the next forward from the
+        device, where its draw left it, and all k read at the end, one wait for the k steps where each waited for
+        the host. -> (tokens, their q (k, V) or None when greedy). A draw that needed the whole vocabulary (a tie at
+        top-k's edge) differs from the token fed after it: the proposal ends with it, and the forwards after it
+        leave the draft's cache."""
+        engine = self.engine
+        aheads, fed = [], []  # fed[i]: where draft i went in the draft's token list (the forward it fed)
+        for i in range(k):
+            aheads.append(Ahead(logits, params, None if params.greedy else rng.at(position + i, stream=1), dense=True))
+            if i + 1 < k:
+                fed.append(len(engine.tokens))
+                logits = engine.forward(aheads[-1].token)
+        tokens = []
+        for i, ahead in enumerate(aheads):
+            token, fed_right = ahead.read()
+            tokens.append(token)
+            if not fed_right:
+                if i < len(fed):
+                    engine.rollback(fed[i])
+                break
+            if i < len(fed):
+                engine.tokens[fed[i]] = token
+        probs = None if params.greedy else torch.stack([a.probs for a in aheads[: len(tokens)]])
+        return tokens, probs
 
 
 class DraftLength:

@@ -55,6 +55,23 @@ def test_the_compiled_step_is_the_plain_step(plain_model, rollback_at):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_compiled_step_takes_a_token_drawn_on_the_device(plain_model):
+    """The baseline decodes as llmrun's engine does (`Engine.plain_steps`, gpt-fast's loop too): each step's token
+    copied into the step's inputs on the device, the host reading it a step later: the tokens fed from the host."""
+    from llmrun.sampling import Randomness, SamplingParams
+
+    got = []
+    for pipeline in (False, True):
+        engine = Engine(plain_model, 48)
+        engine.graphs, engine.pipeline = CompiledDecode(engine.model, engine.cache, backend="eager"), pipeline
+        torch.compiler.reset()
+        logits, _ = engine.prefill([5, 17, 3, 99, 42, 7, 61])
+        first = int(logits.argmax())
+        got.append(list(engine.plain_steps(first, SamplingParams(temperature=0), Randomness(0), 12)))
+        assert engine.tokens[7:] == [first, *got[-1][:-1]]
+    assert got[0] == got[1] and len(set(got[0])) > 3
+
+
 def test_the_cache_is_a_static_input(plain_model):
     """Every input of the traced step that is (a view of) the KV cache, which the step writes in place, is marked
     static: Inductor replays a step as a CUDA graph only when each input it mutates is static, else it logs

@@ -381,3 +381,90 @@ def test_a_graphed_int4_step_cut_short_by_ctrl_c_is_run_again(tiny_gguf, monkeyp
     monkeypatch.setattr(graphed.cache, "wrote", wrote)
     run_side_by_side(graphed, eager, [("run", 3), ("run", 1), ("run", 2)])
     assert_same_cache(graphed.cache, eager.cache)
+
+
+def pipelined_replies(loaded, prompt, params, graphs, kv_format="fp32"):
+    """The same reply from two engines alike but for `pipeline` (each step enqueued before its token is read,
+    the token copied into the graph's inputs on the device): -> both engines, both replies."""
+    from llmrun.generate import Engine
+
+    engines = [Engine(loaded, 256, kv_format=kv_format) for _ in range(2)]
+    replies = []
+    for engine, pipeline in zip(engines, (False, True)):
+        engine.pipeline = pipeline
+        if graphs:
+            engine.graphs = graphs(engine)
+        reply = engine.generate(prompt, params)
+        "".join(reply)
+        replies.append(reply)
+    return engines, replies
+
+
+@pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4"])
+def test_the_graph_runner_takes_a_token_drawn_on_the_device(tiny_gguf, monkeypatch, kv_format):
+    """Pipelined decoding through `DecodeGraphs`: a step's token is copied into the graph's inputs from where the
+    draw left it on the device (the host does not read it first), greedy and sampled: the tokens, and the cache, of
+    the same runner fed from the host."""
+    from llmrun import cuda_graphs
+    from llmrun.sampling import SamplingParams
+
+    monkeypatch.setattr(cuda_graphs, "capture", replaying_capture)
+    loaded = load_model(str(tiny_gguf), "cpu", "fp32", "auto")
+    prompt = torch.randint(0, loaded.config.vocab_size, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)):
+        runs = []
+        engines, replies = pipelined_replies(loaded, prompt, params, kv_format=kv_format, graphs=lambda e: (
+            runs.append(cuda_graphs.DecodeGraphs(e.model, e.cache)) or runs[-1]))
+        assert replies[0].token_ids == replies[1].token_ids and len(replies[0].token_ids) == 40
+        assert len(set(replies[0].token_ids)) > 5  # a reply, not one token over and over
+        assert_same_cache(engines[0].cache, engines[1].cache)
+        assert all(set(g.graphs) == {(1, 256)} for g in runs)  # every step through the graph of one token
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, qtype, kv_format", [("fp32", "Q4_1", "fp32"), ("bf16", "Q4_1", "bf16"),
+                                                    ("bf16", None, "int8"), ("fp32", "Q4_1", "int4")])
+def test_pipelined_graph_steps_give_the_steps_fed_from_the_host(tmp_path, dtype, qtype, kv_format):
+    """On a GPU: steps enqueued before their token reaches the host, each replaying its CUDA graph with the token
+    copied in on the device, give the very tokens (greedy and sampled) and cache of steps fed from the host."""
+    from llmrun.sampling import SamplingParams
+
+    model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32))
+    loaded = load_model(str(write_gguf(tmp_path / "m.gguf", model, qtype=qtype)), "cuda", dtype, "auto")
+    prompt = torch.randint(0, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    for params in (SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True),
+                   SamplingParams(temperature=1.0, max_new_tokens=60, ignore_eos=True, seed=3)):
+        engines, replies = pipelined_replies(loaded, prompt, params, graphs=None, kv_format=kv_format)
+        assert all(e.graphs is not None and e.graphs.graphs for e in engines)
+        assert replies[0].token_ids == replies[1].token_ids and len(replies[0].token_ids) == 60
+        assert_same_cache(engines[0].cache, engines[1].cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_model_draft_fed_on_the_device_through_graphs(tmp_path, dtype):
+    """On a GPU: a model draft whose tokens feed its next graph replay from the device (read once, k at a time)
+    proposes what a draft fed from the host proposes, so speculative replies, greedy and sampled, are the same."""
+    from llmrun.generate import Engine
+    from llmrun.sampling import SamplingParams
+    from llmrun.speculative import DraftLength, ModelDrafter, Speculator
+
+    cfg = dataclasses.replace(CONFIGS["smollm2"], head_dim=32)
+    target, draft = (load_model(str(write_gguf(tmp_path / f"{name}.gguf", random_model(c, seed=seed), qtype="Q4_1")),
+                                "cuda", dtype, "auto")
+                     for name, c, seed in (("t", cfg, 0), ("d", dataclasses.replace(cfg, n_layers=1), 7)))
+    prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)):
+        runs = []
+        for pipeline in (False, True):
+            engine = Engine(target, 256)
+            drafter = ModelDrafter(Engine(draft, 256), "tiny")
+            drafter.engine.pipeline = pipeline
+            engine.speculator = Speculator(drafter, DraftLength(4, adaptive=False))
+            reply = engine.generate(prompt, params)
+            list(reply)
+            runs.append((reply.token_ids, reply.stats.drafted, reply.stats.accepted, drafter.engine.tokens))
+            assert drafter.engine.graphs is not None and drafter.engine.graphs.graphs
+        assert runs[0] == runs[1] and runs[0][1] > 0

@@ -217,3 +217,107 @@ def test_a_reply_interrupted_before_it_starts_reports_the_context_it_found(smoll
     list(engine.generate([1, 2, 3, 4], SamplingParams(temperature=0, max_new_tokens=3)))
     reply = engine.generate([1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_new_tokens=3))
     assert reply.stats.context_used == len(engine.tokens) > 0 and reply.stats.finish_reason == "interrupted"
+
+
+def assert_same_state(a: Engine, b: Engine):
+    """Both engines' caches hold the same tokens, keys and values alike."""
+    assert a.tokens == b.tokens and a.cache.length == b.cache.length == len(a.tokens)
+    for layer in (0, a.cache.shape[0] - 1):
+        for x, y in zip(a.cache.contents(layer), b.cache.contents(layer)):
+            assert torch.equal(x, y), layer
+
+
+def pipelined_pair(loaded, max_len=256, **options):
+    """Two engines alike but for `pipeline`: the second enqueues each decode step before reading the token it
+    feeds (what a GPU does), here on the CPU, where the same code runs in the same order."""
+    plain, pipelined = Engine(loaded, max_len, **options), Engine(loaded, max_len, **options)
+    plain.pipeline, pipelined.pipeline = False, True
+    return plain, pipelined
+
+
+@pytest.mark.parametrize("question, params, max_len, finish", [
+    ("Count from one to ten.", SamplingParams(temperature=0, max_new_tokens=30), 256, "length"),
+    ("Say hi.", SamplingParams(temperature=0, max_new_tokens=100), 256, "stop"),  # an end token
+    ("Count from one to ten.", SamplingParams(temperature=0, max_new_tokens=40, stop=(" 5", "5")), 256, "stop"),
+    ("Write a short poem.", SamplingParams(temperature=0.8, max_new_tokens=30, seed=11), 256, "length"),
+    ("Write a short poem.", SamplingParams(temperature=1.3, top_k=0, top_p=0.9, min_p=0.0, max_new_tokens=30,
+                                           seed=2), 256, "length"),
+    ("Count from one to ten.", SamplingParams(temperature=0, max_new_tokens=100), 60, "context"),
+], ids=["length", "end-token", "stop-string", "sampled", "sampled-top-p", "context"])
+def test_pipelined_decoding_is_plain_decoding(smollm2, question, params, max_len, finish):
+    """Steps enqueued before their token is read give plain decoding's reply, token for token (sampled too, for the
+    same seed), its figures, and its cache: the step fed past the reply's end leaves no trace; a next turn then
+    continues alike."""
+    engines = pipelined_pair(smollm2, max_len)
+    prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": question}])
+    replies = [e.generate(prompt, params) for e in engines]
+    texts = ["".join(r) for r in replies]
+    a, b = replies
+    assert texts[0] == texts[1] and a.token_ids == b.token_ids and a.token_ids
+    assert a.stats.finish_reason == b.stats.finish_reason == finish
+    for key in ("new_tokens", "decode_steps", "decode_tokens", "context_used"):
+        assert getattr(a.stats, key) == getattr(b.stats, key), key
+    assert_same_state(*engines)
+    if max_len == 256:
+        more = prompt + a.token_ids + smollm2.tokenizer.encode(" And then?")
+        follow = ["".join(e.generate(more, SamplingParams(temperature=0, max_new_tokens=8))) for e in engines]
+        assert follow[0] == follow[1]
+        assert_same_state(*engines)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_pipelined_reply_interrupted_anywhere_keeps_plain_decodings_cache(smollm2, temperature):
+    """Ctrl-C (closing the reply) after any number of pieces: the pipelined engine's cache and token list are the
+    plain engine's (no token it fed ahead, read or not, is left in them)."""
+    prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Count from one to twenty."}])
+    params = SamplingParams(temperature=temperature, max_new_tokens=40, seed=1)
+    for n in (1, 2, 5, 13):
+        engines = pipelined_pair(smollm2)
+        states = []
+        for engine in engines:
+            reply = engine.generate(prompt, params)
+            pieces = iter(reply)
+            for _ in range(n):
+                next(pieces)
+            pieces.close()
+            states.append((reply.token_ids, reply.stats.finish_reason, reply.stats.context_used))
+        assert states[0] == states[1] and states[0][1] == "interrupted"
+        assert_same_state(*engines)
+        assert engines[1].cache.length == len(prompt) + len(states[0][0]) - 1  # the last token read: not yet fed
+
+
+def test_a_draw_that_needs_the_whole_vocabulary_reruns_the_step_fed_ahead(smollm2, monkeypatch):
+    """Where top-k's k-th value ties with a token it left out, the draw is the definition's over the whole
+    vocabulary, not the survivors' token fed ahead: that step is rolled back and run again with the drawn token.
+    Forced here at every step (every row marked inexact): plain decoding's tokens still, every step run twice."""
+    from llmrun import sampling
+
+    def inexact(logits, params, f=sampling.survivors):
+        rows = f(logits, params)
+        return sampling.Survivors(rows.ids, rows.probs, torch.zeros_like(rows.exact))
+
+    monkeypatch.setattr(sampling, "survivors", inexact)
+    plain, pipelined = pipelined_pair(smollm2)
+    rollbacks = []
+    monkeypatch.setattr(pipelined, "rollback", lambda n, f=pipelined.rollback: rollbacks.append(n) or f(n))
+    prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Write a short poem."}])
+    params = SamplingParams(temperature=1.0, top_k=5, max_new_tokens=12, seed=4, ignore_eos=True)
+    replies = [e.generate(prompt, params) for e in (plain, pipelined)]
+    assert "".join(replies[0]) == "".join(replies[1]) and replies[0].token_ids == replies[1].token_ids
+    assert len([n for n in rollbacks if n > len(prompt)]) == 10  # each step fed ahead (11 forwards, the last not)
+    assert_same_state(plain, pipelined)
+
+
+def test_plain_steps_run_exactly_the_steps_asked(smollm2):
+    """`Engine.plain_steps` (the bench's decode loop too) runs `steps` forwards and reads each token, pipelined or
+    not, and leaves the cache holding the prompt and the fed tokens."""
+    from llmrun.sampling import Randomness
+
+    prompt = smollm2.tokenizer.encode("The river flows")
+    got = []
+    for engine in pipelined_pair(smollm2):
+        logits, _ = engine.prefill(prompt)
+        first = int(logits.argmax())
+        got.append(list(engine.plain_steps(first, SamplingParams(temperature=0), Randomness(0), 9)))
+        assert len(got[-1]) == 9 and engine.tokens == prompt + [first] + got[-1][:-1]
+    assert got[0] == got[1]

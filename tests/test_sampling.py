@@ -189,11 +189,34 @@ def test_a_tie_at_the_kth_token_draws_from_the_definition():
     assert chi2 < 18.47, chi2  # 4 degrees of freedom, 0.1% critical value
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.8),
+                                    SamplingParams(temperature=1.2, top_k=0, top_p=0.8, min_p=0.0),
+                                    SamplingParams(temperature=0.7, top_k=3, top_p=1.0, min_p=0.0)])
+def test_a_token_drawn_ahead_is_samples_token(params):
+    """`Ahead` (a draw left on the device for the next forward to read) reads back `sample`'s token for the same
+    generator: random logits, and rows whose k-th value ties (the whole vocabulary's draw, flagged as not the
+    token fed ahead)."""
+    from llmrun.sampling import Ahead
+
+    gen, ties = torch.Generator().manual_seed(5), 0
+    for trial in range(60):
+        logits = (torch.randn(3000, generator=gen) * 3).round() if trial % 3 == 0 else torch.randn(3000, generator=gen)
+        ahead = Ahead(logits, params, torch.Generator().manual_seed(trial))
+        token, fed_right = ahead.read()
+        assert token == sample(logits, params, torch.Generator().manual_seed(trial)), trial
+        assert fed_right == (params.greedy or survivors(logits[None], params).exact.item())
+        assert token == ahead.token.item() or not fed_right
+        ties += not fed_right
+    assert params.greedy or params.top_k == 0 or ties >= 10
+    with pytest.raises(LlmrunError, match="not finite"):
+        Ahead(torch.tensor([1.0, float("nan"), 0.0]), SamplingParams(temperature=1.0, top_k=2), None).read()
+
+
 @pytest.mark.gpu
 def test_a_sampled_token_waits_for_the_device_once():
     """On a GPU nothing in sampling synchronizes but `fetch`'s wait on its own copy: under the sync debug mode
     every implicit wait (`.item()`, `nonzero`, a pageable copy) raises."""
-    from llmrun.sampling import Randomness
+    from llmrun.sampling import Ahead, Randomness
     from llmrun.speculative import Proposal, verify
 
     logits = torch.randn(9, 49152, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3
@@ -208,5 +231,7 @@ def test_a_sampled_token_waits_for_the_device_once():
             sample(logits[0], SamplingParams(temperature=0), None)
             verify(logits, Proposal(drafts), params, Randomness(3), position=10)
             verify(logits, Proposal(drafts, q), params, Randomness(3), position=10)
+            for p in (params, SamplingParams(temperature=0)):  # a draw left on the device, read later
+                Ahead(logits[0], p, torch.Generator().manual_seed(2)).read()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -380,6 +380,61 @@ def test_same_seed_same_speculative_sample(tiny_pair):
     assert first.token_ids == second.token_ids
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True),
+                                    SamplingParams(temperature=1.0, seed=3, max_new_tokens=24, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=5,
+                                                   max_new_tokens=24, ignore_eos=True)])
+def test_a_draft_fed_on_the_device_drafts_as_one_fed_from_the_host(tiny_pair, params):
+    """A model draft on a pipelined engine (a GPU) feeds each draft token to its next forward from the device and
+    reads the k at the end: the same proposals (tokens and q), hence the same reply, and a draft cache holding the
+    same tokens, as a draft fed from the host."""
+    target, draft = tiny_pair
+    runs = []
+    for pipeline in (False, True):
+        engine = Engine(target, 64)
+        drafter = ModelDrafter(Engine(draft, 64), "tiny")
+        drafter.engine.pipeline = pipeline
+        engine.speculator = Speculator(drafter, DraftLength(4, adaptive=False))
+        proposals = []
+        propose = drafter.propose
+        drafter.propose = lambda *a, **kw: proposals.append(propose(*a, **kw)) or proposals[-1]
+        reply = engine.generate([5, 17, 42, 8], params)
+        list(reply)
+        runs.append((reply, proposals, drafter.engine.tokens))
+    (a, pa, ta), (b, pb, tb) = runs
+    assert a.token_ids == b.token_ids and (a.stats.drafted, a.stats.accepted) == (b.stats.drafted, b.stats.accepted)
+    assert a.stats.drafted > 0 and ta == tb and -1 not in tb
+    assert len(pa) == len(pb) and [p.tokens for p in pa] == [p.tokens for p in pb]
+    assert all((x.probs is None) == (y.probs is None) and (x.probs is None or torch.equal(x.probs, y.probs))
+               for x, y in zip(pa, pb))
+    assert params.greedy or all(p.probs.shape == (len(p.tokens), 128) for p in pb)
+
+
+def test_a_draft_fed_on_the_device_ends_at_a_draw_over_the_whole_vocabulary(tiny_pair, monkeypatch):
+    """Where a draft's draw needs the whole vocabulary (a tie at top-k's edge: forced here at every draw), the token
+    fed after it on the device was another: the proposal ends with that draw (the host-fed draft's first token,
+    and its q), and the forwards fed after it leave the draft's cache."""
+    from llmrun import sampling
+
+    def inexact(logits, params, f=sampling.survivors):
+        rows = f(logits, params)
+        return sampling.Survivors(rows.ids, rows.probs, torch.zeros_like(rows.exact))
+
+    monkeypatch.setattr(sampling, "survivors", inexact)
+    _, draft = tiny_pair
+    context, params = [5, 17, 42, 8, 99], SamplingParams(temperature=1.0, top_k=5)
+    got = []
+    for pipeline in (False, True):
+        drafter = ModelDrafter(Engine(draft, 64), "tiny")
+        drafter.engine.pipeline = pipeline
+        drafter.start(context[:-1])
+        got.append((drafter.propose(context, 4, params, Randomness(9)), drafter.engine.tokens))
+    (host, host_tokens), (ahead, ahead_tokens) = got
+    assert len(host.tokens) == 4 and ahead.tokens == host.tokens[:1]
+    assert torch.equal(ahead.probs, host.probs[:1])
+    assert host_tokens == context + host.tokens[:3] and ahead_tokens == context
+
+
 # --- drafters and the K policy ---------------------------------------------------------------------------------
 
 
