@@ -12,6 +12,9 @@ so every timed step attends over the same keys. Timed with device events, median
           an eager step where graphs are off or the profiler sees no kernel inside the replay), and how many
           it launches. An eager step writes the cache by the host path (no fused writes): other kernels.
   floor   the bytes a step must read (weights once, the cache's keys in use) over a device copy's bandwidth
+  loop    a reply's decode loop (`Engine.plain_steps`, greedy, --steps tokens from the same position, wall time a
+          token, median of 3 runs each way, alternating): pipelined (each step enqueued before the host reads the
+          token it feeds) and fed from the host (each step waits for the host's round trip), against the graph step
 graph - kernels is time the GPU spends between kernels (or short of the bandwidth a kernel could draw): what
 fusing launches would win; kernels - floor, what faster kernels would. The table of kernels groups them by name.
 On a CPU the same runs, with the profiler's operators in place of kernels (a check that the script works).
@@ -59,6 +62,27 @@ def timed_steps(engine, token: int, steps: int) -> list[float]:
             times.append(time.perf_counter() - t0)
         engine.rollback(length)
     return times[2:]
+
+
+def timed_loops(engine, token: int, steps: int, runs: int = 3) -> dict[bool, float]:
+    """Wall seconds a token of a reply's greedy decode loop (`Engine.plain_steps`, `steps` tokens from the cache's
+    length, rolled back after), pipelined or not -> {pipeline: median over `runs`}, the two alternating after an
+    untimed run each."""
+    from llmrun.sampling import Randomness, SamplingParams
+
+    length, was, times = len(engine.tokens), engine.pipeline, {True: [], False: []}
+    for i in range(2 * (runs + 1)):
+        engine.pipeline = pipeline = bool(i % 2)
+        _sync(engine)
+        t0 = time.perf_counter()
+        for _ in engine.plain_steps(token, SamplingParams(temperature=0), Randomness(0), steps):
+            pass
+        _sync(engine)
+        if i >= 2:
+            times[pipeline].append((time.perf_counter() - t0) / steps)
+        engine.rollback(length)
+    engine.pipeline = was
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def timed_prefills(engine, prompt: list[int], runs: int) -> list[float]:
@@ -195,6 +219,7 @@ def main() -> int:
         engine.prefill(workload.prompt)
         token = workload.prompt[-1]
         graph = timed_steps(engine, token, args.steps)
+        loops = timed_loops(engine, token, args.steps)
         table, launches = kernel_table(engine, token) if engine.graphs is not None else ([], 0)
         kernels_of = "graph replay"
         graphs, engine.graphs = engine.graphs, None
@@ -210,6 +235,7 @@ def main() -> int:
         "graph_step_s": statistics.median(graph), "eager_step_s": statistics.median(eager),
         "kernels_step_s": sum(r["us"] for r in table) / 1e6, "launches": launches, "kernels_of": kernels_of,
         "bytes_per_step": read, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "floor_step_s": read / bandwidth,
+        "loop_pipelined_step_s": loops[True], "loop_host_fed_step_s": loops[False],
     }
     doc = {"model": name, "config": vars(settings) | {"prompt_tokens": args.prompt_tokens},
            "graphs": graphs is not None and not graphs.failed, **figures, "kernels": table,
@@ -224,7 +250,9 @@ def main() -> int:
         "|---|---|---|",
         *(f"| {label} | {ms(figures[key])} | {figures[key] / figures['floor_step_s']:.2f}x |" for label, key in
           (("graph" if doc["graphs"] else "graph (off: eager)", "graph_step_s"), ("eager", "eager_step_s"),
-           (f"kernels ({launches} launches, {kernels_of})", "kernels_step_s"), ("floor", "floor_step_s"))),
+           (f"kernels ({launches} launches, {kernels_of})", "kernels_step_s"), ("floor", "floor_step_s"),
+           ("decode loop, pipelined (a token)", "loop_pipelined_step_s"),
+           ("decode loop, fed from the host (a token)", "loop_host_fed_step_s"))),
         "",
         f"floor: {read / 1e9:.3f} GB a step at {figures['copy_bandwidth_gb_s']} GB/s (a device copy, this run)",
         "",

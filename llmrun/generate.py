@@ -6,7 +6,6 @@ extends the previous one (the next chat turn) prefills only its new tokens.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
@@ -305,26 +304,24 @@ class Generation:
             tokens = [sample(logits, params, rng.at(len(engine.tokens)), self._history())]
             t_first = time.perf_counter()
             stats.ttft_s = t_first - t0
-            plain = spec is None and self._constraint is None and params.repetition_penalty == 1.0
-            if plain:  # one token a forward (`Engine.plain_steps`)
-                yield from self._plain(tokens[0], rng)
-            else:
-                while True:
-                    for used, token in enumerate(tokens, 1):
-                        piece = self._take(token)
-                        if piece:
-                            self.text += piece
-                            yield piece
-                        if stats.finish_reason != "interrupted":
-                            self._uncount(len(tokens) - used)
-                            break
+            while True:
+                for used, token in enumerate(tokens, 1):
+                    piece = self._take(token)
+                    if piece:
+                        self.text += piece
+                        yield piece
+                    if stats.finish_reason != "interrupted":
+                        self._uncount(len(tokens) - used)
+                        break
+                else:
+                    if len(engine.tokens) >= engine.max_len:
+                        stats.finish_reason = "context"
+                    elif self._plainly():  # one token a forward from here on (`Engine.plain_steps`)
+                        yield from self._plain(tokens[-1], rng)
                     else:
-                        if len(engine.tokens) >= engine.max_len:
-                            stats.finish_reason = "context"
-                        else:
-                            tokens = self._step(tokens[-1], rng)
-                            continue
-                    break
+                        tokens = self._step(tokens[-1], rng)
+                        continue
+                break
             if not self._stops.stopped:
                 tail = self._stops.feed(self._detok.flush())
                 tail += "" if self._stops.stopped else self._stops.flush()
@@ -340,25 +337,33 @@ class Generation:
             if t_first is not None:
                 stats.decode_s = time.perf_counter() - t_first
 
-    def _plain(self, first: int, rng: Randomness):
-        """Plain decoding after the reply's first token: yield the text of each token until the reply ends."""
+    def _plainly(self) -> bool:
+        """Whether the reply goes on by plain decoding: no drafts (no speculator, or one that can never pay), no
+        grammar, no repetition penalty (whose history would be the token list, read on the host)."""
+        spec = self.engine.speculator
+        return ((spec is None or spec.length.hopeless) and self._constraint is None
+                and self.params.repetition_penalty == 1.0)
+
+    def _plain(self, token: int, rng: Randomness):
+        """Plain decoding from `token` (sampled and taken, not yet fed) on: yield the text of each token until the
+        reply ends."""
         engine, stats = self.engine, self.stats
-        # the forwards plain decoding may run after the first token: one a token up to the reply's length, while
-        # the context has room
-        room = int(min(self.params.max_new_tokens - 1, engine.max_len - len(engine.tokens)))
-        steps = engine.plain_steps(first, self.params, rng, room)
+        # the forwards plain decoding may run: one a token up to the reply's length, while the context has room
+        room = int(min(self.params.max_new_tokens - stats.new_tokens, engine.max_len - len(engine.tokens)))
+        steps = engine.plain_steps(token, self.params, rng, room)
         try:
-            for i, token in enumerate(itertools.chain([first], steps)):
-                if i:  # a step's token (the first is the prefill's)
-                    stats.decode_steps += 1
-                    stats.decode_tokens += 1
+            for token in steps:
+                stats.decode_steps += 1
+                stats.decode_tokens += 1
+                if engine.speculator is not None:
+                    stats.draft_k = 0
                 piece = self._take(token)
                 if piece:
                     self.text += piece
                     yield piece
                 if stats.finish_reason != "interrupted":
                     return
-            stats.finish_reason = "context"  # steps ran out before the reply's length: the context is full
+            stats.finish_reason = "context"  # the steps ran out before the reply's length: the context is full
         finally:
             steps.close()  # a forward fed past the reply's end leaves the cache now
 

@@ -435,6 +435,27 @@ def test_a_draft_fed_on_the_device_ends_at_a_draw_over_the_whole_vocabulary(tiny
     assert host_tokens == context + host.tokens[:3] and ahead_tokens == context
 
 
+def test_a_speculator_that_can_never_pay_leaves_the_reply_to_plain_decoding(engine, smollm2, monkeypatch):
+    """Once the policy finds that no draft length could beat a plain step (`hopeless`), the reply goes on by plain
+    decoding, pipelined where the engine is (here forced on the CPU): plain greedy's tokens, no proposal asked for,
+    K reported as 0."""
+    ids = smollm2.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    plain, _ = _generate(engine, ids, params)
+    drafter = NgramDrafter(3)
+    monkeypatch.setattr(drafter, "propose", lambda *a, **kw: pytest.fail("a hopeless speculator drafted"))
+    length = DraftLength(4)
+    length.hopeless = True
+    steps = []
+    monkeypatch.setattr(engine, "plain_steps", lambda *a, f=engine.plain_steps: steps.append(a) or f(*a))
+    monkeypatch.setattr(engine, "pipeline", True)
+    reply, _ = _generate(engine, ids, params, Speculator(drafter, length))
+    assert reply.token_ids == plain.token_ids and len(steps) == 1
+    assert reply.stats.draft_k == 0 and reply.stats.drafted == 0
+    assert reply.stats.decode_steps == plain.stats.decode_steps
+    engine.speculator = None
+
+
 # --- drafters and the K policy ---------------------------------------------------------------------------------
 
 
