@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -185,9 +185,12 @@ class Engine:
         self.tokens.extend([UNREAD] * len(ids) if torch.is_tensor(ids) else ids)
         return logits[0, -1] if last_only else logits[0]
 
-    def plain_steps(self, token: int, params: SamplingParams, rng: Randomness, steps: int) -> Iterator[int]:
+    def plain_steps(self, token: int, params: SamplingParams, rng: Randomness, steps: int,
+                    go_on: Callable[[], bool] | None = None) -> Iterator[int]:
         """Plain decoding: feed `token`, then each token sampled after it, `steps` forwards at most, and yield each
-        sampled token (`sample`'s, for the same seed) as the host reads it.
+        sampled token (`sample`'s, for the same seed) as the host reads it. `go_on`, when given, is asked before each
+        forward after the first, while the token that forward would feed is not yet yielded: False ends the steps
+        after that token (not fed).
 
         On a pipelined engine (`pipeline`: a GPU) the next forward is enqueued before the host reads the token it
         feeds, straight from the device where the draw left it, so the device goes from step to step while the
@@ -198,10 +201,13 @@ class Engine:
         if steps <= 0:
             return
         if not self.pipeline:
-            for _ in range(steps):
+            for i in range(steps):
                 logits = self.forward([token])
                 token = sample(logits, params, None if params.greedy else rng.at(len(self.tokens)))
+                more = i + 1 < steps and (go_on is None or go_on())
                 yield token
+                if not more:
+                    return
             return
 
         def launch(fed) -> Ahead:  # a forward fed `fed` (a host token or a device one), and the draw after it
@@ -212,18 +218,19 @@ class Engine:
         try:
             while ahead is not None:
                 nxt = None
-                if launched < steps:
+                if launched < steps and (go_on is None or go_on()):
                     spare = len(self.tokens)
                     nxt, launched = launch(ahead.token), launched + 1
                 token, fed_right = ahead.read()
-                if nxt is not None and not fed_right:
+                redo = nxt is not None and not fed_right
+                if redo:
                     self.rollback(spare)
                     nxt, launched = None, launched - 1
                 elif nxt is not None:
                     self.tokens[spare] = token
                 yield token
                 spare = None  # the consumer took the token: the forward that fed it (or will) is plain decoding's
-                if nxt is None and launched < steps:
+                if redo:
                     nxt, launched = launch(token), launched + 1
                 ahead = nxt
         finally:
@@ -277,6 +284,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.text = ""
         self._last_step = None  # (drafting, tokens proposed, accepted) of the latest _step
+        self._chosen = None  # the policy's K for the next step, chosen ahead of it (`_paused`, `_plain`)
 
     def __iter__(self):
         engine, params, stats = self.engine, self.params, self.stats
@@ -318,6 +326,11 @@ class Generation:
                         stats.finish_reason = "context"
                     elif self._plainly():  # one token a forward from here on (`Engine.plain_steps`)
                         yield from self._plain(tokens[-1], rng)
+                    elif self._paused():  # the policy drafts nothing for now: plain steps until it drafts again
+                        last = yield from self._plain(tokens[-1], rng, until_drafting=True)
+                        if last is not None:
+                            tokens = self._step(last, rng)  # the step the policy chose to draft
+                            continue
                     else:
                         tokens = self._step(tokens[-1], rng)
                         continue
@@ -344,26 +357,62 @@ class Generation:
         return ((spec is None or spec.length.hopeless) and self._constraint is None
                 and self.params.repetition_penalty == 1.0)
 
-    def _plain(self, token: int, rng: Randomness):
+    def _paused(self) -> bool:
+        """Whether a speculative reply on a pipelined engine goes on by plain steps for now: the policy chose K = 0
+        for the next step (kept in `_chosen` for `_step` otherwise), no grammar, no repetition penalty."""
+        engine, spec = self.engine, self.engine.speculator
+        if not engine.pipeline or self._constraint is not None or self.params.repetition_penalty != 1.0:
+            return False
+        self._chosen = spec.length.choose(self._room(len(engine.tokens), self.stats.new_tokens))
+        return self._chosen == 0
+
+    def _room(self, start: int, taken: int) -> int:
+        """The draft tokens a step fed at `start` may verify, `taken` tokens of the reply counted: what the token
+        budget, the context and an evicting cache's largest write leave."""
+        engine = self.engine
+        return int(min(self.params.max_new_tokens - taken - 1, engine.max_len - start - 1, engine.max_block - 1))
+
+    def _plain(self, token: int, rng: Randomness, until_drafting: bool = False):
         """Plain decoding from `token` (sampled and taken, not yet fed) on: yield the text of each token until the
-        reply ends."""
-        engine, stats = self.engine, self.stats
+        reply ends, or, `until_drafting` (a speculative reply whose policy drafts nothing for now), until the policy
+        chooses to draft for the next step: -> the last token then (taken, not fed; else None). Each step's time goes
+        to the policy as a plain step's."""
+        engine, stats, spec = self.engine, self.stats, self.engine.speculator
+        drafts_next = []
+
+        def go_on() -> bool:  # asked before each step, its token not yet taken: the policy's K for it
+            k = spec.length.choose(self._room(len(engine.tokens), stats.new_tokens + 1))
+            if k:
+                self._chosen = k
+                drafts_next.append(k)
+            return not k
+
         # the forwards plain decoding may run: one a token up to the reply's length, while the context has room
         room = int(min(self.params.max_new_tokens - stats.new_tokens, engine.max_len - len(engine.tokens)))
-        steps = engine.plain_steps(token, self.params, rng, room)
+        steps = engine.plain_steps(token, self.params, rng, room, go_on if until_drafting else None)
         try:
-            for token in steps:
+            while True:
+                t0, captured = time.perf_counter(), cuda_graphs.captures()
+                nxt = next(steps, None)
+                if nxt is None:
+                    break
+                token = nxt
+                if spec is not None:
+                    stats.draft_k = 0
+                    if cuda_graphs.captures() == captured:
+                        spec.length.observe(0, 0, time.perf_counter() - t0, 0.0)
                 stats.decode_steps += 1
                 stats.decode_tokens += 1
-                if engine.speculator is not None:
-                    stats.draft_k = 0
                 piece = self._take(token)
                 if piece:
                     self.text += piece
                     yield piece
                 if stats.finish_reason != "interrupted":
-                    return
+                    return None
+            if drafts_next:
+                return token
             stats.finish_reason = "context"  # the steps ran out before the reply's length: the context is full
+            return None
         finally:
             steps.close()  # a forward fed past the reply's end leaves the cache now
 
@@ -417,7 +466,8 @@ class Generation:
         proposal, k, t0 = Proposal(forced), 0, time.perf_counter()
         captured = cuda_graphs.captures()
         if drafting:
-            k = spec.length.choose(room)
+            k = spec.length.choose(room) if self._chosen is None else self._chosen
+            self._chosen = None
             stats.draft_k = k
             if k:
                 proposal = spec.drafter.propose(engine.tokens + [token], k, params, rng, constraint)

@@ -456,6 +456,67 @@ def test_a_speculator_that_can_never_pay_leaves_the_reply_to_plain_decoding(engi
     engine.speculator = None
 
 
+class ScriptedLength(DraftLength):
+    """The K policy as a script (cycled), recording what it was asked (room, K) and told (drafted, accepted)."""
+
+    def __init__(self, script):
+        super().__init__(8, adaptive=False)
+        self.script, self.calls, self.observed = script, [], []
+
+    def choose(self, room):
+        self.k = min(self.script[len(self.calls) % len(self.script)], max(room, 0))
+        self.calls.append((room, self.k))
+        return self.k
+
+    def observe(self, drafted, accepted, target_s, draft_s):
+        self.observed.append((drafted, accepted))
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_paused_drafting_runs_pipelined_plain_steps(engine, smollm2, monkeypatch, temperature):
+    """On a pipelined engine (forced here on the CPU) the plain steps of a speculative reply, where the policy drafts
+    nothing, run as pipelined plain decoding until the policy drafts again: the same steps, K for K (the policy asked
+    with the same room, told the same outcomes), the same figures, and the plain reply's tokens (a fixed draft's
+    blocks take the plain sampler's very tokens, sampled too); the cache ends consistent."""
+    from llmrun.generate import UNREAD
+
+    ids = smollm2.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=temperature, seed=7, max_new_tokens=40)
+    plain, plain_text = _generate(engine, ids, params)
+    runs = []
+    for pipeline in (False, True):
+        monkeypatch.setattr(engine, "pipeline", pipeline)
+        fed_ahead = []
+        monkeypatch.setattr(engine, "forward", lambda ids, *a, f=Engine.forward.__get__(engine), **kw: (
+            fed_ahead.append(torch.is_tensor(ids)) or f(ids, *a, **kw)))
+        length = ScriptedLength([0, 0, 0, 3, 0, 2, 0, 0, 0, 0, 4, 1, 0])
+        reply, text = _generate(engine, ids, params, Speculator(OracleDrafter(ids, plain.token_ids, wrong=5), length))
+        runs.append((reply, text, length, sum(fed_ahead)))
+        assert engine.cache.length == len(engine.tokens) and UNREAD not in engine.tokens
+    (a, text_a, la, ahead_a), (b, text_b, lb, ahead_b) = runs
+    assert a.token_ids == b.token_ids == plain.token_ids and text_a == text_b == plain_text
+    assert la.observed == lb.observed and la.calls == lb.calls[: len(la.calls)]
+    for key in ("drafted", "accepted", "decode_steps", "decode_tokens", "new_tokens", "finish_reason"):
+        assert getattr(a.stats, key) == getattr(b.stats, key), key
+    assert 0 < a.stats.accepted < a.stats.drafted and sum(d == 0 for d, _ in la.observed) > 10
+    assert ahead_a == 0 and ahead_b > 10  # the plain runs fed their tokens from the device
+    for n in (2, 5, 11):  # Ctrl-C after n pieces: the same conversation kept either way
+        states = []
+        for pipeline in (False, True):
+            monkeypatch.setattr(engine, "pipeline", pipeline)
+            engine.reset()
+            engine.speculator = Speculator(OracleDrafter(ids, plain.token_ids, wrong=5),
+                                           ScriptedLength([0, 0, 0, 3, 0, 2, 0, 0, 0, 0, 4, 1, 0]))
+            reply = engine.generate(ids, params)
+            pieces = iter(reply)
+            for _ in range(n):
+                next(pieces)
+            pieces.close()
+            states.append((reply.token_ids, list(engine.tokens), engine.cache.length))
+        assert states[0] == states[1] and states[1][2] == len(states[1][1]), n
+    engine.speculator = None
+
+
 # --- drafters and the K policy ---------------------------------------------------------------------------------
 
 
