@@ -446,9 +446,9 @@ def test_pipelined_graph_steps_give_the_steps_fed_from_the_host(tmp_path, dtype,
 def test_a_model_draft_fed_on_the_device_through_graphs(tmp_path, dtype):
     """On a GPU: a model draft whose tokens feed its next graph replay from the device (read once, k at a time)
     proposes what a draft fed from the host proposes, so speculative replies, greedy and sampled, are the same."""
-    from llmrun.generate import Engine
     from llmrun.sampling import SamplingParams
-    from llmrun.speculative import DraftLength, ModelDrafter, Speculator
+
+    from .test_speculative import drafting_engine
 
     cfg = dataclasses.replace(CONFIGS["smollm2"], head_dim=32)
     target, draft = (load_model(str(write_gguf(tmp_path / f"{name}.gguf", random_model(c, seed=seed), qtype="Q4_1")),
@@ -459,10 +459,7 @@ def test_a_model_draft_fed_on_the_device_through_graphs(tmp_path, dtype):
                    SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)):
         runs = []
         for pipeline in (False, True):
-            engine = Engine(target, 256)
-            drafter = ModelDrafter(Engine(draft, 256), "tiny")
-            drafter.engine.pipeline = pipeline
-            engine.speculator = Speculator(drafter, DraftLength(4, adaptive=False))
+            engine, drafter = drafting_engine(target, draft, 256, pipeline)
             reply = engine.generate(prompt, params)
             list(reply)
             runs.append((reply.token_ids, reply.stats.drafted, reply.stats.accepted, drafter.engine.tokens))

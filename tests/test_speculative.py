@@ -380,6 +380,16 @@ def test_same_seed_same_speculative_sample(tiny_pair):
     assert first.token_ids == second.token_ids
 
 
+def drafting_engine(target, draft, ctx: int, pipeline: bool):
+    """An engine of `target` drafting 4 tokens a step with `draft` (its engine pipelined or not) -> (engine,
+    drafter)."""
+    engine = Engine(target, ctx)
+    drafter = ModelDrafter(Engine(draft, ctx), "tiny")
+    drafter.engine.pipeline = pipeline
+    engine.speculator = Speculator(drafter, DraftLength(4, adaptive=False))
+    return engine, drafter
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True),
                                     SamplingParams(temperature=1.0, seed=3, max_new_tokens=24, ignore_eos=True),
                                     SamplingParams(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=5,
@@ -391,10 +401,7 @@ def test_a_draft_fed_on_the_device_drafts_as_one_fed_from_the_host(tiny_pair, pa
     target, draft = tiny_pair
     runs = []
     for pipeline in (False, True):
-        engine = Engine(target, 64)
-        drafter = ModelDrafter(Engine(draft, 64), "tiny")
-        drafter.engine.pipeline = pipeline
-        engine.speculator = Speculator(drafter, DraftLength(4, adaptive=False))
+        engine, drafter = drafting_engine(target, draft, 64, pipeline)
         proposals = []
         propose = drafter.propose
         drafter.propose = lambda *a, **kw: proposals.append(propose(*a, **kw)) or proposals[-1]
