@@ -135,7 +135,8 @@ class DecodeGraphs:
                               "running it eagerly", RuntimeWarning, stacklevel=2)
                 return None
         if g.copied is not None:
-            g.copied.synchronize()  # (long done: the caller read the last logits)
+            g.copied.synchronize()  # `host`'s last copy has run: pipelined decoding enqueues a step while the
+            # step before runs, whose copy ran before it started, so this does not wait
         g.host.copy_(staged)
         g.inputs.copy_(g.host, non_blocking=True)
         if g.copied is not None:
