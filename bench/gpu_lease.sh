@@ -62,7 +62,9 @@ export GPU_RESUME=1
 # the 8B's INT8 split kernel at 8k) goes in a second call on the warm machine:
 #     GPU_RESUME=1 GPU_RERUN="profile-llama3-8b-p128 profile-llama3.2-1b-p128 profile-llama3.2-1b-p128-weights-int4" \
 #         LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=profile timeout 250 bash bench/gpu.sh
-# (its first three profiles measure the launches a layer, 12 -> 10, and the float matmuls on the GEMV)
+# (its first three profiles measure the launches a layer, 12 -> 8, and the float matmuls on the GEMV; each profile
+# also times a reply's decode loop pipelined and fed from the host, GPU_NOTES' prediction for the pipelining; the
+# replay's plain rows run pipelined too, and its T 0.8 rows measure the sampling that waits once a token)
 export GPU_RERUN="qwen-pair-replay-int4 llama3.1-8b-kv-speed-8192 llama3.1-8b-kv-speed-32768"
 export GPU_RETEST="test_triton_attention test_triton_quant_matmul test_speculative test_cuda_graphs test_triton_model"
 step 90 gemv
