@@ -146,9 +146,9 @@ class Engine:
         self.grammar = None
         self.graphs = cuda_graphs.for_engine(self.model, self.cache)  # on CUDA: decode steps as CUDA graphs
         # plain decoding enqueues each step before the host reads the token it feeds (`plain_steps`): where the
-        # device runs behind the host (CUDA) and the cache never evicts (a forward past a reply's end must leave
-        # it without a trace: an evicting cache may have dropped tokens to make room for it)
-        self.pipeline = (self.device.type == "cuda" and eviction is None
+        # device runs behind the host (CUDA), and a forward fed past a reply's end can leave the cache without a
+        # trace (not H2O's: its attention adds to the mass of the tokens it keeps)
+        self.pipeline = (self.device.type == "cuda" and (eviction is None or eviction.policy == "window")
                          and os.environ.get("LLMRUN_PIPELINE", "1") != "0")
 
     def sibling(self, loaded: LoadedModel | None = None, model=None) -> Engine:
@@ -197,7 +197,9 @@ class Engine:
         host streams, detokenizes and checks for stops. A forward fed past the reply's end (the consumer stops
         taking tokens: an end token, a stop string, Ctrl-C) leaves the cache when the generator closes, so the cache
         and the token list end as plain decoding leaves them. A draw that needs the whole vocabulary (a tie at
-        top-k's edge) gives another token than the one fed ahead: that forward is rolled back and run again."""
+        top-k's edge) gives another token than the one fed ahead: that forward is rolled back and run again. A
+        forward that must first evict (or renumber positions) waits for its token instead: a rollback could not undo
+        it."""
         if steps <= 0:
             return
         if not self.pipeline:
@@ -218,20 +220,21 @@ class Engine:
         try:
             while ahead is not None:
                 nxt = None
-                if launched < steps and (go_on is None or go_on()):
+                more = launched < steps and (go_on is None or go_on())  # a forward is to feed `ahead`'s token
+                if more and self.cache.writes_freely(1):
                     spare = len(self.tokens)
-                    nxt, launched = launch(ahead.token), launched + 1
+                    nxt = launch(ahead.token)
                 token, fed_right = ahead.read()
-                redo = nxt is not None and not fed_right
-                if redo:
+                if nxt is not None and not fed_right:
                     self.rollback(spare)
-                    nxt, launched = None, launched - 1
+                    nxt = None
                 elif nxt is not None:
                     self.tokens[spare] = token
                 yield token
                 spare = None  # the consumer took the token: the forward that fed it (or will) is plain decoding's
-                if redo:
-                    nxt, launched = launch(token), launched + 1
+                if more and nxt is None:  # not fed ahead (it evicts first), or fed another token (a tie)
+                    nxt = launch(token)
+                launched += more
                 ahead = nxt
         finally:
             if spare is not None and len(self.tokens) > spare:

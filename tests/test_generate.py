@@ -220,8 +220,9 @@ def test_a_reply_interrupted_before_it_starts_reports_the_context_it_found(smoll
 
 
 def assert_same_state(a: Engine, b: Engine):
-    """Both engines' caches hold the same tokens, keys and values alike."""
-    assert a.tokens == b.tokens and a.cache.length == b.cache.length == len(a.tokens)
+    """Both engines' caches hold the same tokens, keys and values alike (an evicting one: the same kept)."""
+    assert a.tokens == b.tokens and (a.cache.length, a.cache.evicted) == (b.cache.length, b.cache.evicted)
+    assert a.cache.seen == len(a.tokens)
     for layer in (0, a.cache.shape[0] - 1):
         for x, y in zip(a.cache.contents(layer), b.cache.contents(layer)):
             assert torch.equal(x, y), layer
@@ -265,14 +266,16 @@ def test_pipelined_decoding_is_plain_decoding(smollm2, question, params, max_len
         assert_same_state(*engines)
 
 
-@pytest.mark.parametrize("temperature", [0, 0.8])
-def test_a_pipelined_reply_interrupted_anywhere_keeps_plain_decodings_cache(smollm2, temperature):
+@pytest.mark.parametrize("temperature, evict", [(0, False), (0.8, False), (0, True)])
+def test_a_pipelined_reply_interrupted_anywhere_keeps_plain_decodings_cache(smollm2, temperature, evict):
     """Ctrl-C (closing the reply) after any number of pieces: the pipelined engine's cache and token list are the
-    plain engine's (no token it fed ahead, read or not, is left in them)."""
+    plain engine's (no token it fed ahead, read or not, is left in them), over a window cache too."""
+    from llmrun.kv_cache import Eviction
+
     prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Count from one to twenty."}])
-    params = SamplingParams(temperature=temperature, max_new_tokens=40, seed=1)
-    for n in (1, 2, 5, 13):
-        engines = pipelined_pair(smollm2)
+    params = SamplingParams(temperature=temperature, max_new_tokens=60, seed=1)
+    for n in range(1, 46) if evict else (1, 2, 5, 13):
+        engines = pipelined_pair(smollm2, eviction=Eviction("window", 64) if evict else None)
         states = []
         for engine in engines:
             reply = engine.generate(prompt, params)
@@ -283,7 +286,8 @@ def test_a_pipelined_reply_interrupted_anywhere_keeps_plain_decodings_cache(smol
             states.append((reply.token_ids, reply.stats.finish_reason, reply.stats.context_used))
         assert states[0] == states[1] and states[0][1] == "interrupted"
         assert_same_state(*engines)
-        assert engines[1].cache.length == len(prompt) + len(states[0][0]) - 1  # the last token read: not yet fed
+        assert engines[1].cache.seen == len(prompt) + len(states[0][0]) - 1  # the last token read: not yet fed
+    assert not evict or engines[1].cache.evicted > 0
 
 
 def test_a_draw_that_needs_the_whole_vocabulary_reruns_the_step_fed_ahead(smollm2, monkeypatch):
@@ -308,16 +312,53 @@ def test_a_draw_that_needs_the_whole_vocabulary_reruns_the_step_fed_ahead(smollm
     assert_same_state(plain, pipelined)
 
 
-def test_plain_steps_run_exactly_the_steps_asked(smollm2):
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_pipelined_decoding_over_a_window_cache(smollm2, monkeypatch, temperature):
+    """Over a cache that evicts (a sink window of 64 tokens) a step that must evict first is not fed ahead (a
+    rollback could not bring its evicted tokens back): it waits for its token; every other step is fed ahead. The
+    replies, next turn included, and the kept tokens are plain decoding's."""
+    from llmrun.kv_cache import Eviction
+
+    engines = pipelined_pair(smollm2, eviction=Eviction("window", 64))
+    fed_ahead, evictions = [], []
+    monkeypatch.setattr(engines[1], "forward", lambda ids, *a, f=engines[1].forward, **kw: (
+        fed_ahead.append(torch.is_tensor(ids)) or f(ids, *a, **kw)))
+    cache = engines[1].cache
+    monkeypatch.setattr(cache, "_evict", lambda *a, f=cache._evict: evictions.append(cache.seen) or f(*a))
+    prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Write a long story about a dragon."}])
+    params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=120, ignore_eos=True)
+    texts = ["".join(e.generate(prompt, params)) for e in engines]
+    assert texts[0] == texts[1]
+    assert_same_state(*engines)
+    # 119 forwards after the prompt's pieces: the first fed from the host, and each that evicted, the rest from the
+    # device
+    pieces = -(-len(prompt) // engines[1].prefill_chunk)
+    assert engines[1].cache.evicted > 50 and len(evictions) >= 3 and len(fed_ahead) == pieces + 119
+    assert sum(fed_ahead) == 119 - 1 - len([e for e in evictions if e > len(prompt)])
+    more = list(engines[0].tokens) + smollm2.tokenizer.encode(" Then?")
+    follow = ["".join(e.generate(more, SamplingParams(temperature=0, max_new_tokens=8))) for e in engines]
+    assert follow[0] == follow[1]
+    assert_same_state(*engines)
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_plain_steps_run_exactly_the_steps_asked(smollm2, evict):
     """`Engine.plain_steps` (the bench's decode loop too) runs `steps` forwards and reads each token, pipelined or
-    not, and leaves the cache holding the prompt and the fed tokens."""
+    not (and over a window cache, whose evicting steps wait for their tokens), and leaves the cache holding the
+    prompt and the fed tokens."""
+    from llmrun.kv_cache import Eviction
     from llmrun.sampling import Randomness
 
     prompt = smollm2.tokenizer.encode("The river flows")
+    steps = 90 if evict else 9
     got = []
-    for engine in pipelined_pair(smollm2):
+    for engine in pipelined_pair(smollm2, eviction=Eviction("window", 64) if evict else None):
+        forwards = []
+        engine.forward = lambda ids, *a, f=engine.forward, **kw: forwards.append(torch.is_tensor(ids)) or f(ids, *a, **kw)
         logits, _ = engine.prefill(prompt)
         first = int(logits.argmax())
-        got.append(list(engine.plain_steps(first, SamplingParams(temperature=0), Randomness(0), 9)))
-        assert len(got[-1]) == 9 and engine.tokens == prompt + [first] + got[-1][:-1]
+        got.append(list(engine.plain_steps(first, SamplingParams(temperature=0), Randomness(0), steps)))
+        assert len(got[-1]) == steps and len(forwards) == 1 + steps  # the prefill's forward, then one a token
+        assert engine.tokens == prompt + [first] + got[-1][:-1]
+        assert (engine.cache.evicted > 0) == evict
     assert got[0] == got[1]

@@ -380,28 +380,33 @@ def test_same_seed_same_speculative_sample(tiny_pair):
     assert first.token_ids == second.token_ids
 
 
-def drafting_engine(target, draft, ctx: int, pipeline: bool):
+def drafting_engine(target, draft, ctx: int, pipeline: bool, eviction=None):
     """An engine of `target` drafting 4 tokens a step with `draft` (its engine pipelined or not) -> (engine,
     drafter)."""
-    engine = Engine(target, ctx)
-    drafter = ModelDrafter(Engine(draft, ctx), "tiny")
+    engine = Engine(target, ctx, eviction=eviction)
+    drafter = ModelDrafter(engine.sibling(draft), "tiny")
     drafter.engine.pipeline = pipeline
     engine.speculator = Speculator(drafter, DraftLength(4, adaptive=False))
     return engine, drafter
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True),
-                                    SamplingParams(temperature=1.0, seed=3, max_new_tokens=24, ignore_eos=True),
-                                    SamplingParams(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=5,
-                                                   max_new_tokens=24, ignore_eos=True)])
-def test_a_draft_fed_on_the_device_drafts_as_one_fed_from_the_host(tiny_pair, params):
+@pytest.mark.parametrize("params, evict", [
+    (SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True), False),
+    (SamplingParams(temperature=1.0, seed=3, max_new_tokens=24, ignore_eos=True), False),
+    (SamplingParams(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=5, max_new_tokens=24, ignore_eos=True),
+     False),
+    (SamplingParams(temperature=1.0, seed=3, max_new_tokens=100, ignore_eos=True), True),
+])
+def test_a_draft_fed_on_the_device_drafts_as_one_fed_from_the_host(tiny_pair, params, evict):
     """A model draft on a pipelined engine (a GPU) feeds each draft token to its next forward from the device and
     reads the k at the end: the same proposals (tokens and q), hence the same reply, and a draft cache holding the
-    same tokens, as a draft fed from the host."""
+    same tokens, as a draft fed from the host; over window caches too (the draft's room made before it drafts)."""
+    from llmrun.kv_cache import Eviction
+
     target, draft = tiny_pair
     runs = []
     for pipeline in (False, True):
-        engine, drafter = drafting_engine(target, draft, 64, pipeline)
+        engine, drafter = drafting_engine(target, draft, 64, pipeline, Eviction("window", 64) if evict else None)
         proposals = []
         propose = drafter.propose
         drafter.propose = lambda *a, **kw: proposals.append(propose(*a, **kw)) or proposals[-1]
@@ -411,6 +416,7 @@ def test_a_draft_fed_on_the_device_drafts_as_one_fed_from_the_host(tiny_pair, pa
     (a, pa, ta), (b, pb, tb) = runs
     assert a.token_ids == b.token_ids and (a.stats.drafted, a.stats.accepted) == (b.stats.drafted, b.stats.accepted)
     assert a.stats.drafted > 0 and ta == tb and -1 not in tb
+    assert not evict or drafter.engine.cache.evicted > 0
     assert len(pa) == len(pb) and [p.tokens for p in pa] == [p.tokens for p in pb]
     assert all((x.probs is None) == (y.probs is None) and (x.probs is None or torch.equal(x.probs, y.probs))
                for x, y in zip(pa, pb))
