@@ -354,7 +354,8 @@ def test_plain_steps_run_exactly_the_steps_asked(smollm2, evict):
     got = []
     for engine in pipelined_pair(smollm2, eviction=Eviction("window", 64) if evict else None):
         forwards = []
-        engine.forward = lambda ids, *a, f=engine.forward, **kw: forwards.append(torch.is_tensor(ids)) or f(ids, *a, **kw)
+        engine.forward = lambda ids, *a, f=engine.forward, **kw: (
+            forwards.append(torch.is_tensor(ids)) or f(ids, *a, **kw))
         logits, _ = engine.prefill(prompt)
         first = int(logits.argmax())
         got.append(list(engine.plain_steps(first, SamplingParams(temperature=0), Randomness(0), steps)))
