@@ -463,7 +463,7 @@ class Generation:
         engine, params, stats, constraint = self.engine, self.params, self.stats, self._constraint
         spec = engine.speculator
         start = len(engine.tokens)
-        room = int(min(params.max_new_tokens - stats.new_tokens - 1, engine.max_len - start - 1, engine.max_block - 1))
+        room = self._room(start, stats.new_tokens)
         forced = [] if constraint is None else constraint.forced_tokens(engine.tokenizer, room)
         drafting = spec is not None and not forced
         proposal, k, t0 = Proposal(forced), 0, time.perf_counter()
