@@ -466,8 +466,8 @@ def environment(device: str) -> dict:
                                     cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             commit = None
-    settings = {k: v for k, v in sorted(os.environ.items())  # a profile's variant
-                if k.startswith("LLMRUN_GEMV_") or k == "LLMRUN_PDL"}
+    settings = {k: v for k, v in sorted(os.environ.items())  # a profile's variant, or a path turned off
+                if k.startswith("LLMRUN_GEMV_") or k in ("LLMRUN_PDL", "LLMRUN_PIPELINE", "LLMRUN_NO_CUDA_GRAPHS")}
     return {"device_name": name, "cpu_count": os.cpu_count(), "torch": torch.__version__, "triton": triton_version,
             "llmrun": __version__, "commit": commit, "python": platform.python_version(), **settings}
 

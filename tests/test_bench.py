@@ -640,6 +640,16 @@ def test_the_commit_named_in_the_environment_wins_over_git(monkeypatch):
     assert bench.environment("cpu")["commit"] != "abc1234"
 
 
+def test_the_environment_names_the_variant_that_ran(monkeypatch):
+    """A run with a path turned off or a kernel variant chosen by an environment variable says so in its JSON."""
+    for name in ("LLMRUN_PIPELINE", "LLMRUN_NO_CUDA_GRAPHS", "LLMRUN_PDL", "LLMRUN_GEMV_DOT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LLMRUN_PIPELINE", "0")
+    monkeypatch.setenv("LLMRUN_GEMV_DOT", "1")
+    env = bench.environment("cpu")
+    assert env["LLMRUN_PIPELINE"] == "0" and env["LLMRUN_GEMV_DOT"] == "1" and "LLMRUN_PDL" not in env
+
+
 @pytest.mark.slow
 def test_profile_script_on_a_cpu(tmp_path):
     """bench/gpu_profile.py (made for a lent GPU) runs on a CPU too: a step's times against the floor, and the
