@@ -535,9 +535,9 @@ class KVCache:
     def writes_freely(self, n: int) -> bool:
         """Whether n tokens fit as the cache stands: `make_room(n)` would neither evict nor renumber, so the write can
         be truncated away again without a trace (a forward fed ahead of the host: `Engine.plain_steps`)."""
-        if self.eviction is None:
-            return self.length + n <= self.max_len
-        return self.length + n <= self.max_len and (self.max_position is None or self.position + n <= self.max_position)
+        renumbers = (self.eviction is not None and self.max_position is not None
+                     and self.position + n > self.max_position)
+        return self.length + n <= self.max_len and not renumbers
 
     def truncate(self, seen: int) -> None:
         """Forget every token from the `seen`-th on (rollback): the buffers stay, later writes overwrite them."""

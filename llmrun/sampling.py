@@ -136,9 +136,7 @@ def penalized(logits: torch.Tensor, params: SamplingParams, history: torch.Tenso
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            history: torch.Tensor | None = None) -> int:
     """Draw the next token id from logits (V,). On a GPU the device is waited for once, for the token."""
-    if params.greedy:
-        return fetch(penalized(logits, params, history).argmax())
-    return _sample(logits, params, uniforms(generator)[0], history, False)[0]
+    return Ahead(logits, params, generator, history).read()[0]
 
 
 def sample_probs(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -147,20 +145,8 @@ def sample_probs(logits: torch.Tensor, params: SamplingParams, generator: torch.
     if params.greedy:
         probs = token_probs(logits, params, history)
         return fetch(probs.argmax()), probs
-    return _sample(logits, params, uniforms(generator)[0], history, True)
-
-
-def _sample(logits, params, u: float, history, dense: bool) -> tuple[int, torch.Tensor | None]:
-    logits = penalized(logits, params, history)
-    rows = survivors(logits[None], params)
-    token, finite = pick(rows.ids, rows.probs, u)
-    token, exact, finite = fetch(torch.stack((token[0], rows.exact[0].long(), finite[0].long())))
-    if not exact:  # the k-th value ties with a token top-k left out: the definition's distribution, the same u
-        probs = vocabulary_probs(logits, params)
-        return draw_at(probs, u), probs
-    if not finite:
-        raise not_finite()
-    return token, rows.dense(logits.shape[-1])[0] if dense else None
+    ahead = Ahead(logits, params, generator, history, dense=True)
+    return ahead.read()[0], ahead.probs
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -242,20 +228,21 @@ class Fetch:
 
 
 class Ahead:
-    """A token drawn on the device whose value the host has not read yet (`Engine.plain_steps` and a model draft
-    feed `token` to the next forward before reading it): `sample`'s draw for logits (V,) at a generator's uniform,
-    as device work, with the copy of its value to the host enqueued behind it. `read` gives `sample`'s very token;
-    with `dense` (sampled), `probs` is then the distribution (V,) it was drawn from (`sample_probs`'s)."""
+    """A draw from logits (V,) (penalized over `history` where given) at a generator's uniform, as device work, with
+    the copy of its token to the host enqueued behind it: `token` on the device can feed the next forward before
+    the host reads it (`Engine.plain_steps`, a model draft), `read` waits for it (`sample` is a draw read at once).
+    With `dense` (sampled), `probs` is then the distribution (V,) it was drawn from (`sample_probs`'s)."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                 dense: bool = False):
+                 history: torch.Tensor | None = None, dense: bool = False):
+        logits = penalized(logits, params, history)
         self.logits, self.params, self.probs = logits, params, None
         if params.greedy:
-            self.u, self.token = None, logits.float().argmax().view(1)
+            self.u, self.token = None, logits.argmax().view(1)
             self._values = Fetch(self.token)
             return
         self.u = uniforms(generator)[0]
-        rows = survivors(logits.float()[None], params)
+        rows = survivors(logits[None], params)
         self.token, finite = pick(rows.ids, rows.probs, self.u)  # (1,)
         self._values = Fetch(torch.stack((self.token[0], rows.exact[0].long(), finite[0].long())))
         if dense:
@@ -270,7 +257,7 @@ class Ahead:
             return values[0], True
         token, exact, finite = values
         if not exact:
-            probs = vocabulary_probs(self.logits.float(), self.params)
+            probs = vocabulary_probs(self.logits, self.params)
             self.probs = None if self.probs is None else probs
             return draw_at(probs, self.u), False
         if not finite:

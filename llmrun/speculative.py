@@ -256,7 +256,8 @@ class ModelDrafter:
         engine = self.engine
         aheads, fed = [], []  # fed[i]: where draft i went in the draft's token list (the forward it fed)
         for i in range(k):
-            aheads.append(Ahead(logits, params, None if params.greedy else rng.at(position + i, stream=1), dense=True))
+            generator = None if params.greedy else rng.at(position + i, stream=1)
+            aheads.append(Ahead(logits, params, generator, dense=True))
             if i + 1 < k:
                 fed.append(len(engine.tokens))
                 logits = engine.forward(aheads[-1].token)
