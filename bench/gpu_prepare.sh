@@ -26,6 +26,8 @@ python3 -c "import sys; from llmrun.gguf_file import write_metadata_only; write_
 ls -l .whl .gpu-model
 commit=$(git rev-parse --short HEAD)
 [ -z "$(git status --porcelain --untracked-files=no)" ] || commit="$commit-dirty"
+cache=""  # the last lease's compiled kernels (bench/gpu_cache.sh), where this checkout kept them
+[ ! -f .gpu-cache/compiled.tgz ] || cache=', ".gpu-cache/compiled.tgz"'
 run() {  # run N STEPS [SHAPE...]: the command of device call N, its results tarred into $OUT however it ends
     local n=$1 steps=$2
     shift 2
@@ -34,15 +36,14 @@ run() {  # run N STEPS [SHAPE...]: the command of device call N, its results tar
 }
 cat <<CALLS
 
-A 15-minute lease (the machine's start included): one device call, carry [".whl", ".gpu-model/tokenizer.gguf"],
-timeout_s 580 (its steps' limits total 520), going on where bench/results/ stops (bench/gpu_lease.sh); while the
-machine is warm (30 s) and the budget allows, a second call for the KV step (the command is in gpu_lease.sh's
-header); then give the machine back:
-     LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf \$OUT/r.tgz -C /tmp/r .
-To bring the embedded model into the same lease, add ".gpu-model/a" to that call's carry (the machine keeps it) and
-follow it at once, warm, with carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"], timeout_s 270 (lower both
-limits when less is left):
-     $(run e embedded | sed 's/timeout 570/timeout 240/')
+A 15-minute lease (the machine's start included): two calls, the second at once on the warm machine (it keeps
+the first's files), going on where bench/results/ stops (bench/gpu_lease.sh's header says what each step runs);
+then give the machine back.
+  1. carry [".whl", ".gpu-model/tokenizer.gguf", ".gpu-model/a"$cache], timeout_s 480:
+     export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf \$OUT/r.tgz -C /tmp/r .
+  2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"], timeout_s 250:
+     export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=$commit RESULTS=/tmp/r GPU_STEPS=embedded GPU_RESUME=1 timeout 235 bash bench/gpu.sh; bash bench/gpu_cache.sh save \$OUT/compiled.tgz; tar czf \$OUT/r2.tgz -C /tmp/r .
+(Lower both limits when less is left. Keep the compiled.tgz that comes back as .gpu-cache/compiled.tgz.)
 A longer one: these calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came
 before; a cold one starts bare, so every call carries .whl):
   1. carry [".whl", ".gpu-model/a"]

@@ -23,7 +23,8 @@ Rows (`--rows` takes names or their first word, e.g. `--rows ngram,qwen`):
 
 Writes the JSON (every figure of every run, the environment, the load average) to --out, default
 bench/runs/DATE-cpuTHREADS-speculative.json (on a GPU: bench/results/DATE-GPU-speculative.json), and the Markdown
-table beside it (.md); prints the table. On a GPU (`--device cuda`) the targets run in bf16 through the Triton
+table beside it (.md); prints the table. Until the last row the JSON holds the rows so far, marked "partial": true
+(a run cut off keeps them; the table comes at the end). On a GPU (`--device cuda`) the targets run in bf16 through the Triton
 kernels and CUDA graphs, as `llmrun` runs them there.
 Timings mean something only on a quiet machine: it warns when the 1-minute load average exceeds the cores.
 On 2 cores the smollm2 rows take about a quarter of an hour and the Qwen pair (a 1.5B target, HumanEval
@@ -34,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -85,6 +88,7 @@ TARGET_NAMES = {"smollm2": "smollm2", "qwen-1.5b": "Qwen2.5-Coder-1.5B-Instruct"
 class Matrix:
     results: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"row", "why"}
+    saved: Callable[[], None] = lambda: None  # called as each result is added: the JSON so far written out
 
 
 def select_rows(spec: str | None) -> list[Row]:
@@ -189,6 +193,7 @@ def measure_row(row: Row, engine, settings, args, matrix: Matrix) -> None:
                 matrix.results.append({"row": row.name, "target": TARGET_NAMES[row.target], "weights": settings.weights,
                                        "drafter": row.label or s["drafter"], "prompt": label,
                                        "temperature": temperature, "figures": figures})
+                matrix.saved()
     except (LlmrunError, MemoryError, torch.OutOfMemoryError) as e:
         matrix.skipped.append({"row": row.name, "why": f"failed: {bench.one_line(e)}"})
         log(f"{row.name} failed: {bench.one_line(e)}")
@@ -276,24 +281,31 @@ def main(argv=None) -> int:
         out = args.out or HERE / "runs" / f"{today}-cpu{args.threads}-speculative.json"
     load_start = warn_if_busy("at the start")
     matrix = Matrix()
+
+    def document(load_end: float | None) -> dict:
+        return {
+            "date": today,
+            "command": " ".join(["python", "bench/speculative.py", *(argv if argv is not None else sys.argv[1:])]),
+            "settings": {"device": args.device, "threads": args.threads, "new_tokens": args.new_tokens,
+                         "repeat": args.repeat, "ctx": CTX, "temperatures": args.temperatures,
+                         "humaneval": args.humaneval},
+            "load_average_1min": {"start": round(load_start, 2), "end": load_end and round(load_end, 2),
+                                  "cores": os.cpu_count()},
+            "environment": bench.environment(args.device),
+            "results": matrix.results,
+            "skipped": matrix.skipped,
+        }
+
+    # the rows so far after each one, "partial" until the last: a run stopped midway (a GPU lease's time limit)
+    # keeps what it measured
+    out.parent.mkdir(parents=True, exist_ok=True)
+    matrix.saved = lambda: out.write_text(json.dumps({**document(None), "partial": True}, indent=1) + "\n")
     groups: dict[tuple[str, str], list[Row]] = {}
     for row in args.rows:
         groups.setdefault((row.target, row.weights), []).append(row)
     for (target, weights), rows in groups.items():
         measure_target(target, weights, rows, args, matrix)
-    load_end = warn_if_busy("at the end")
-    table = markdown(matrix, args)
-    doc = {
-        "date": today,
-        "command": " ".join(["python", "bench/speculative.py", *(argv if argv is not None else sys.argv[1:])]),
-        "settings": {"device": args.device, "threads": args.threads, "new_tokens": args.new_tokens,
-                     "repeat": args.repeat, "ctx": CTX, "temperatures": args.temperatures, "humaneval": args.humaneval},
-        "load_average_1min": {"start": round(load_start, 2), "end": round(load_end, 2), "cores": os.cpu_count()},
-        "environment": bench.environment(args.device),
-        "results": matrix.results,
-        "skipped": matrix.skipped,
-    }
-    bench.write_run(out, doc, table)
+    bench.write_run(out, document(warn_if_busy("at the end")), markdown(matrix, args))
     return 0
 
 

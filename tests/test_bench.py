@@ -288,6 +288,42 @@ def test_matrix_script_skips_missing_models(tmp_path, monkeypatch, capsys):
         assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
 
 
+def test_matrix_script_keeps_each_row_as_it_is_measured(tmp_path, monkeypatch):
+    """A bench/speculative.py run stopped midway (a GPU lease's time limit) leaves the rows it measured on disk,
+    marked partial; a whole run ends unmarked."""
+    import importlib.util
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location("speculative_partial", folder / "speculative.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)
+    spec.loader.exec_module(script)
+    measure, calls = script.measure_speculative, []
+
+    def stopped_at_the_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(*args)
+
+    monkeypatch.setattr(script, "measure_speculative", stopped_at_the_second)
+    out = tmp_path / "s.json"
+    argv = ["--rows", "ngram-open", "--new-tokens", "4", "--repeat", "1", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        script.main(argv)
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True and len(doc["results"]) == 1 and not out.with_suffix(".md").exists()
+    assert doc["results"][0]["row"] == "ngram-open" and doc["results"][0]["temperature"] == 0
+
+    monkeypatch.setattr(script, "measure_speculative", measure)
+    assert script.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert "partial" not in doc and [r["temperature"] for r in doc["results"]] == [0, 0.8]
+    assert out.with_suffix(".md").exists()
+
+
 # --- workloads ------------------------------------------------------------------------------------------------
 
 
