@@ -40,9 +40,11 @@ A 15-minute lease (the machine's start included): two calls, the second at once 
 the first's files), going on where bench/results/ stops (bench/gpu_lease.sh's header says what each step runs);
 then give the machine back.
   1. carry [".whl", ".gpu-model/tokenizer.gguf", ".gpu-model/a"$cache], timeout_s 480:
-     export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh; tar czf \$OUT/r.tgz -C /tmp/r .
+     export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh;
+     tar czf \$OUT/r.tgz -C /tmp/r .
   2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"], timeout_s 250:
-     export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=$commit RESULTS=/tmp/r GPU_STEPS=embedded GPU_RESUME=1 timeout 235 bash bench/gpu.sh; bash bench/gpu_cache.sh save \$OUT/compiled.tgz; tar czf \$OUT/r2.tgz -C /tmp/r .
+     export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=$commit RESULTS=/tmp/r GPU_STEPS=embedded GPU_RESUME=1
+     timeout 235 bash bench/gpu.sh; bash bench/gpu_cache.sh save \$OUT/compiled.tgz; tar czf \$OUT/r2.tgz -C /tmp/r .
 (Lower both limits when less is left. Keep the compiled.tgz that comes back as .gpu-cache/compiled.tgz.)
 A longer one: these calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came
 before; a cold one starts bare, so every call carries .whl):

@@ -24,8 +24,8 @@ Rows (`--rows` takes names or their first word, e.g. `--rows ngram,qwen`):
 Writes the JSON (every figure of every run, the environment, the load average) to --out, default
 bench/runs/DATE-cpuTHREADS-speculative.json (on a GPU: bench/results/DATE-GPU-speculative.json), and the Markdown
 table beside it (.md); prints the table. Until the last row the JSON holds the rows so far, marked "partial": true
-(a run cut off keeps them; the table comes at the end). On a GPU (`--device cuda`) the targets run in bf16 through the Triton
-kernels and CUDA graphs, as `llmrun` runs them there.
+(a run cut off keeps them; the table comes at the end). On a GPU (`--device cuda`) the targets run in bf16 through
+the Triton kernels and CUDA graphs, as `llmrun` runs them there.
 Timings mean something only on a quiet machine: it warns when the 1-minute load average exceeds the cores.
 On 2 cores the smollm2 rows take about a quarter of an hour and the Qwen pair (a 1.5B target, HumanEval
 prompts of ~170 tokens) most of an hour more; `--rows ngram,self` leaves it out.
