@@ -475,3 +475,48 @@ def test_repl_ctrl_c_stops_the_reply_and_keeps_the_conversation(terminal):
     t.send("/exit")
     assert t.wait() == 0
     assert "Traceback" not in t.text()
+
+
+def test_repl_messages_of_several_lines(terminal, tmp_path):
+    """A line ending in a backslash goes on at the next; three double quotes open and close a block of lines;
+    Ctrl-C at a continuation prompt drops the unfinished message and the chat goes on; /system takes its text
+    from the lines after it too. The saved conversation shows each message as it was meant."""
+    saved = tmp_path / "c.json"
+    t = terminal("chat", "--temperature", "0", "-n", "4", "--ctx", "1024", "--save", str(saved))
+    t.expect(PROMPT_MARK, timeout=LOAD_S)
+    t.send("/system You are\\")
+    t.expect(b"... ")
+    t.send("terse.")
+    assert "system prompt set" in t.expect(PROMPT_MARK)
+    t.send("Name a colour,\\")
+    t.expect(b"... ")
+    t.send("then a fruit.")
+    assert "tok/s" in t.expect(PROMPT_MARK)  # one reply, to the two lines
+    t.send('"""')  # alone on its line: the message begins at the next
+    t.expect(b"... ")
+    t.send("def f(x):")
+    t.expect(b"... ")
+    t.send("    return x + 1  \\")  # inside the block a backslash is the text's
+    t.expect(b"... ")
+    t.send("")
+    t.expect(b"... ")
+    t.send('What does f do?"""')
+    assert "tok/s" in t.expect(PROMPT_MARK)
+    t.send('"""')
+    t.expect(b"... ")
+    t.send("never sent")
+    t.expect(b"... ")
+    t._wait_for_line_editor()
+    # as a person presses it, not within the moment the prompt appears: a SIGINT then can wait for the next key
+    # (GNU readline's handlers, installed while it handles a key, hold it until its next one)
+    time.sleep(1)
+    t.proc.send_signal(signal.SIGINT)
+    assert "unfinished message was dropped" in t.expect(PROMPT_MARK)
+    assert t.proc.poll() is None
+    t.send("/exit")
+    assert t.wait() == 0
+    assert "Traceback" not in t.text()
+    doc = json.loads(saved.read_text())
+    assert doc["system"] == "You are\nterse."
+    assert [m["content"] for m in doc["messages"] if m["role"] == "user"] == [
+        "Name a colour,\nthen a fruit.", "def f(x):\n    return x + 1  \\\n\nWhat does f do?"]

@@ -18,8 +18,11 @@ from .options import JsonFlag, ModelArg, run_options
 
 HELP = """Commands: /reset (forget the conversation), /system TEXT (set the system prompt; no TEXT clears it),
 /stats (figures of the last reply and memory), /save [FILE] (write the conversation to FILE, JSON; no FILE: the
-last file saved or loaded), /load FILE (continue a saved conversation), /exit. Ctrl-C stops a reply; Ctrl-C or
-Ctrl-D at the prompt exits."""
+last file saved or loaded), /load FILE (continue a saved conversation), /exit. A message of several lines: end a
+line with \\ to go on at the next, or open the message with \"\"\" and close it with \"\"\". Ctrl-C stops a reply
+(at a continuation prompt, drops the message); Ctrl-C or Ctrl-D at the prompt exits."""
+BLOCK = '"""'  # opens and closes a message of several lines
+MORE = "... "  # the prompt of a message's next line
 
 
 @app.command()
@@ -159,11 +162,38 @@ def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool
         err.print(status_line(reply.stats, memory_report(conversation.engine)))
 
 
-def _read_line() -> str:
+def _read_line(prompt: str = ">>> ") -> str:
     if sys.stdout.isatty():  # readline must know the prompt to redraw the line while editing
-        return input("\001\033[1;32m\002>>> \001\033[0m\002")
-    err.print(Text(">>> ", style="bold green"), end="")  # stdout is redirected: keep it for replies only
+        return input(f"\001\033[1;32m\002{prompt}\001\033[0m\002")
+    err.print(Text(prompt, style="bold green"), end="")  # stdout is redirected: keep it for replies only
     return input()
+
+
+def _read_message() -> str | None:
+    """The next message typed at the prompt: one line, or several. A line ending in a backslash goes on at the
+    next (the backslash dropped, the line break kept); a message opened with BLOCK (three double quotes) goes on
+    until a line ending in BLOCK (the quotes dropped; backslashes inside are the text's). A paste of several lines
+    that the line editor takes whole (bracketed paste) is one message as it is. EOFError and KeyboardInterrupt at
+    the first prompt end the chat; Ctrl-C at a continuation prompt drops the unfinished message (None), Ctrl-D
+    there ends the chat."""
+    line = _read_line()
+    try:
+        if line.startswith(BLOCK):
+            lines, line = [], line[len(BLOCK):]
+            while not line.endswith(BLOCK):
+                lines.append(line)
+                line = _read_line(MORE)
+            lines.append(line[: -len(BLOCK)])
+            return "\n".join(lines).strip("\n")
+        lines = []
+        while line.endswith("\\"):
+            lines.append(line[:-1])
+            line = _read_line(MORE)
+        return "\n".join([*lines, line])
+    except KeyboardInterrupt:
+        err.print()
+        err.print(Text("(the unfinished message was dropped)", style="dim"))
+        return None
 
 
 def _repl(conversation, quiet: bool, saving: _Saving) -> None:
@@ -177,11 +207,11 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
     last = None
     while True:
         try:
-            line = _read_line()
+            line = _read_message()
         except (EOFError, KeyboardInterrupt):
             err.print()
             return
-        if not line.strip():
+        if line is None or not line.strip():
             continue
         if line.startswith("/"):
             try:
@@ -217,7 +247,7 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
     """Run a slash command; True means exit."""
     from llmrun.conversation import load_conversation
 
-    command, _, arg = line.partition(" ")
+    command, arg = (line.split(maxsplit=1) + [""])[:2]  # at any space: /system TEXT may begin on a next line
     arg = arg.strip()
     if command in ("/exit", "/quit", "/bye"):
         return True
