@@ -1,4 +1,7 @@
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +167,20 @@ def run_main(args, monkeypatch, capsys, cwd=None, stdin: str = "") -> tuple[int,
         code, escaped = 1, "".join(traceback.format_exception(e))
     out, err = capsys.readouterr()
     return code, out, err + escaped
+
+
+@pytest.fixture
+def bench_script(monkeypatch):
+    """load(NAME) -> bench/NAME.py imported as when it runs as a script: bench/ on sys.path (its imports of the
+    scripts beside it) and the module registered under its name (dataclasses look their module up there)."""
+    folder = Path(__file__).resolve().parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(folder))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -255,17 +255,9 @@ def test_speculative_library_refuses_compare():
         bench.benchmark(None, bench.Settings(), None, model="x", compare=True, drafting=Drafting(ngram=3))
 
 
-def test_matrix_script_skips_missing_models(tmp_path, monkeypatch, capsys):
+def test_matrix_script_skips_missing_models(tmp_path, bench_script, capsys):
     """bench/speculative.py's plumbing, with no model loaded: the Qwen rows are skipped with a note."""
-    import importlib.util
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parent.parent / "bench"
-    monkeypatch.syspath_prepend(str(folder))  # its `import fetch_models`, as when run as a script
-    spec = importlib.util.spec_from_file_location("speculative_matrix", folder / "speculative.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)  # dataclasses look their module up there
-    spec.loader.exec_module(script)
+    script = bench_script("speculative")
 
     assert [r.name for r in script.select_rows("ngram,self-packed")] == [
         "ngram-code-edit", "ngram-summarize", "ngram-open", "self-packed"]
@@ -288,18 +280,10 @@ def test_matrix_script_skips_missing_models(tmp_path, monkeypatch, capsys):
         assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
 
 
-def test_matrix_script_keeps_each_row_as_it_is_measured(tmp_path, monkeypatch):
+def test_matrix_script_keeps_each_row_as_it_is_measured(tmp_path, monkeypatch, bench_script):
     """A bench/speculative.py run stopped midway (a GPU lease's time limit) leaves the rows it measured on disk,
     marked partial; a whole run ends unmarked."""
-    import importlib.util
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parent.parent / "bench"
-    monkeypatch.syspath_prepend(str(folder))
-    spec = importlib.util.spec_from_file_location("speculative_partial", folder / "speculative.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)
-    spec.loader.exec_module(script)
+    script = bench_script("speculative")
     measure, calls = script.measure_speculative, []
 
     def stopped_at_the_second(*args):

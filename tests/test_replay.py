@@ -175,19 +175,9 @@ def test_a_failing_model_draft_is_turned_off_at_little_cost(costs, acceptance):
 
 
 @pytest.fixture
-def script(monkeypatch):
+def script(bench_script):
     """bench/replay.py, imported as when run (its `import speculative` finds bench/speculative.py)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parent.parent / "bench"
-    monkeypatch.syspath_prepend(str(folder))
-    spec = importlib.util.spec_from_file_location("replay_script", folder / "replay.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("replay")
 
 
 def test_the_replay_script_measures_a_trace_on_random_weights(script, tmp_path, capsys):
