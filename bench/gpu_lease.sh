@@ -57,10 +57,9 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 }
 
 export GPU_RESUME=1
-# run again though passed before: the tests of the kernels changed since (the GEMV's cp.async pipeline, the
-# quantized attention's loads ahead, the fused launches), and the files the pipelining changed
-export GPU_RETEST="test_triton_attention test_triton_quant_matmul test_triton_ops test_triton_kv_write test_speculative
-test_cuda_graphs test_triton_model test_sampling test_compiled"
+# every GPU test again, though many passed before on this GPU: each file's kernels or paths changed since (the
+# GEMV's cp.async pipeline, the quantized attention's loads ahead, the fused launches, the pipelined decoding)
+export GPU_RETEST="tests/"
 PYTEST_ADDOPTS="-n 12" step 170 tests
 step 70 sweep llama3.2-1b
 GPU_RERUN="profile-llama3-8b-p128 profile-llama3.2-1b-p128 profile-llama3.2-1b-p128-weights-int4" step 130 profile
