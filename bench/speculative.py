@@ -2,6 +2,7 @@
 
     python bench/speculative.py [--rows NAME,...] [--device cpu|cuda] [--new-tokens 128] [--repeat 3] [--threads 2]
         [--out FILE.json]
+    python bench/speculative.py --table FILE.json   # a run's table from its JSON (one cut off midway too)
 
 Each row is a target model with a drafter on some prompts; each is measured at temperature 0 and 0.8 by
 `llmrun.bench_speculative` (the code behind `llmrun bench --ngram/--draft`): the same workload decoded plainly
@@ -24,8 +25,8 @@ Rows (`--rows` takes names or their first word, e.g. `--rows ngram,qwen`):
 Writes the JSON (every figure of every run, the environment, the load average) to --out, default
 bench/runs/DATE-cpuTHREADS-speculative.json (on a GPU: bench/results/DATE-GPU-speculative.json), and the Markdown
 table beside it (.md); prints the table. Until the last row the JSON holds the rows so far, marked "partial": true
-(a run cut off keeps them; the table comes at the end). On a GPU (`--device cuda`) the targets run in bf16 through
-the Triton kernels and CUDA graphs, as `llmrun` runs them there.
+(a run cut off keeps them; the table comes at the end, or from `--table`). On a GPU (`--device cuda`) the targets
+run in bf16 through the Triton kernels and CUDA graphs, as `llmrun` runs them there.
 Timings mean something only on a quiet machine: it warns when the 1-minute load average exceeds the cores.
 On 2 cores the smollm2 rows take about a quarter of an hour and the Qwen pair (a 1.5B target, HumanEval
 prompts of ~170 tokens) most of an hour more; `--rows ngram,self` leaves it out.
@@ -199,33 +200,36 @@ def measure_row(row: Row, engine, settings, args, matrix: Matrix) -> None:
         log(f"{row.name} failed: {bench.one_line(e)}")
 
 
-def markdown(matrix: Matrix, args) -> str:
+def markdown(doc: dict) -> str:
+    """The table of a run's JSON document (a partial one's rows so far)."""
+    settings = doc["settings"]
     lines = [
-        f"Speculative decoding, {where(args)}: {args.new_tokens} new tokens per run, median of"
-        f" {args.repeat} runs each way (plain and speculative alternating, after a warm-up of each); adaptive K"
-        " up to 8. Speedup: speculative / plain decode tok/s of the same target and settings.",
+        f"Speculative decoding, {where(doc)}: {settings['new_tokens']} new tokens per run, median of"
+        f" {settings['repeat']} runs each way (plain and speculative alternating, after a warm-up of each); adaptive"
+        " K up to 8. Speedup: speculative / plain decode tok/s of the same target and settings."
+        + (" Partial: the run stopped before its last row." if doc.get("partial") else ""),
         "",
         "| row | target | drafter | prompt | T | plain tok/s | spec. tok/s | speedup | acceptance | tokens/step"
         " | K settled | same tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in matrix.results:
+    for r in doc["results"]:
         f, s = r["figures"], r["figures"]["speculative"]
         rate = "–" if f["acceptance_rate"] is None else f"{f['acceptance_rate']:.0%}"
         same = {True: "yes", False: "**no**", None: "–"}[s["same_output"]]
         lines.append(f"| {r['row']} | {r['target']} `--weights {r['weights']}` | {r['drafter']} | {r['prompt']} |"
                      f" {r['temperature']:g} | {s['plain_decode_tok_s']:.1f} | {s['speculative_decode_tok_s']:.1f} |"
                      f" **{s['speedup']:.2f}x** | {rate} | {f['tokens_per_step']:.2f} | {s['mean_final_k']:g} | {same} |")
-    for s in matrix.skipped:
+    for s in doc["skipped"]:
         lines.append(f"\nskipped {s['row']}: {s['why']}")
     return "\n".join(lines) + "\n"
 
 
-def where(args) -> str:
+def where(doc: dict) -> str:
     """The device the figures come from, as the table's first line names it."""
-    if args.device == "cuda":
-        return f"GPU ({torch.cuda.get_device_name()}), bf16"
-    return f"CPU, {args.threads} threads"
+    if doc["settings"]["device"] == "cuda":
+        return f"GPU ({doc['environment']['device_name']}), bf16"
+    return f"CPU, {doc['settings']['threads']} threads"
 
 
 def log(message: str) -> None:
@@ -273,6 +277,14 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--table"]:  # --table FILE.json: the table of a run's JSON, a partial one's too, written beside
+        if len(argv) != 2:
+            raise SystemExit("usage: python bench/speculative.py --table FILE.json")
+        out = Path(argv[1])
+        doc = json.loads(out.read_text())
+        bench.write_run(out, doc, markdown(doc))
+        return 0
     args = parse_args(argv)
     today = datetime.date.today().isoformat()
     if args.device == "cuda":
@@ -285,7 +297,7 @@ def main(argv=None) -> int:
     def document(load_end: float | None) -> dict:
         return {
             "date": today,
-            "command": " ".join(["python", "bench/speculative.py", *(argv if argv is not None else sys.argv[1:])]),
+            "command": " ".join(["python", "bench/speculative.py", *argv]),
             "settings": {"device": args.device, "threads": args.threads, "new_tokens": args.new_tokens,
                          "repeat": args.repeat, "ctx": CTX, "temperatures": args.temperatures,
                          "humaneval": args.humaneval},
@@ -305,7 +317,8 @@ def main(argv=None) -> int:
         groups.setdefault((row.target, row.weights), []).append(row)
     for (target, weights), rows in groups.items():
         measure_target(target, weights, rows, args, matrix)
-    bench.write_run(out, document(warn_if_busy("at the end")), markdown(matrix, args))
+    doc = document(warn_if_busy("at the end"))
+    bench.write_run(out, doc, markdown(doc))
     return 0
 
 

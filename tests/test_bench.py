@@ -300,12 +300,16 @@ def test_matrix_script_keeps_each_row_as_it_is_measured(tmp_path, monkeypatch, b
     doc = json.loads(out.read_text())
     assert doc["partial"] is True and len(doc["results"]) == 1 and not out.with_suffix(".md").exists()
     assert doc["results"][0]["row"] == "ngram-open" and doc["results"][0]["temperature"] == 0
+    assert script.main(["--table", str(out)]) == 0  # its table, from the JSON alone
+    table = out.with_suffix(".md").read_text()
+    assert "Partial" in table and table.count("| ngram-open |") == 1 and "CPU, 2 threads" in table
 
     monkeypatch.setattr(script, "measure_speculative", measure)
     assert script.main(argv) == 0
     doc = json.loads(out.read_text())
     assert "partial" not in doc and [r["temperature"] for r in doc["results"]] == [0, 0.8]
-    assert out.with_suffix(".md").exists()
+    table = out.with_suffix(".md").read_text()
+    assert "Partial" not in table and table.count("| ngram-open |") == 2
 
 
 # --- workloads ------------------------------------------------------------------------------------------------
