@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from . import ref
+
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffp-contract=off: a product then a sum round twice, as in torch, so dequantizing matches kernels/ref.py bit for bit
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
@@ -215,7 +217,8 @@ class _Int4Cache(ctypes.Structure):  # int4_cache: one layer's INT4 cache, per k
                 ("v_scale", ctypes.c_void_p), ("v_min", ctypes.c_void_p), ("k_recent", ctypes.c_void_p),
                 ("v_recent", ctypes.c_void_p),
                 ("code_stride", ctypes.c_long), ("k_scale_stride", ctypes.c_long), ("v_scale_stride", ctypes.c_long),
-                ("recent_stride", ctypes.c_long), ("group", ctypes.c_int), ("ring", ctypes.c_int)]
+                ("recent_stride", ctypes.c_long), ("group", ctypes.c_int), ("ring", ctypes.c_int),
+                ("window", ctypes.c_int)]
 
 
 def int4_layout_ok(k, v, k_scale, k_min, v_scale, v_min, k_recent, v_recent) -> bool:
@@ -235,7 +238,8 @@ def _int4_cache(k, v, k_scale, k_min, v_scale, v_min, k_recent, v_recent) -> _In
     D = k_recent.shape[-1]
     return _Int4Cache(k.data_ptr(), v.data_ptr(), k_scale.data_ptr(), k_min.data_ptr(), v_scale.data_ptr(),
                       v_min.data_ptr(), k_recent.data_ptr(), v_recent.data_ptr(), k.stride(1), k_scale.stride(1),
-                      v_scale.stride(1), k_recent.stride(1), D // v_scale.shape[-1], k_recent.shape[-2])
+                      v_scale.stride(1), k_recent.stride(1), D // v_scale.shape[-1], k_recent.shape[-2],
+                      ref.ring_window(k_recent.shape[-2]))
 
 
 def attention_int4(q: torch.Tensor, kv, window: int | None, mass: torch.Tensor | None = None) -> torch.Tensor:

@@ -1191,6 +1191,8 @@ typedef struct {
     float *recent, *v_recent;
     long code_stride, k_scale_stride, v_scale_stride, recent_stride;
     int group, ring;  /* ring: the rings' rows; position s at row s % ring */
+    int window;  /* the last `window` positions are read exact (kernels/ref.py's ring_window: ring less its spare
+                    rows for a rollback) */
 } int4_cache;
 
 /* `attend` over an INT4 cache of S positions: keys below n_quantized are codes, first_exact <= n_quantized the
@@ -1375,7 +1377,7 @@ static int layer_attention(const stack_params *p, const layer_params *L, const f
     default: {  /* what llmrun/kv_cache.py's INT4 store hands attention (its `read`) */
         const int *st = L->int4_state;
         int nq = st[0] < S / KEY_GROUP * KEY_GROUP ? st[0] : S / KEY_GROUP * KEY_GROUP;
-        int R = L->int4.ring, exact = st[1] > S - R ? st[1] : S - R;
+        int W = L->int4.window, exact = st[1] > S - W ? st[1] : S - W;
         exact = (exact + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
         return attention_int4(qkv, qkv_ld, &L->int4, T, S, Hq, Hkv, D, nq, exact < nq ? exact : nq, p->window,
                               L->scores, p->max_len, att);

@@ -98,9 +98,11 @@ def quant_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
 # INT4 (KIVI, Liu et al. 2024): values per token, asymmetric (fp16 scale and minimum per group of channels); keys
 # per channel, asymmetric over groups of KEY_GROUP consecutive positions. A key group is quantized once it is full;
 # until then its keys are read in full precision, and so are its values (KIVI's full-precision residual), from the
-# rings `k_recent` and `v_recent` of R slots (position s at slot s % R). A cache's rings hold its last R = RECENT
-# positions (or all of them, when it holds fewer): enough that every row of a prompt chunk of up to PREFILL_ROWS
-# tokens finds the exact keys and values it reads, and that a rollback re-fills a partial group bit for bit.
+# rings `k_recent` and `v_recent` of R slots (position s at slot s % R). Its last RECENT positions (or all of them,
+# when it holds fewer) are read exact from the rings: enough that every row of a prompt chunk of up to PREFILL_ROWS
+# tokens finds the exact keys and values it reads, and that a rollback re-fills a partial group bit for bit. The
+# rings have ROLLBACK slots more (R = RING): a write rolled back (a speculative block's rejected drafts, pipelined
+# decoding's step fed past a reply's end) has then overwritten none of the RECENT positions before it.
 # Two 4-bit codes share a byte: channel 2i in the low nibble, 2i + 1 in the high one.
 # Which positions a query reads as codes depends on its position (`QuantizedKV.row_quantized`): each row of a block
 # of queries reads what it would have read had the tokens been fed one at a time, so a speculative block verifies
@@ -108,7 +110,14 @@ def quant_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
 
 KEY_GROUP = 32  # positions per INT4 key scale
 PREFILL_ROWS = 512  # a prompt chunk (llmrun.generate.PREFILL_CHUNK): the rings hold it and the groups before it
-RECENT = PREFILL_ROWS + 2 * KEY_GROUP  # slots of INT4's full-precision rings (at most)
+RECENT = PREFILL_ROWS + 2 * KEY_GROUP  # the positions INT4's rings hold exact (at most)
+ROLLBACK = KEY_GROUP  # the most tokens a write rolled back may have added: a block of --draft-tokens' 32 and one kept
+RING = RECENT + ROLLBACK  # the rings' slots (at most)
+
+
+def ring_window(ring: int) -> int:
+    """The positions rings of `ring` slots hold exact: RECENT, or all of them for a cache of at most RECENT."""
+    return min(ring, RECENT)
 
 
 def kv_group(head_dim: int) -> int:
@@ -180,12 +189,13 @@ def dequantize_int4_channels(codes: torch.Tensor, scale: torch.Tensor, lo: torch
     return unpack_int4(codes).float() * scale + lo
 
 
-def int4_decoded_state(length: int, ring: int = RECENT) -> tuple[int, int]:
+def int4_decoded_state(length: int, ring: int = RING) -> tuple[int, int]:
     """(n_quantized, first_exact) of an INT4 cache of `length` positions as decoding writes it: every full key group
-    is codes, and rings of `ring` slots hold the exact keys and values of the last `ring` positions, read from a
-    group's start on. What a device step's cache holds (`write_int4`), whose attention counts it from the length."""
+    is codes, and rings of `ring` slots hold the exact keys and values of the last `ring_window(ring)` positions,
+    read from a group's start on. What a device step's cache holds (`write_int4`), whose attention counts it from
+    the length."""
     n_quantized = length // KEY_GROUP * KEY_GROUP
-    return n_quantized, min(n_quantized, max(0, -(-(length - ring) // KEY_GROUP) * KEY_GROUP))
+    return n_quantized, min(n_quantized, max(0, -(-(length - ring_window(ring)) // KEY_GROUP) * KEY_GROUP))
 
 
 def write_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:

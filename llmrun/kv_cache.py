@@ -52,9 +52,9 @@ def bytes_per_token(cfg, kv_format: str) -> int:
 
 
 def int4_ring_bytes(cfg, itemsize: int) -> int:
-    """The fixed bytes of an INT4 cache's rings (the last RECENT positions' exact keys and values, every layer) in a
+    """The fixed bytes of an INT4 cache's rings (RING slots of exact keys and values, every layer) in a
     dtype of `itemsize` bytes (the model's)."""
-    return 2 * ref.RECENT * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+    return 2 * ref.RING * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
 class _DenseStore:
@@ -164,14 +164,15 @@ class _Int8Store:
 class _Int4Store:
     """KIVI: values per token (packed codes (L, B, Hkv, C, D/2), fp16 scale and minimum per group of channels);
     keys per channel over groups of KEY_GROUP positions (packed codes, fp16 scale and minimum (L, B, Hkv, C/32,
-    D)). A key group is quantized when it fills. The rings `k_recent` and `v_recent` (L, B, Hkv, R, D) keep, in
-    the model's dtype, the exact keys and values of the last R = min(RECENT, C) positions, which the partial
-    group's (and a prompt chunk's) queries read, and from which a rollback re-fills a partial group exactly as it
-    was.
+    D)). A key group is quantized when it fills. The rings `k_recent` and `v_recent` (L, B, Hkv, R, D), R =
+    min(RING, C), keep in the model's dtype the exact keys and values of the last `window` = min(RECENT, C)
+    positions, which the partial group's (and a prompt chunk's) queries read, and from which a rollback re-fills a
+    partial group exactly as it was; their ROLLBACK slots more keep those positions whole under a write of up to
+    ROLLBACK tokens that is then rolled back, so that the cache reads as if it had never been written.
     `state` (L, 3) int32, per layer {quantized, exact_from, end}: keys [0, quantized) are codes, the keys and values
-    [exact_from, end) are exact in the rings. On the CPU in fp32 the C kernels write (`kernels.cpu.int4_write`, the
-    same bits as the torch code here, which serves elsewhere), and so does the C decode stack, which updates
-    `state` itself."""
+    [exact_from, end) are exact in the rings; what is read exact is the part of them in the window. On the CPU in
+    fp32 the C kernels write (`kernels.cpu.int4_write`, the same bits as the torch code here, which serves
+    elsewhere), and so does the C decode stack, which updates `state` itself."""
 
     def __init__(self, L, B, H, C, D, dtype, device):
         self.group, G = ref.kv_group(D), ref.KEY_GROUP
@@ -181,7 +182,8 @@ class _Int4Store:
         self.v = torch.zeros(L, B, H, C, D // 2, dtype=torch.uint8, device=device)
         self.v_scale = torch.zeros(L, B, H, C, D // self.group, dtype=torch.float16, device=device)
         self.v_min = torch.zeros_like(self.v_scale)
-        self.ring = max(1, min(ref.RECENT, C))
+        self.ring = max(1, min(ref.RING, C))  # slots
+        self.window = ref.ring_window(self.ring)  # the positions read exact: [end - window, end), at most
         self.k_recent = torch.zeros(L, B, H, self.ring, D, dtype=dtype, device=device)
         self.v_recent = torch.zeros_like(self.k_recent)
         self.state = torch.zeros(L, 3, dtype=torch.int32)  # on the host: indices, not data
@@ -204,8 +206,9 @@ class _Int4Store:
         return torch.arange(start, end, device=self.k_recent.device) % self.ring
 
     def _exact(self, layer, start, end) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [start, end) fp32, from the rings where they hold them, else from their codes."""
-        cut = min(max(start, self._state(layer)[1]), end)
+        """Keys and values [start, end) fp32, from the rings where they hold them within the window, else from their
+        codes."""
+        cut = min(max(start, self._state(layer)[1], end - self.window), end)
         keys, values = [], []
         if cut > start:  # below the rings: the key groups are quantized, and every value is
             g0 = start // ref.KEY_GROUP
@@ -286,8 +289,8 @@ class _Int4Store:
         quantized, exact_from, _ = self._state(layer)
         nq = min(quantized, length // G * G)
         # a block's queries may read exact keys from the first group start where the rings hold them all: not before
-        # exact_from (a rollback past the rings lost the older ones), nor more than the rings' length back
-        first_exact = min(nq, -(-max(exact_from, length - self.ring) // G) * G)
+        # exact_from (a rollback past the rings lost the older ones), nor more than the window back
+        first_exact = min(nq, -(-max(exact_from, length - self.window) // G) * G)
         return dataclasses.replace(self.read_at(layer, length)[0], n_quantized=nq, first_exact=first_exact), None
 
     def truncate(self, length):

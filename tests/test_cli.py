@@ -135,8 +135,8 @@ def test_info_json(cli):
                 "int4": (32 + 2 * 2 * 2) + (32 + 2 * 2 * 64 // 32)}  # codes + fp16 scales (and minimums)
     assert doc["kv_bytes_per_token"] == {fmt: 30 * 3 * n for fmt, n in per_head.items()}
     assert all(type(n) is int for n in doc["kv_bytes_per_token"].values())
-    rings = 2 * 576 * 30 * 3 * 64  # K and V, positions, layers, kv heads, head dim
-    assert doc["kv_int4_rings"] == {"positions": 576, "bf16": rings * 2, "fp32": rings * 4}
+    rings = 2 * 608 * 30 * 3 * 64  # K and V, slots (576 positions read exact, 32 for a rollback), layers, heads, dim
+    assert doc["kv_int4_rings"] == {"positions": 576, "slots": 608, "bf16": rings * 2, "fp32": rings * 4}
     assert 130e6 < doc["parameters"] < 140e6
 
 

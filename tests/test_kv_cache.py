@@ -139,6 +139,59 @@ def test_an_int4_rollback_past_the_rings_uses_the_codes():
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["c", "torch", "device"])
+@pytest.mark.parametrize("fed, kept", [(1, 0), (33, 1), (9, 4), (17, 17)])
+def test_an_int4_write_rolled_back_past_the_rings_leaves_nothing_to_read(path, fed, kept, monkeypatch):
+    """Past the rings' first wrap, `fed` tokens written and all but `kept` rolled back (pipelined decoding's step fed
+    past a reply's end: 1, none kept; a speculative block of 33, one kept) leave the cache as every reader sees one
+    that never had them: the keys and values attention reads, the exact keys an eviction re-quantizes (`keys`),
+    the cache after an eviction (`keep`), and after both went on alike. Each of the store's write paths: the C
+    kernels (fp32 on the CPU), its torch code, and a device step's (`write_at`)."""
+    if path == "torch":
+        monkeypatch.setattr("llmrun.kernels.cpu_kernels_serve", lambda x: False)
+    S = ref.RING + 100  # the rings wrapped: each write overwrites a slot a position RING back held
+    k, v = random_kv(S + fed + 8)
+    other_k, other_v = random_kv(S + fed + 8, seed=1)
+    spare_k = torch.cat((k[:, : S + kept], other_k[:, S + kept :]), 1)  # the kept tokens, then others
+    spare_v = torch.cat((v[:, : S + kept], other_v[:, S + kept :]), 1)
+
+    def cache():
+        c = KVCache(L, B, H, S + fed + 8, D, torch.float32, "cpu", kv_format="int4")
+        write(c, k, v, [512, S - 512])
+        assert c.store.ring == ref.RING and c.store.window == ref.RECENT
+        return c
+
+    plain, rolled = cache(), cache()
+    write(plain, k, v, [kept], start=S)
+    if path == "device":
+        for layer in range(L):
+            rolled.store.write_at(layer, torch.arange(S, S + fed), spare_k[:, S : S + fed].transpose(1, 2),
+                                  spare_v[:, S : S + fed].transpose(1, 2))
+        rolled.store.wrote(S, fed)
+        rolled.length = S + fed
+    else:
+        write(rolled, spare_k, spare_v, [fed], start=S)
+    rolled.truncate(S + kept)
+    rolled.length = S + kept
+
+    def same(a, b):
+        n = a.length
+        for layer in range(L):
+            assert all(torch.equal(x, y) for x, y in zip(read(a, layer), read(b, layer))), layer
+            assert torch.equal(a.store.keys(layer, n), b.store.keys(layer, n)), layer
+
+    same(rolled, plain)
+    for c in (plain, rolled):
+        write(c, k, v, [3], start=S + kept)  # both go on alike
+    same(rolled, plain)
+    index = torch.randperm(S + kept + 3, generator=torch.Generator().manual_seed(0))[:300].sort().values
+    for c in (plain, rolled):  # an eviction keeps 300 positions, its key groups quantized afresh from `keys`
+        for layer in range(L):
+            c.store.keep(layer, c.length, index.expand(B, H, -1))
+        c.length = 300
+    same(rolled, plain)
+
+
 @pytest.mark.parametrize("rejected", [0, 9, 33, ref.RECENT - ref.KEY_GROUP])
 @pytest.mark.parametrize("start, T", [(40, 8), (60, 4), (95, 1), (90, 17), (31, 33), (63, 33), (100, 33),
                                       (700, 512), (37, ref.RECENT - ref.KEY_GROUP + 1)])

@@ -42,7 +42,8 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         "sliding_window": cfg.sliding_window,
         "tied_embeddings": cfg.tie_embeddings,
         "kv_bytes_per_token": {fmt: kv_bytes(cfg, fmt) for fmt in KV_FORMATS},
-        "kv_int4_rings": {"positions": ref.RECENT, "bf16": int4_ring_bytes(cfg, 2), "fp32": int4_ring_bytes(cfg, 4)},
+        "kv_int4_rings": {"positions": ref.RECENT, "slots": ref.RING, "bf16": int4_ring_bytes(cfg, 2),
+                          "fp32": int4_ring_bytes(cfg, 4)},
         "tokenizer": tok.kind,
         "chat_template": tok.chat_template is not None,
     }
@@ -56,8 +57,8 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         elif key == "kv_bytes_per_token":
             value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items())
         elif key == "kv_int4_rings":
-            value = (f"the last {value['positions']} positions' exact keys and values: {human_bytes(value['bf16'])} "
-                     f"in bf16, {human_bytes(value['fp32'])} in fp32 (fixed)")
+            value = (f"the last {value['positions']} positions' exact keys and values, in {value['slots']} slots: "
+                     f"{human_bytes(value['bf16'])} in bf16, {human_bytes(value['fp32'])} in fp32 (fixed)")
         elif key == "parameters":
             value = f"{value:,} ({value / 1e6:.1f} M)"
         table.add_row(key.replace("_", " "), str(value))
