@@ -101,9 +101,11 @@ class DecodeGraphs:
         # The warm-up's writes are the step's own, done again by the replay; H2O's attention mass is added to, so
         # it is put back as it was before the replay adds the step's share once
         mass = None if self.cache.scores is None else self.cache.scores.clone()
-        replay, logits = capture(functools.partial(self._step, inputs, T, span), self.pool)
-        if mass is not None:
-            self.cache.scores.copy_(mass)
+        try:
+            replay, logits = capture(functools.partial(self._step, inputs, T, span), self.pool)
+        finally:  # also when the capture fails: the eager step that runs instead adds the step's share itself
+            if mass is not None:
+                self.cache.scores.copy_(mass)
         copied = torch.cuda.Event() if cuda else None
         if copied is not None:
             copied.record()

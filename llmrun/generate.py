@@ -236,8 +236,8 @@ class Engine:
                     nxt = launch(token)
                 launched += more
                 ahead = nxt
-        finally:
-            if spare is not None and len(self.tokens) > spare:
+        finally:  # (the cache may count the forward fed ahead where the token list does not yet: a Ctrl-C between)
+            if spare is not None and max(len(self.tokens), self.cache.seen) > spare:
                 self.rollback(spare)
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:

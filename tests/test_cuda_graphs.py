@@ -294,6 +294,33 @@ def replaying_capture(step, pool):
 
 
 
+def test_a_capture_that_fails_leaves_the_attention_mass_to_the_eager_step(tiny_gguf, monkeypatch):
+    """A capture that breaks after its warm-up ran the step (H2O: the step's attention added to the mass of the
+    keys before it): the engine warns, runs that step and the rest eagerly, and its cache, mass included, is the
+    eager engine's. The first length's capture works; the one-token step's breaks."""
+    from llmrun import cuda_graphs
+    from llmrun.generate import Engine
+    from llmrun.kv_cache import Eviction
+
+    captures = []
+
+    def broken_capture(step, pool):
+        captures.append(1)
+        if len(captures) == 1:
+            return replaying_capture(step, pool)
+        step()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "capture", broken_capture)
+    loaded = load_model(str(tiny_gguf), "cpu", "fp32", "auto")
+    graphed, eager = (Engine(loaded, 256, eviction=Eviction("h2o", 64)) for _ in range(2))
+    graphed.graphs = cuda_graphs.DecodeGraphs(graphed.model, graphed.cache)
+    with pytest.warns(RuntimeWarning, match="capturing the decode step as a CUDA graph failed"):
+        run_side_by_side(graphed, eager, [("run", 12), *[("run", 1)] * 3])
+    assert graphed.graphs.failed and not graphed.graphs.graphs and len(captures) == 2
+    assert_same_cache(graphed.cache, eager.cache)
+
+
 @pytest.mark.parametrize("kv_format, evict", [("fp32", None), ("int8", None), ("fp32", "window"), ("int4", None),
                                               ("int4", "window"), ("fp32", "h2o"), ("int8", "h2o")])
 def test_the_graph_runner_replays_steps_at_any_position(tiny_gguf, monkeypatch, kv_format, evict):
@@ -322,7 +349,7 @@ def test_the_graph_runner_replays_steps_at_any_position(tiny_gguf, monkeypatch, 
 
 
 def test_graphed_int4_steps_fill_key_groups_past_the_rings(tmp_path, monkeypatch):
-    """INT4 through the graph runner (key groups quantized on the device from the rings) beyond the rings' 576
+    """INT4 through the graph runner (key groups quantized on the device from the rings) beyond the rings' 608
     slots, which wrap: the eager engine's logits and cache, through verification blocks that fill a group mid-block,
     rollbacks into a quantized group (the rings re-filled from its codes), and a prompt chunk (eager) between."""
     from llmrun import cuda_graphs
@@ -332,7 +359,7 @@ def test_graphed_int4_steps_fill_key_groups_past_the_rings(tmp_path, monkeypatch
     model = random_model(dataclasses.replace(CONFIGS["smollm2"], head_dim=32, max_seq_len=1024))
     loaded = load_model(str(write_gguf(tmp_path / "long.gguf", model, qtype="Q4_1")), "cpu", "fp32", "auto")
     graphed, eager = (Engine(loaded, 1024, kv_format="int4") for _ in range(2))
-    assert graphed.cache.store.ring == ref.RECENT < 1024
+    assert graphed.cache.store.ring == ref.RING < 1024
     graphed.graphs = cuda_graphs.DecodeGraphs(graphed.model, graphed.cache)
     run_side_by_side(graphed, eager, [("run", 500), ("run", 100), *[("run", 1)] * 5, ("run", 13), ("back", 9),
                                       ("run", 16), ("run", 7), ("back", 40), *[("run", 1)] * 3, ("run", 30),

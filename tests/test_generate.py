@@ -290,6 +290,36 @@ def test_a_pipelined_reply_interrupted_anywhere_keeps_plain_decodings_cache(smol
     assert not evict or engines[1].cache.evicted > 0
 
 
+def test_a_ctrl_c_between_the_cache_and_the_token_list_counting_a_step_fed_ahead(smollm2):
+    """Ctrl-C landing inside the forward fed ahead, after the cache counted its token and before the token list
+    did: that forward is rolled back all the same, and the engine holds what plain decoding holds when the reply
+    stops at the same step (its next piece read, the token before it fed)."""
+
+    class Trap(list):
+        armed = False
+
+        def extend(self, items):
+            if self.armed:
+                raise KeyboardInterrupt
+            super().extend(items)
+
+    prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Count from one to twenty."}])
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    plain, pipelined = pipelined_pair(smollm2)
+    pieces = iter(plain.generate(prompt, params))
+    for _ in range(4):
+        next(pieces)
+    pieces.close()
+    pipelined.tokens = Trap()
+    pieces = iter(pipelined.generate(prompt, params))
+    for _ in range(3):
+        next(pieces)
+    pipelined.tokens.armed = True  # the next piece's forward fed ahead is caught halfway
+    with pytest.raises(KeyboardInterrupt):
+        next(pieces)
+    assert_same_state(plain, pipelined)
+
+
 def test_a_draw_that_needs_the_whole_vocabulary_reruns_the_step_fed_ahead(smollm2, monkeypatch):
     """Where top-k's k-th value ties with a token it left out, the draw is the definition's over the whole
     vocabulary, not the survivors' token fed ahead: that step is rolled back and run again with the drawn token.
