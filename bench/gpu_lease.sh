@@ -39,7 +39,7 @@
 # Left for a later lease (gpu.sh runs them by GPU_STEPS): the kv step again at 8k and 32k (the quantized attention's
 # loads copied ahead: GPU_NOTES predicts INT8 above bf16, INT4 within 5% of INT8; the H100 took 227 s for both,
 # one round each), the gemv step (cp.async configs against the register-fetch ones, 60-90 s).
-# Steps' limits: 170 + 70 + 130 + 60 = 430 s, plus installing gguf and llmrun: give the call 480.
+# Steps' limits: 200 + 70 + 110 + 60 = 440 s, plus installing gguf and llmrun: give the call 480.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 export RESULTS=${RESULTS:-bench/results}
@@ -60,9 +60,9 @@ export GPU_RESUME=1
 # every GPU test again, though many passed before on this GPU: each file's kernels or paths changed since (the
 # GEMV's cp.async pipeline, the quantized attention's loads ahead, the fused launches, the pipelined decoding)
 export GPU_RETEST="tests/"
-PYTEST_ADDOPTS="-n 12" step 170 tests
+PYTEST_ADDOPTS="-n 12" step 200 tests
 step 70 sweep llama3.2-1b
-GPU_RERUN="profile-llama3-8b-p128 profile-llama3.2-1b-p128 profile-llama3.2-1b-p128-weights-int4" step 130 profile
+GPU_RERUN="profile-llama3-8b-p128 profile-llama3.2-1b-p128 profile-llama3.2-1b-p128-weights-int4" step 110 profile
 GPU_RERUN="qwen-pair-replay-int4" GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 60 replay
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete
