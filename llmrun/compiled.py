@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from llmrun.cuda_graphs import StagedInputs
 from llmrun.kv_cache import DeviceStep, KVCache
 
 
@@ -34,11 +35,7 @@ class CompiledDecode:
         for buffer in cache.store.layer_views:
             torch._dynamo.mark_static_address(buffer)
         self.inputs = torch.zeros(3, 1, dtype=torch.int64, device=device)  # token, position, slot
-        # staged through pinned memory, as the graph runner stages its inputs: a copy from pageable memory may wait
-        # for the stream, and the step fed ahead of the host (`Engine.plain_steps`) would wait with it
-        cuda = device.type == "cuda"
-        self.host = torch.zeros(3, 1, dtype=torch.int64, pin_memory=cuda)
-        self.copied = torch.cuda.Event() if cuda else None  # `host`'s last copy has run once this has
+        self.staged = StagedInputs(self.inputs)  # written as the graph runner writes its graphs' inputs
         self.step = DeviceStep(self.inputs[2], self.inputs[1], torch.ones(1, dtype=torch.int32, device=device),
                                cache.max_len)
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=False,
@@ -50,15 +47,8 @@ class CompiledDecode:
     def forward(self, ids: list[int] | torch.Tensor, position: int, slot: int) -> torch.Tensor | None:
         if len(ids) != 1:
             return None
-        token = ids if torch.is_tensor(ids) else None
-        if self.copied is not None:
-            self.copied.synchronize()  # enqueued before the step before ran: done, or nearly
-        self.host.copy_(torch.tensor([[0 if token is not None else ids[0]], [position], [slot]]))
-        self.inputs.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
-        if token is not None:
-            self.inputs[0].copy_(token)  # a token drawn on the device, not read by the host (`Engine.plain_steps`)
+        token = ids if torch.is_tensor(ids) else None  # a token drawn on the device (`Engine.plain_steps`)
+        self.staged.write(torch.tensor([[0 if token is not None else ids[0]], [position], [slot]]), token)
         self.step.length.fill_(slot + 1)
         self.cache.device_step = self.step
         try:

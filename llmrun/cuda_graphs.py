@@ -37,13 +37,36 @@ def captures() -> int:
     return _captures
 
 
+class StagedInputs:
+    """A captured step's inputs `device` (3, T) int64: tokens, positions, slots, written before each replay from
+    the host through a pinned buffer (a copy from pageable memory may wait for the stream, and a step fed ahead of
+    the host with it), which is written again once its last copy has run; tokens drawn on the device are copied in
+    there, behind the work that made them, without the host reading them."""
+
+    def __init__(self, device_inputs: torch.Tensor):
+        self.device = device_inputs
+        cuda = device_inputs.device.type == "cuda"
+        self.host = torch.empty(device_inputs.shape, dtype=torch.int64, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
+
+    def write(self, values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """values (3, T) int64 on the host, row 0 replaced by `tokens` (T,) on the device where given."""
+        if self.copied is not None:
+            self.copied.synchronize()  # pipelined decoding enqueues a step while the step before runs, whose copy
+            # ran before it started, so this does not wait
+        self.host.copy_(values)
+        self.device.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        if tokens is not None:
+            self.device[0].copy_(tokens)
+
+
 @dataclass
 class _Graph:
     replay: Callable[[], object]  # runs the captured step again
-    host: torch.Tensor  # (3, T) int64 (pinned on CUDA): tokens, positions, slots, staged for one copy
-    inputs: torch.Tensor  # (3, T) int64 on the device: what the graph reads
+    inputs: StagedInputs  # what the graph reads
     logits: torch.Tensor  # (1, T, V) fp32 on the device: what the graph writes
-    copied: torch.cuda.Event | None  # the last copy out of `host` is done: it may be written again
 
 
 def capture(step: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], object], torch.Tensor]:
@@ -93,8 +116,6 @@ class DecodeGraphs:
         global _captures
         _captures += 1
         T = staged.shape[1]
-        cuda = self.device.type == "cuda"
-        host = torch.empty(3, T, dtype=torch.int64, pin_memory=cuda)
         inputs = staged.to(self.device)  # the step being run: the warm-up runs it (writing what it will write)
         if tokens is not None:
             inputs[0].copy_(tokens)
@@ -106,10 +127,7 @@ class DecodeGraphs:
         finally:  # also when the capture fails: the eager step that runs instead adds the step's share itself
             if mass is not None:
                 self.cache.scores.copy_(mass)
-        copied = torch.cuda.Event() if cuda else None
-        if copied is not None:
-            copied.record()
-        return _Graph(replay, host, inputs, logits, copied)
+        return _Graph(replay, StagedInputs(inputs), logits)
 
     def forward(self, ids: list[int] | torch.Tensor, position: int, slot: int) -> torch.Tensor | None:
         """Logits (1, T, V) fp32 (a new tensor) of the T = len(ids) tokens at positions position.. written into
@@ -136,15 +154,7 @@ class DecodeGraphs:
                 warnings.warn(f"llmrun: capturing the decode step as a CUDA graph failed ({self.failed}); "
                               "running it eagerly", RuntimeWarning, stacklevel=2)
                 return None
-        if g.copied is not None:
-            g.copied.synchronize()  # `host`'s last copy has run: pipelined decoding enqueues a step while the
-            # step before runs, whose copy ran before it started, so this does not wait
-        g.host.copy_(staged)
-        g.inputs.copy_(g.host, non_blocking=True)
-        if g.copied is not None:
-            g.copied.record()
-        if tokens is not None:
-            g.inputs[0].copy_(tokens)  # behind the work that made them
+        g.inputs.write(staged, tokens)
         g.replay()
         self.cache.wrote(slot, T)
         return g.logits.clone()  # the next replay of this T overwrites g.logits

@@ -193,13 +193,13 @@ class Engine:
         after that token (not fed).
 
         On a pipelined engine (`pipeline`: a GPU) the next forward is enqueued before the host reads the token it
-        feeds, straight from the device where the draw left it, so the device goes from step to step while the
-        host streams, detokenizes and checks for stops. A forward fed past the reply's end (the consumer stops
-        taking tokens: an end token, a stop string, Ctrl-C) leaves the cache when the generator closes, so the cache
-        and the token list end as plain decoding leaves them. A draw that needs the whole vocabulary (a tie at
-        top-k's edge) gives another token than the one fed ahead: that forward is rolled back and run again. A
-        forward that must first evict (or renumber positions) waits for its token instead: a rollback could not undo
-        it."""
+        feeds, straight from the device where the draw left it, so the device goes from step to step while the host
+        streams, detokenizes and checks for stops. A forward fed past the reply's end (the consumer stops taking
+        tokens: an end token, a stop string, Ctrl-C) leaves the cache when the generator closes, so the cache and
+        the token list end as plain decoding leaves them. A draw that needs the whole vocabulary (ties at top-k's
+        edge past its candidates) gives another token than the one fed ahead: that forward is rolled back and run
+        again. A forward that must first evict (or renumber positions) waits for its token instead: a rollback could
+        not undo it."""
         if steps <= 0:
             return
         if not self.pipeline:

@@ -88,8 +88,8 @@ def vocabulary_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 class Survivors:
     """The tokens rows of logits may draw after the filters: ids (R, n) (None: the whole vocabulary, n = V) and
     their probabilities (R, n) fp32, each row summing to 1. `exact` (R,) bool, on the logits' device: False where
-    the k-th largest value ties with a token top-k left out, which the definition keeps (`vocabulary_probs` then
-    gives the row's distribution)."""
+    tokens tied with the k-th largest value run past the candidates, all of which the definition keeps
+    (`vocabulary_probs` then gives the row's distribution)."""
 
     ids: torch.Tensor | None
     probs: torch.Tensor
@@ -120,10 +120,7 @@ def survivors(logits: torch.Tensor, params: SamplingParams) -> Survivors:
     values, ids = torch.topk(logits, n)  # (R, n), largest first
     kth = values[:, k - 1 : k]
     # a k-th value of -inf (fewer than k tokens allowed, as under a grammar's mask) leaves every allowed one among k
-    if n < V:
-        exact = (kth[:, 0] == float("-inf")) | (values[:, -1] < kth[:, 0])
-    else:
-        exact = torch.ones(len(logits), dtype=torch.bool, device=logits.device)
+    exact = (kth[:, 0] == float("-inf")) | (values[:, -1] < kth[:, 0]) | (n == V)  # no tie past the candidates
     values = values.masked_fill(values < kth, float("-inf"))
     # filter_logits's top-p and min-p on values sorted already: no sort, and the top token's probability is the first
     if params.top_p < 1.0:
@@ -269,9 +266,9 @@ class Ahead:
             self.probs = rows.dense(logits.shape[-1])[0]
 
     def read(self) -> tuple[int, bool]:
-        """-> (the token, whether it is `token`'s value: False where the k-th value tied with a token top-k left
-        out, and the token is the whole-vocabulary definition's draw at the same uniform instead, `probs` the
-        definition's distribution). Waits for the device; raises as `sample` does on logits that are not finite."""
+        """-> (the token, whether it is `token`'s value: False where the row was not exact (`Survivors`), and the
+        token is the whole-vocabulary definition's draw at the same uniform instead, `probs` the definition's
+        distribution). Waits for the device; raises as `sample` does on logits that are not finite."""
         values = self._values.wait()
         if self.u is None:
             return values[0], True

@@ -250,9 +250,9 @@ class ModelDrafter:
     def _draft_ahead(self, logits, position: int, k: int, params: SamplingParams, rng):
         """`propose`'s drafts on a pipelined engine (a GPU): each draft token fed to the next forward from the
         device, where its draw left it, and all k read at the end, one wait for the k steps where each waited for
-        the host. -> (tokens, their q (k, V) or None when greedy). A draw that needed the whole vocabulary (a tie at
-        top-k's edge) differs from the token fed after it: the proposal ends with it, and the forwards after it
-        leave the draft's cache."""
+        the host. -> (tokens, their q (k, V) or None when greedy). A draw that needed the whole vocabulary (ties at
+        top-k's edge past its candidates) differs from the token fed after it: the proposal ends with it, and the
+        forwards after it leave the draft's cache."""
         engine = self.engine
         aheads, fed = [], []  # fed[i]: where draft i went in the draft's token list (the forward it fed)
         for i in range(k):
