@@ -411,12 +411,14 @@ def _combine_row(MidO, MidLse, Out, b, t, h, stride_ob, stride_ot, stride_oh, T,
 def _mass_kernel(
     Scores, Lse, Mass, SLen, stride_mb, stride_mh,
     T, Hkv, G, keys, lo, window,
-    HAS_WINDOW: tl.constexpr, DEVICE_LEN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DEVICE_LEN: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Mass[b, kv head, lo + j] += sum over the T * G rows of the head of exp2(Scores[b, head, row, j] - lse(row)),
     for j < keys; with DEVICE_LEN (lo 0, keys the capacity) for the keys the split kernel scored: those in use
-    (SLen) from the earliest any row sees."""
+    (SLen) from the earliest any row sees. Each key's weights are added one row at a time, in row order, by the
+    thread that holds the key: a sum across threads (tl.sum over a tile of rows) takes the order of the tile's
+    layout, which follows the load's alignment, so an eager step over S keys and a CUDA graph's over the capacity
+    summed alike only by chance (an H100 saw them differ, 2026-11-27)."""
     common.pdl_wait(PDL)
     pid_bh = tl.program_id(0)
     b = pid_bh // Hkv
@@ -430,13 +432,10 @@ def _mass_kernel(
             s_ok = s_ok & (offs_s >= S - T + 1 - window)
     R = T * G
     acc = tl.zeros([BLOCK_S], tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)  # row = t * G + g
-        r_ok = rows < R
-        lse = tl.load(Lse + (b * T + rows // G) * (Hkv * G) + kvh * G + rows % G, mask=r_ok, other=0.0)
-        s = tl.load(Scores + (pid_bh.to(tl.int64) * R + rows)[:, None] * keys + offs_s[None, :],
-                    mask=r_ok[:, None] & s_ok[None, :], other=float("-inf"))  # (BLOCK_R, BLOCK_S)
-        acc += tl.sum(tl.math.exp2(s - lse[:, None]), 0)
+    for row in range(0, R):  # row = t * G + g
+        lse = tl.load(Lse + (b * T + row // G) * (Hkv * G) + kvh * G + row % G)
+        s = tl.load(Scores + (pid_bh.to(tl.int64) * R + row) * keys + offs_s, mask=s_ok, other=float("-inf"))
+        acc += tl.math.exp2(s - lse)
     m_ptrs = Mass + b.to(tl.int64) * stride_mb + kvh * stride_mh + lo + offs_s
     tl.store(m_ptrs, tl.load(m_ptrs, mask=s_ok, other=0.0) + acc, mask=s_ok)
 
@@ -650,7 +649,6 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         BLOCK_S = 128
         _mass_kernel[(B * Hkv, triton.cdiv(keys, BLOCK_S))](
             scores, lse, mass, count, mass.stride(0), mass.stride(1), T, Hkv, G, keys,
-            lo, window or 0, HAS_WINDOW=window is not None, DEVICE_LEN=length is not None,
-            BLOCK_R=min(32, triton.next_power_of_2(T * G)), BLOCK_S=BLOCK_S, **pdl,
+            lo, window or 0, HAS_WINDOW=window is not None, DEVICE_LEN=length is not None, BLOCK_S=BLOCK_S, **pdl,
         )
     return out

@@ -494,6 +494,8 @@ PTX_FINDINGS = {  # name -> whether a kernel's PTX shows it
     # threads trading values every step of a loop, through shuffles or shared memory they store to (the GEMV's must
     # not: its barriers only guard the shared memory cp.async copies W's tiles ahead into, which no thread stores to)
     "a shuffle or shared-memory store in a loop": lambda ptx: bool(re.search(r"\bshfl\.|\bst\.shared", _in_loops(ptx))),
+    # threads trading values anywhere in the kernel: a sum across threads, whose order follows the tile's layout
+    "a shuffle or shared-memory store": lambda ptx: bool(re.search(r"\bshfl\.|\bst\.shared", ptx)),
     # copies into shared memory by cp.async, which Triton's pipeliner alone emits: a loop's loads issued steps ahead
     "W copied ahead by cp.async": lambda ptx: "cp.async.commit_group" in ptx,
     # an integer converted to a float (I2F: a quarter of an integer add's rate on Hopper) inside a loop: the GEMV and
@@ -649,6 +651,21 @@ def test_the_gemv_loop_trades_nothing_across_threads(target, compiled):
                  if "W copied ahead by cp.async" not in findings]
     assert pipelined and not not_ahead, f"{len(not_ahead)} of {len(pipelined)} GEMV launches of STAGES > 1 load W " \
         "in the step:\n" + "\n".join(not_ahead)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_attention_mass_of_a_key_is_summed_by_one_thread(target, compiled):
+    """H2O's mass kernel adds a key's weights row after row in one thread, with no shuffle and no shared memory: a
+    sum across threads takes the order of the tile's layout, which follows the alignment Triton sees in the
+    arguments, so an eager step over S keys and a CUDA graph's step over the capacity gave a key other bits (an
+    H100, 2026-11-27, when the kernel summed a tile of rows with tl.sum). Checked in the PTX of every compiled
+    launch of it."""
+    arch = TARGETS[target][0]
+    masses = {spec: findings for (spec, a), (_, error, _, findings) in compiled.items()
+              if a == arch and spec.name == "_mass_kernel" and error is None}
+    assert masses
+    trading = [spec.describe() for spec, findings in masses.items() if "a shuffle or shared-memory store" in findings]
+    assert not trading, f"{len(trading)} of {len(masses)} mass launches sum across threads:\n" + "\n".join(trading)
 
 
 @pytest.mark.parametrize("target", TARGETS)
