@@ -266,11 +266,15 @@ def test_the_bias_is_added_once(M, split_k, dtype, monkeypatch):
     assert (got.float() - want).abs().max().item() <= 2 * torch_err + ATOL[dtype] * want.abs().max().item()
 
 
+@pytest.mark.parametrize("dot", ["0", "1"])
 @pytest.mark.parametrize("bits, offsets", FORMATS)
-def test_a_row_does_not_depend_on_the_rows_beside_it(bits, offsets):
+def test_a_row_does_not_depend_on_the_rows_beside_it(bits, offsets, dot, monkeypatch, row_by_row_dot):
     """Greedy speculative decoding is exact only if a token's product has the same bits whether it runs alone or in
     a verification block: every row count up to VERIFY_ROWS gives each row the bits of the full block (on a GPU
-    this also needs one autotuned config for every row count of a shape)."""
+    this also needs one autotuned config for every row count of a shape). So on the FFMA GEMV (LLMRUN_GEMV_DOT=0:
+    one-token steps and, so set, blocks) and on the tensor-core GEMV alone (=1: every row count on it); by default
+    a GPU's blocks of 3 or more rows take the second and one-token steps the first, whose bits differ."""
+    monkeypatch.setenv("LLMRUN_GEMV_DOT", dot)
     qs, d, m = random_planes(96, 320, bits, offsets, 32, seed=bits)
     x = torch.randn(tqm.VERIFY_ROWS, 320, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
     block = tqm.quant_linear(x, qs, d, m, bits, 32)
@@ -299,7 +303,7 @@ def test_every_row_count_has_one_autotuner_key(bias, split_k, monkeypatch):
     """The GPU half of the test above: Triton's autotuner keys on the named arguments and every tensor argument's
     dtype, and picks a config by timing, so every row count of a weight must launch with one key (else a
     verification block could tune a BLOCK_K of its own and sum its rows in another order). Recorded on the
-    interpreter's launches."""
+    launches themselves, which a GPU runs under one of the autotuner's configs."""
     keys = set()
 
     class Spy:
@@ -311,7 +315,10 @@ def test_every_row_count_has_one_autotuner_key(bias, split_k, monkeypatch):
                 return tqm._gemv_kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(tqm, "_gemv_launcher", lambda cuda: (Spy(), tqm._INTERPRETER_BLOCKS))
+    config = tqm._GEMV_CONFIGS[0]  # on a GPU, one of the autotuner's configs (the interpreter's tiles are too big)
+    blocks = {**config.kwargs, "num_warps": config.num_warps} if DEVICE == "cuda" else tqm._INTERPRETER_BLOCKS
+    monkeypatch.setattr(tqm, "_gemv_launcher", lambda cuda: (Spy(), blocks))
+    monkeypatch.setenv("LLMRUN_GEMV_DOT", "0")  # every row count on the FFMA GEMV, as on a CPU
     qs, d, m = random_planes(96, 320, 4, True, 32, seed=0)
     b = torch.randn(96, device=DEVICE).half() if bias else None
     for rows in range(1, tqm.VERIFY_ROWS + 1):
