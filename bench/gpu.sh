@@ -140,8 +140,9 @@ not_retested() {  # the lines of stdin (test ids) that hold none of GPU_RETEST's
 }
 
 run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output also kept in $results/$stamp-$gpu-NAME.log
-    # -v: each test's outcome is in the log as it ends, also when a time limit stops the run. With GPU_RESUME=1,
-    # the tests that bench/results/'s logs from this GPU record as passed are left out.
+    # -v: each test's outcome is in the log as it ends, and a failure's traceback with it (tests/conftest.py), also
+    # when a time limit stops the run before pytest's summary. With GPU_RESUME=1, the tests that bench/results/'s
+    # logs from this GPU record as passed are left out.
     local log="$results/$stamp-$gpu-$1-$(date +%H%M%S).log" passed=()  # a log a run: a resumed call keeps the first's
     shift
     if [ "${GPU_RESUME:-0}" = 1 ]; then
@@ -149,8 +150,8 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output a
             | grep -o 'tests/[^ ]*::[^ ]*' | sort -u | not_retested | sed 's/^/--deselect=/')
         echo "gpu.sh: ${#passed[@]} tests passed before on this GPU: left out (GPU_RESUME=1)" >&2
     fi
-    python3 -m pytest -v -rs "${passed[@]}" "$@" 2>&1 | tee "$log" || { echo "gpu.sh: GPU TESTS FAILED (above, and in" \
-        "$log); measuring anyway" >&2; failed+=("$(basename "$log")"); }
+    LLMRUN_TEST_FAILURES_AT_ONCE=1 python3 -m pytest -v -rs --tb=short "${passed[@]}" "$@" 2>&1 | tee "$log" \
+        || { echo "gpu.sh: GPU TESTS FAILED (above, and in $log); measuring anyway" >&2; failed+=("$(basename "$log")"); }
 }
 
 if [[ $steps == *" tests "* ]]; then

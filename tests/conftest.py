@@ -46,6 +46,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """LLMRUN_TEST_FAILURES_AT_ONCE=1 (bench/gpu.sh): a failure's report goes to stderr as the test ends, not only
+    in the summary at the end of the run, which a lease's time limit cuts off (an H100's 30 failures came back
+    without one traceback, 2026-11-27). Under pytest-xdist the controller prints each worker's reports."""
+    if (report.failed and os.environ.get("LLMRUN_TEST_FAILURES_AT_ONCE") == "1"
+            and "PYTEST_XDIST_WORKER" not in os.environ):  # (a worker's own print would reach the terminal too)
+        text = report.longreprtext
+        if len(text) > 4000:
+            text = text[:1000] + "\n...\n" + text[-3000:]
+        print(f"\n--- FAILED {report.nodeid} ({report.when})\n{text}\n---", file=sys.stderr, flush=True)
+
+
 # A launch config the split attention kernel and the GEMVs each take on CUDA under LLMRUN_TEST_ONE_CONFIG=1: the
 # split kernel's least shared memory (it fits every GPU Triton supports), and the GEMVs' smallest tiles.
 ONE_SPLIT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
