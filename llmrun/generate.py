@@ -329,7 +329,7 @@ class Generation:
                         stats.finish_reason = "context"
                     elif self._plainly():  # one token a forward from here on (`Engine.plain_steps`)
                         yield from self._plain(tokens[-1], rng)
-                    elif self._paused():  # the policy drafts nothing for now: plain steps until it drafts again
+                    elif self._paused(tokens[-1]):  # nothing to draft for now: plain steps until there is
                         last = yield from self._plain(tokens[-1], rng, until_drafting=True)
                         if last is not None:
                             tokens = self._step(last, rng)  # the step the policy chose to draft
@@ -360,13 +360,18 @@ class Generation:
         return ((spec is None or spec.length.hopeless) and self._constraint is None
                 and self.params.repetition_penalty == 1.0)
 
-    def _paused(self) -> bool:
-        """Whether a speculative reply on a pipelined engine goes on by plain steps for now: the policy chose K = 0
-        for the next step (kept in `_chosen` for `_step` otherwise), no grammar, no repetition penalty."""
+    def _paused(self, token: int) -> bool:
+        """Whether a speculative reply on a pipelined engine goes on by plain steps for now (no grammar, no
+        repetition penalty): the policy chose K = 0 for the step fed `token` (kept in `_chosen` for `_step`
+        otherwise), or the drafter has nothing to propose after it (a lookup without a match, whose step would
+        be a plain one fed from the host: the device idle while the host reads each token and feeds it)."""
         engine, spec = self.engine, self.engine.speculator
         if not engine.pipeline or self._constraint is not None or self.params.repetition_penalty != 1.0:
             return False
         self._chosen = spec.length.choose(self._room(len(engine.tokens), self.stats.new_tokens))
+        if self._chosen and not spec.drafter.would_propose(engine.tokens + [token]):
+            self._chosen = None
+            return True
         return self._chosen == 0
 
     def _room(self, start: int, taken: int) -> int:
@@ -377,14 +382,18 @@ class Generation:
 
     def _plain(self, token: int, rng: Randomness, until_drafting: bool = False):
         """Plain decoding from `token` (sampled and taken, not yet fed) on: yield the text of each token until the
-        reply ends, or, `until_drafting` (a speculative reply whose policy drafts nothing for now), until the policy
-        chooses to draft for the next step: -> the last token then (taken, not fed; else None). Each step's time goes
-        to the policy as a plain step's."""
+        reply ends, or, `until_drafting` (a speculative reply with nothing to draft for now), until the policy
+        chooses to draft for the next step and the drafter has something to propose: -> the last token then (taken,
+        not fed; else None). Each step's time goes to the policy as a plain step's."""
         engine, stats, spec = self.engine, self.stats, self.engine.speculator
         drafts_next = []
 
         def go_on() -> bool:  # asked before each step, its token not yet taken: the policy's K for it
             k = spec.length.choose(self._room(len(engine.tokens), stats.new_tokens + 1))
+            # The token in flight is unknown here: a lookup is asked of the context up to the token before it (a
+            # match there most likely goes on past it, as in a copied passage; the draft then follows that token)
+            if k and not spec.drafter.would_propose(engine.tokens):
+                k = 0
             if k:
                 self._chosen = k
                 drafts_next.append(k)

@@ -181,6 +181,13 @@ class NgramDrafter:
                 return Proposal(context[at : at + k])
         return Proposal()
 
+    def would_propose(self, context: list[int]) -> bool:
+        """Whether `propose` would find a match for `context` (a lookup knows at no cost): a pipelined reply goes on
+        by plain steps fed from the device while it would not (`llmrun.generate`)."""
+        self._sync(context)
+        return any(tuple(context[-n:]) in self._index
+                   for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1))
+
     def _sync(self, context: list[int]) -> None:
         """Index the n-grams ending at positions 1 .. len(context) - 1: each has a continuation, and the one
         ending at the very end (the query) is left out, or it would find itself."""
@@ -206,6 +213,10 @@ class ModelDrafter:
     def start(self, context: list[int]) -> None:
         if len(context) < self.engine.max_len:  # a draft with a shorter context just proposes nothing
             self.engine.prefill(context)
+
+    def would_propose(self, context: list[int]) -> bool:
+        """A model always drafts (as far as its context reaches: `propose` knows)."""
+        return True
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng, constraint=None) -> Proposal:
         """k tokens drafted autoregressively (draft i, for context position len(context) + i, from that

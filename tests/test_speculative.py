@@ -35,6 +35,9 @@ class OracleDrafter:
     def start(self, context):
         pass
 
+    def would_propose(self, context):
+        return len(context) < len(self.full)
+
     def propose(self, context, k, params, generator, constraint=None):
         at = len(context)
         tokens = self.full[at : at + k]
@@ -529,6 +532,45 @@ def test_paused_drafting_runs_pipelined_plain_steps(engine, smollm2, monkeypatch
         assert states[0] == states[1] and states[1][2] == len(states[1][1]), n
     engine.speculator = None
 
+
+class RecordingLookup(NgramDrafter):
+    """An n-gram drafter that records each proposal's context and how many tokens it proposed."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.proposed = []
+
+    def propose(self, context, k, params, rng, constraint=None):
+        proposal = super().propose(context, k, params, rng, constraint)
+        self.proposed.append((list(context), len(proposal.tokens)))
+        return proposal
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_pipelined_lookup_feeds_the_device_while_it_has_no_match(engine, smollm2, monkeypatch, temperature):
+    """On a pipelined engine (forced here on the CPU) an n-gram drafter's reply goes on by plain steps fed from the
+    device wherever the lookup finds nothing, not by steps that propose nothing and wait for the host (as an engine
+    that waits for every token runs them): a lookup comes back empty only where the context up to the token before
+    it matched (the token after a match was in flight, unknown), and the reply is the plain reply, token for
+    token."""
+    ids = smollm2.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=48)
+    plain, plain_text = _generate(engine, ids, params)
+    runs = []
+    for pipeline in (False, True):
+        monkeypatch.setattr(engine, "pipeline", pipeline)
+        fed = []
+        monkeypatch.setattr(engine, "forward", lambda tokens, *a, f=Engine.forward.__get__(engine), **kw: (
+            fed.append(torch.is_tensor(tokens)) or f(tokens, *a, **kw)))
+        drafter = RecordingLookup(3)
+        reply, text = _generate(engine, ids, params, Speculator(drafter, DraftLength(4, adaptive=False)))
+        assert (reply.token_ids, text) == (plain.token_ids, plain_text), pipeline
+        runs.append(([context for context, n in drafter.proposed if n == 0], sum(fed)))
+    (waited, from_device_then), (empty, from_device) = runs
+    assert from_device_then == 0 and from_device > 20
+    assert len(waited) > 20 and len(empty) <= 4, (len(waited), len(empty))
+    assert all(NgramDrafter(3).would_propose(context[:-1]) for context in empty), empty
+    engine.speculator = None
 
 # --- drafters and the K policy ---------------------------------------------------------------------------------
 
