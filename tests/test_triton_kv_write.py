@@ -76,8 +76,8 @@ def test_rope_and_the_int8_write_in_one_launch_are_the_two_launches(dtype, B, T,
     from llmrun.kernels.rotary import rope_
 
     g = torch.Generator().manual_seed(slot + D)
-    qkv = torch.cat((torch.randn(B, T, Hq, D, generator=g), new_tokens(B, Hkv, T, D, torch.float32, D).transpose(1, 2),
-                     new_tokens(B, Hkv, T, D, torch.float32, D + 1).transpose(1, 2)), 2).cpu()
+    keys, values = (new_tokens(B, Hkv, T, D, torch.float32, seed).cpu().transpose(1, 2) for seed in (D, D + 1))
+    qkv = torch.cat((torch.randn(B, T, Hq, D, generator=g), keys, values), 2)  # (on the CPU: new_tokens' are on DEVICE)
     qkv[:, :, Hq + Hkv - 1] = 0  # a key head of zeros
     qkv = qkv.to(dtype).to(DEVICE)
     angles = torch.randn(T, D // 2, generator=g)
