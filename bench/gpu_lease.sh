@@ -20,9 +20,9 @@
 #
 # Correctness first. The H100's second lease (2026-11-27) ran the model test files to their end, the sweep, the three
 # step profiles and the embedded model's tests and speculative rows; what is left, by GPU_RESUME=1:
-#   tests    the tests that failed there (30: H2O's mass, fixed; the row tests, fixed; the fused RoPE + INT8 write, not
-#            explained: each failure now prints its traceback as it ends) or were not reached, and again those of
-#            the mass kernel (GPU_RETEST); 12 pytest-xdist workers, one fixed config a kernel.
+#   tests    the tests that failed there (30: H2O's mass, the row tests, the INT8 RoPE write's test: fixed; one case
+#            of the float RoPE write not explained: each failure now prints its traceback as it ends) or were not
+#            reached, and again those of the mass kernel (GPU_RETEST); 12 pytest-xdist workers, one config a kernel.
 #   replay   the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (60 s were not enough: its
 #            load, compile and runs): plain rows pipelined, T 0.8 rows one wait a draw, blocks on the tensor-core
 #            GEMV (the H100's first lease: greedy 1.16x; predicted ~1.3x).
