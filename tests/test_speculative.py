@@ -488,6 +488,16 @@ class ScriptedLength(DraftLength):
         self.observed.append((drafted, accepted))
 
 
+def feeds(engine, monkeypatch, pipeline: bool) -> list[bool]:
+    """The engine pipelined or not (forced), and whether each forward it runs from now on is fed from the device
+    (its tokens a tensor), in order."""
+    monkeypatch.setattr(engine, "pipeline", pipeline)
+    fed = []
+    monkeypatch.setattr(engine, "forward", lambda ids, *a, f=Engine.forward.__get__(engine), **kw: (
+        fed.append(torch.is_tensor(ids)) or f(ids, *a, **kw)))
+    return fed
+
+
 @pytest.mark.parametrize("temperature", [0, 0.8])
 def test_paused_drafting_runs_pipelined_plain_steps(engine, smollm2, monkeypatch, temperature):
     """On a pipelined engine (forced here on the CPU) the plain steps of a speculative reply, where the policy drafts
@@ -501,10 +511,7 @@ def test_paused_drafting_runs_pipelined_plain_steps(engine, smollm2, monkeypatch
     plain, plain_text = _generate(engine, ids, params)
     runs = []
     for pipeline in (False, True):
-        monkeypatch.setattr(engine, "pipeline", pipeline)
-        fed_ahead = []
-        monkeypatch.setattr(engine, "forward", lambda ids, *a, f=Engine.forward.__get__(engine), **kw: (
-            fed_ahead.append(torch.is_tensor(ids)) or f(ids, *a, **kw)))
+        fed_ahead = feeds(engine, monkeypatch, pipeline)
         length = ScriptedLength([0, 0, 0, 3, 0, 2, 0, 0, 0, 0, 4, 1, 0])
         reply, text = _generate(engine, ids, params, Speculator(OracleDrafter(ids, plain.token_ids, wrong=5), length))
         runs.append((reply, text, length, sum(fed_ahead)))
@@ -558,10 +565,7 @@ def test_a_pipelined_lookup_feeds_the_device_while_it_has_no_match(engine, smoll
     plain, plain_text = _generate(engine, ids, params)
     runs = []
     for pipeline in (False, True):
-        monkeypatch.setattr(engine, "pipeline", pipeline)
-        fed = []
-        monkeypatch.setattr(engine, "forward", lambda tokens, *a, f=Engine.forward.__get__(engine), **kw: (
-            fed.append(torch.is_tensor(tokens)) or f(tokens, *a, **kw)))
+        fed = feeds(engine, monkeypatch, pipeline)
         drafter = RecordingLookup(3)
         reply, text = _generate(engine, ids, params, Speculator(drafter, DraftLength(4, adaptive=False)))
         assert (reply.token_ids, text) == (plain.token_ids, plain_text), pipeline
