@@ -38,23 +38,23 @@ def captures() -> int:
 
 
 class StagedInputs:
-    """A captured step's inputs `device` (3, T) int64: tokens, positions, slots, written before each replay from
-    the host through a pinned buffer (a copy from pageable memory may wait for the stream, and a step fed ahead of
-    the host with it), which is written again once its last copy has run; tokens drawn on the device are copied in
-    there, behind the work that made them, without the host reading them."""
+    """A captured graph's inputs `device`, written before each replay from the host through a pinned buffer (a copy
+    from pageable memory may wait for the stream, and a step fed ahead of the host with it), which is written again
+    once its last copy has run: a decode step's (3, T) int64 tokens, positions, slots, whose tokens drawn on the
+    device are copied in there, behind the work that made them, without the host reading them; a draw's uniform."""
 
     def __init__(self, device_inputs: torch.Tensor):
         self.device = device_inputs
         cuda = device_inputs.device.type == "cuda"
-        self.host = torch.empty(device_inputs.shape, dtype=torch.int64, pin_memory=cuda)
+        self.host = torch.empty(device_inputs.shape, dtype=device_inputs.dtype, pin_memory=cuda)
         self.copied = torch.cuda.Event() if cuda else None
 
-    def write(self, values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
-        """values (3, T) int64 on the host, row 0 replaced by `tokens` (T,) on the device where given."""
+    def write(self, values, tokens: torch.Tensor | None = None) -> None:
+        """values (the inputs' shape, on the host), row 0 replaced by `tokens` (T,) on the device where given."""
         if self.copied is not None:
             self.copied.synchronize()  # pipelined decoding enqueues a step while the step before runs, whose copy
             # ran before it started, so this does not wait
-        self.host.copy_(values)
+        self.host.copy_(torch.as_tensor(values, dtype=self.host.dtype))
         self.device.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -158,6 +158,58 @@ class DecodeGraphs:
         g.replay()
         self.cache.wrote(slot, T)
         return g.logits.clone()  # the next replay of this T overwrites g.logits
+
+
+class DrawGraphs:
+    """Sampled draws captured as CUDA graphs, one a setting of the filters (temperature, top-k, top-p, min-p) and
+    vocabulary: `sampling.Ahead`'s device work (the top-k survivors, the filters, the inverse-CDF pick and its tie
+    and finiteness flags, ~35 small kernels) replayed from a static copy of the logits at a staged uniform, so a
+    sampled token costs the host one replay instead of ~45 eager operations, and the GPU no gaps between them. The
+    same operations on the same values: the same token as the eager draw. A capture that fails is said once, and
+    every draw runs eagerly from then on."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # the draws never overlap
+        self.graphs: dict[tuple, tuple[Callable[[], object], torch.Tensor, StagedInputs, torch.Tensor]] = {}
+        self.failed: str | None = None
+
+    def draw(self, logits: torch.Tensor, params, u: float) -> torch.Tensor | None:
+        """(token, exact, finite) int64 (3,) on the device: the draw from logits (V,) at uniform u, as
+        `sampling.Ahead` makes it without a graph; valid until the next draw of these settings (the caller copies
+        it behind, in stream order). None where graphs failed: the caller draws eagerly."""
+        if self.failed:
+            return None
+        key = (logits.shape, logits.dtype, params.temperature, params.top_k, params.top_p, params.min_p)
+        graph = self.graphs.get(key)
+        if graph is None:
+            try:
+                graph = self.graphs[key] = self._capture(logits, params, u)
+            except Exception as e:  # noqa: BLE001 - whatever broke the capture, the eager draw still works
+                self.failed = f"{type(e).__name__}: {e}"
+                self.graphs.clear()
+                warnings.warn(f"llmrun: capturing the sampled draw as a CUDA graph failed ({self.failed}); "
+                              "drawing eagerly", RuntimeWarning, stacklevel=2)
+                return None
+        replay, source, uniform, out = graph
+        source.copy_(logits)
+        uniform.write([[u]])
+        replay()
+        return out
+
+    def _capture(self, logits: torch.Tensor, params, u: float):
+        from llmrun.sampling import pick, survivors
+
+        source = logits.clone()
+        uniform = StagedInputs(torch.full((1, 1), u, dtype=torch.float64, device=logits.device))
+
+        def step() -> torch.Tensor:
+            rows = survivors(source[None], params)
+            token, finite = pick(rows.ids, rows.probs, uniform.device)
+            return torch.stack((token[0], rows.exact[0].long(), finite[0].long()))
+
+        replay, out = capture(step, self.pool)
+        return replay, source, uniform, out
 
 
 def for_engine(model, cache: KVCache) -> DecodeGraphs | None:

@@ -145,6 +145,8 @@ class Engine:
         self.speculator = None
         self.grammar = None
         self.graphs = cuda_graphs.for_engine(self.model, self.cache)  # on CUDA: decode steps as CUDA graphs
+        # and plain decoding's sampled draws (`DrawGraphs`)
+        self.draws = None if self.graphs is None else cuda_graphs.DrawGraphs(self.device)
         # plain decoding enqueues each step before the host reads the token it feeds (`plain_steps`): where the
         # device runs behind the host (CUDA), and a forward fed past a reply's end can leave the cache without a
         # trace (not H2O's: its attention adds to the mass of the tokens it keeps)
@@ -205,7 +207,8 @@ class Engine:
         if not self.pipeline:
             for i in range(steps):
                 logits = self.forward([token])
-                token = sample(logits, params, None if params.greedy else rng.at(len(self.tokens)))
+                token = Ahead(logits, params, None if params.greedy else rng.at(len(self.tokens)),
+                              draws=self.draws).read()[0]
                 more = i + 1 < steps and (go_on is None or go_on())
                 yield token
                 if not more:
@@ -214,7 +217,7 @@ class Engine:
 
         def launch(fed) -> Ahead:  # a forward fed `fed` (a host token or a device one), and the draw after it
             logits = self.forward(fed if torch.is_tensor(fed) else [fed])
-            return Ahead(logits, params, None if params.greedy else rng.at(len(self.tokens)))
+            return Ahead(logits, params, None if params.greedy else rng.at(len(self.tokens)), draws=self.draws)
 
         ahead, launched, spare = launch(token), 1, None  # spare: where the forward fed ahead of the host went
         try:

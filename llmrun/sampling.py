@@ -228,15 +228,18 @@ def fetch(tensor: torch.Tensor):
 
 class Fetch:
     """A device tensor's values on their way to the host: the copy is enqueued now, behind the work that makes
-    them, and `wait` waits for it alone, so that work enqueued in between (the next decode step) runs meanwhile."""
+    them, and `wait` waits for it alone, so that work enqueued in between (the next decode step) runs meanwhile.
+    The values are those of now, also where the tensor is written again later (a captured draw's output)."""
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.done = tensor, None
-        if tensor.device.type == "cuda":
-            self.tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.tensor.copy_(tensor, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
+        self.done = None
+        if tensor.device.type != "cuda":
+            self.tensor = tensor.clone()
+            return
+        self.tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.tensor.copy_(tensor, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
 
     def wait(self):
         if self.done is not None:
@@ -248,10 +251,11 @@ class Ahead:
     """A draw from logits (V,) (penalized over `history` where given) at a generator's uniform, as device work, with
     the copy of its token to the host enqueued behind it: `token` on the device can feed the next forward before
     the host reads it (`Engine.plain_steps`, a model draft), `read` waits for it (`sample` is a draw read at once).
-    With `dense` (sampled), `probs` is then the distribution (V,) it was drawn from (`sample_probs`'s)."""
+    With `dense` (sampled), `probs` is then the distribution (V,) it was drawn from (`sample_probs`'s). With `draws`
+    (`cuda_graphs.DrawGraphs`), a sampled draw without `dense` replays its captured graph: the same token."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                 history: torch.Tensor | None = None, dense: bool = False):
+                 history: torch.Tensor | None = None, dense: bool = False, draws=None):
         logits = penalized(logits, params, history)
         self.logits, self.params, self.probs = logits, params, None
         if params.greedy:
@@ -259,6 +263,10 @@ class Ahead:
             self._values = Fetch(self.token)
             return
         self.u = uniforms(generator)[0]
+        values = None if draws is None or dense else draws.draw(logits, params, self.u)
+        if values is not None:  # (token, exact, finite), overwritten by the next draw: read behind it, in order
+            self.token, self._values = values[:1], Fetch(values)
+            return
         rows = survivors(logits[None], params)
         self.token, finite = pick(rows.ids, rows.probs, self.u)  # (1,)
         self._values = Fetch(torch.stack((self.token[0], rows.exact[0].long(), finite[0].long())))

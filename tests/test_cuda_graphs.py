@@ -492,3 +492,81 @@ def test_a_model_draft_fed_on_the_device_through_graphs(tmp_path, dtype):
             runs.append((reply.token_ids, reply.stats.drafted, reply.stats.accepted, drafter.engine.tokens))
             assert drafter.engine.graphs is not None and drafter.engine.graphs.graphs
         assert runs[0] == runs[1] and runs[0][1] > 0
+
+
+# --- sampled draws as CUDA graphs (`DrawGraphs`) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("real", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_a_captured_draw_is_the_eager_draw(monkeypatch, real):
+    """`DrawGraphs` (a replaying capture without a GPU): for each filter setting, one graph, captured at its first
+    draw and replayed after, gives the eager draw's token, tie flag and finiteness flag at the same uniform, over
+    random logits, logits tied past top-k's candidates (read through the whole vocabulary's draw, as eagerly) and
+    logits that are not finite; a new setting captures a graph of its own."""
+    from llmrun import cuda_graphs
+    from llmrun.sampling import Ahead, SamplingParams
+
+    captured, capture = [], cuda_graphs.capture if real else replaying_capture
+    monkeypatch.setattr(cuda_graphs, "capture", lambda step, pool: captured.append(1) or capture(step, pool))
+    draws = cuda_graphs.DrawGraphs(torch.device(DEVICE))
+    g = torch.Generator().manual_seed(0)
+    settings = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=5, top_p=0.5, min_p=0.0),
+                SamplingParams(temperature=0.7, top_k=0, top_p=0.9), SamplingParams(temperature=0.8, top_k=3)]
+    for params in settings:
+        for i in range(40):
+            logits = torch.randn(300, generator=g) * 3
+            if i % 5 == 1:  # ties past top-k's 2k candidates: the exact flag is down
+                logits = torch.where(logits > -1, logits.round(), logits)
+            if i == 7:
+                logits[11] = float("nan")
+            logits = logits.to(DEVICE)
+            generator = torch.Generator().manual_seed(i)
+            eager, graphed = Ahead(logits, params, generator), Ahead(logits, params, generator.manual_seed(i),
+                                                                     draws=draws)
+            assert eager._values.wait() == graphed._values.wait() and eager.u == graphed.u, (params, i)
+            try:
+                assert eager.read() == graphed.read(), (params, i)
+            except Exception as e:  # noqa: BLE001 - a draw from logits that are not finite raises alike
+                with pytest.raises(type(e)):
+                    graphed.read()
+    assert len(draws.graphs) == len(captured) == len(settings) and not draws.failed
+
+
+def test_pipelined_sampling_through_draw_graphs_is_plain_sampling(smollm2, monkeypatch):
+    """A pipelined engine (forced here on the CPU) whose draws go through `DrawGraphs` (a replaying capture) gives
+    the reply and the cache of the one drawing eagerly, seed for seed, with and without a repetition penalty (its
+    penalized logits drawn by the graph too); one graph a setting. A capture that fails is said once and the
+    draws run eagerly from then on, the reply the same."""
+    from llmrun import cuda_graphs
+    from llmrun.generate import Engine
+    from llmrun.sampling import SamplingParams
+
+    ids = smollm2.tokenizer.encode("The three primary colours are")
+    engine = Engine(smollm2, 128)
+    engine.pipeline = True
+    replies = {}
+    for captures in (None, replaying_capture, "broken"):
+        if captures == "broken":
+            def broken(step, pool):
+                step()
+                raise RuntimeError("operation not permitted when stream is capturing")
+            monkeypatch.setattr(cuda_graphs, "capture", broken)
+        elif captures is not None:
+            monkeypatch.setattr(cuda_graphs, "capture", captures)
+        engine.draws = None if captures is None else cuda_graphs.DrawGraphs(engine.device)
+        for seed, penalty in [(1, 1.0), (2, 1.0), (3, 1.3)]:
+            params = SamplingParams(temperature=0.9, seed=seed, max_new_tokens=24, repetition_penalty=penalty)
+            engine.reset()
+            if captures == "broken" and seed == 1:
+                with pytest.warns(RuntimeWarning, match="capturing the sampled draw"):
+                    reply = engine.generate(ids, params)
+                    "".join(reply)
+            else:
+                reply = engine.generate(ids, params)
+                "".join(reply)
+            replies.setdefault(seed, []).append((reply.token_ids, list(engine.tokens), engine.cache.length))
+        if captures is replaying_capture:
+            assert len(engine.draws.graphs) == 1 and not engine.draws.failed
+    assert engine.draws.failed and not engine.draws.graphs
+    for seed, runs in replies.items():
+        assert runs[0] == runs[1] == runs[2], seed
