@@ -246,14 +246,18 @@ def test_a_token_drawn_ahead_is_samples_token(params):
 @pytest.mark.gpu
 def test_a_sampled_token_waits_for_the_device_once():
     """On a GPU nothing in sampling synchronizes but `fetch`'s wait on its own copy: under the sync debug mode
-    every implicit wait (`.item()`, `nonzero`, a pageable copy) raises."""
+    every implicit wait (`.item()`, `nonzero`, a pageable copy) raises. A draw replayed from its graph neither."""
     from llmrun.sampling import Ahead, Randomness
     from llmrun.speculative import Proposal, verify
+
+    from llmrun.cuda_graphs import DrawGraphs
 
     logits = torch.randn(9, 49152, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3
     params = SamplingParams(temperature=0.8, seed=1)
     drafts = logits[1:].argmax(-1).tolist()
     q = torch.softmax(logits[:8].roll(1, -1), -1)
+    draws = DrawGraphs(logits.device)  # captured here (a capture synchronizes), replayed below
+    Ahead(logits[0], params, torch.Generator().manual_seed(2), draws=draws).read()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -264,5 +268,6 @@ def test_a_sampled_token_waits_for_the_device_once():
             verify(logits, Proposal(drafts, q), params, Randomness(3), position=10)
             for p in (params, SamplingParams(temperature=0)):  # a draw left on the device, read later
                 Ahead(logits[0], p, torch.Generator().manual_seed(2)).read()
+            Ahead(logits[0], params, torch.Generator().manual_seed(2), draws=draws).read()  # a replayed draw
     finally:
         torch.cuda.set_sync_debug_mode("default")
