@@ -22,7 +22,7 @@
 # step profiles and the embedded model's tests and speculative rows; what is left, by GPU_RESUME=1:
 #   tests    the tests that failed there (30: H2O's mass, the row tests, the INT8 RoPE write's test, RoPE's fmas:
 #            all fixed; each failure now prints its traceback as it ends) or were not reached, and again those of
-#            the mass kernel and RoPE (GPU_RETEST); 12 pytest-xdist workers, one config a kernel.
+#            the mass kernel, RoPE and the captured draws (GPU_RETEST); 12 pytest-xdist workers, one config a kernel.
 #   replay   the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (60 s were not enough: its
 #            load, compile and runs): plain rows pipelined, T 0.8 rows one wait a draw, blocks on the tensor-core
 #            GEMV (the H100's first lease: greedy 1.16x; predicted ~1.3x).
@@ -52,7 +52,7 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 
 export GPU_RESUME=1
 # the tests not yet passed on this GPU, and again those of the kernels changed since they passed (H2O's mass, RoPE)
-export GPU_RETEST="tests/test_cuda_graphs.py mass rope"
+export GPU_RETEST="tests/test_cuda_graphs.py mass rope sampled_token_waits"
 PYTEST_ADDOPTS="-n 12" step 150 tests
 GPU_RERUN="qwen-pair-replay-int4" GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 150 replay
 step 110 profile
