@@ -168,6 +168,8 @@ class DrawGraphs:
     same operations on the same values: the same token as the eager draw. A capture that fails is said once, and
     every draw runs eagerly from then on."""
 
+    MAX_GRAPHS = 8  # settings kept captured at once
+
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # the draws never overlap
@@ -183,6 +185,8 @@ class DrawGraphs:
         key = (logits.shape, logits.dtype, params.temperature, params.top_k, params.top_p, params.min_p)
         graph = self.graphs.get(key)
         if graph is None:
+            if len(self.graphs) >= self.MAX_GRAPHS:  # one process drawing with many settings (a script, a sweep)
+                self.graphs.clear()
             try:
                 graph = self.graphs[key] = self._capture(logits, params, u)
             except Exception as e:  # noqa: BLE001 - whatever broke the capture, the eager draw still works

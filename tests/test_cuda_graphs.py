@@ -530,6 +530,11 @@ def test_a_captured_draw_is_the_eager_draw(monkeypatch, real):
                 with pytest.raises(type(e)):
                     graphed.read()
     assert len(draws.graphs) == len(captured) == len(settings) and not draws.failed
+    few = cuda_graphs.DrawGraphs(torch.device(DEVICE))  # at most MAX_GRAPHS kept: the rest let go, captured anew
+    few.MAX_GRAPHS = 2
+    for params in settings + settings[:1]:
+        assert torch.equal(few.draw(logits, params, 0.5), draws.draw(logits, params, 0.5))
+    assert len(few.graphs) == 1 and len(captured) == len(settings) + 5
 
 
 def test_pipelined_sampling_through_draw_graphs_is_plain_sampling(smollm2, monkeypatch):
