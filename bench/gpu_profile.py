@@ -16,7 +16,7 @@ so every timed step attends over the same keys. Timed with device events, median
           median of 3 runs each way, taking turns): greedy pipelined (each step enqueued before the host reads the
           token it feeds), greedy fed from the host (each step waits for the host's round trip), and sampled at
           T 0.8 pipelined (with the share of its steps run twice: draws that left the top-k survivors), against
-          the graph step; and one draw at T 0.8 profiled: its kernels' own time and launches
+          the graph step; and one draw at T 0.8 made eagerly, profiled: its kernels' own time and launches
 graph - kernels is time the GPU spends between kernels (or short of the bandwidth a kernel could draw): what
 fusing launches would win; kernels - floor, what faster kernels would. The table of kernels groups them by name.
 On a CPU the same runs, with the profiler's operators in place of kernels (a check that the script works).
@@ -102,7 +102,8 @@ def timed_loops(engine, token: int, steps: int, runs: int = 3) -> dict[str, floa
 
 def sampling_table(engine, token: int) -> tuple[list[dict], int]:
     """(rows by kernel name, as `kernel_table`'s; launches) of one draw at T 0.8 from a step's logits (its
-    survivors, filters and pick, and the copy of its token), as the decode loop makes it."""
+    survivors, filters and pick, and the copy of its token) made eagerly: each of its kernels, which the decode loop
+    replays from a graph (`cuda_graphs.DrawGraphs`) where graphs are on."""
     from torch.profiler import ProfilerActivity, profile
 
     from llmrun.sampling import Ahead, Randomness, SamplingParams
@@ -294,7 +295,7 @@ def main() -> int:
            ("decode loop, pipelined (a token)", "loop_pipelined_step_s"),
            ("decode loop, fed from the host (a token)", "loop_host_fed_step_s"),
            ("decode loop, pipelined, T 0.8 (a token)", "loop_sampled_step_s"),
-           (f"a draw at T 0.8, its kernels ({sampling_launches} launches)", "sampling_s"))),
+           (f"a draw at T 0.8 made eagerly, its kernels ({sampling_launches} launches)", "sampling_s"))),
         "",
         f"T 0.8: {loops['sampled_reruns']:.1%} of the sampled loop's steps fed ahead and run again (a draw over the "
         "whole vocabulary)",
@@ -306,7 +307,7 @@ def main() -> int:
         *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "
           f"{r['us'] / 1e6 / max(figures['kernels_step_s'], 1e-12):.0%} |" for r in table[: args.top]),
         "",
-        "| a draw's kernel (T 0.8) | calls | us | share |",
+        "| a draw's kernel (T 0.8, eager) | calls | us | share |",
         "|---|---|---|---|",
         *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "
           f"{r['us'] / 1e6 / max(figures['sampling_s'], 1e-12):.0%} |" for r in sampling[: args.top]),

@@ -38,23 +38,23 @@ def captures() -> int:
 
 
 class StagedInputs:
-    """A captured graph's inputs `device`, written before each replay from the host through a pinned buffer (a copy
-    from pageable memory may wait for the stream, and a step fed ahead of the host with it), which is written again
-    once its last copy has run: a decode step's (3, T) int64 tokens, positions, slots, whose tokens drawn on the
-    device are copied in there, behind the work that made them, without the host reading them; a draw's uniform."""
+    """A captured step's inputs `device` (3, T) int64: tokens, positions, slots, written before each replay from
+    the host through a pinned buffer (a copy from pageable memory may wait for the stream, and a step fed ahead of
+    the host with it), which is written again once its last copy has run; tokens drawn on the device are copied in
+    there, behind the work that made them, without the host reading them."""
 
     def __init__(self, device_inputs: torch.Tensor):
         self.device = device_inputs
         cuda = device_inputs.device.type == "cuda"
-        self.host = torch.empty(device_inputs.shape, dtype=device_inputs.dtype, pin_memory=cuda)
+        self.host = torch.empty(device_inputs.shape, dtype=torch.int64, pin_memory=cuda)
         self.copied = torch.cuda.Event() if cuda else None
 
-    def write(self, values, tokens: torch.Tensor | None = None) -> None:
-        """values (the inputs' shape, on the host), row 0 replaced by `tokens` (T,) on the device where given."""
+    def write(self, values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """values (3, T) int64 on the host, row 0 replaced by `tokens` (T,) on the device where given."""
         if self.copied is not None:
             self.copied.synchronize()  # pipelined decoding enqueues a step while the step before runs, whose copy
             # ran before it started, so this does not wait
-        self.host.copy_(torch.as_tensor(values, dtype=self.host.dtype))
+        self.host.copy_(values)
         self.device.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -79,8 +79,13 @@ def capture(step: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], object
             step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = step()
+    current = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = step()
+    except BaseException:  # a capture that ends in an error leaves its own stream current: the eager steps after
+        torch.cuda.set_stream(current)  # it would run there
+        raise
     return graph.replay, out
 
 
@@ -163,17 +168,16 @@ class DecodeGraphs:
 class DrawGraphs:
     """Sampled draws captured as CUDA graphs, one a setting of the filters (temperature, top-k, top-p, min-p) and
     vocabulary: `sampling.Ahead`'s device work (the top-k survivors, the filters, the inverse-CDF pick and its tie
-    and finiteness flags, ~35 small kernels) replayed from a static copy of the logits at a staged uniform, so a
-    sampled token costs the host one replay instead of ~45 eager operations, and the GPU no gaps between them. The
-    same operations on the same values: the same token as the eager draw. A capture that fails is said once, and
-    every draw runs eagerly from then on."""
+    and finiteness flags, ~35 small kernels) replayed from a static copy of the logits at a uniform filled in before,
+    so a sampled token costs the host one replay instead of ~45 eager operations, and the GPU no gaps between them.
+    The same operations on the same values: the same token as the eager draw. A capture that fails is said once, and
+    every draw runs eagerly from then on. Each graph has a memory pool of its own, let go with it."""
 
     MAX_GRAPHS = 8  # settings kept captured at once
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # the draws never overlap
-        self.graphs: dict[tuple, tuple[Callable[[], object], torch.Tensor, StagedInputs, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[Callable[[], object], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.failed: str | None = None
 
     def draw(self, logits: torch.Tensor, params, u: float) -> torch.Tensor | None:
@@ -197,7 +201,7 @@ class DrawGraphs:
                 return None
         replay, source, uniform, out = graph
         source.copy_(logits)
-        uniform.write([[u]])
+        uniform.fill_(u)  # the value goes as the fill kernel's argument: no copy from the host to wait for
         replay()
         return out
 
@@ -205,14 +209,14 @@ class DrawGraphs:
         from llmrun.sampling import pick, survivors
 
         source = logits.clone()
-        uniform = StagedInputs(torch.full((1, 1), u, dtype=torch.float64, device=logits.device))
+        uniform = torch.full((1, 1), u, dtype=torch.float64, device=logits.device)
 
         def step() -> torch.Tensor:
             rows = survivors(source[None], params)
-            token, finite = pick(rows.ids, rows.probs, uniform.device)
+            token, finite = pick(rows.ids, rows.probs, uniform)
             return torch.stack((token[0], rows.exact[0].long(), finite[0].long()))
 
-        replay, out = capture(step, self.pool)
+        replay, out = capture(step, None)
         return replay, source, uniform, out
 
 
