@@ -62,6 +62,20 @@ class StagedInputs:
             self.device[0].copy_(tokens)
 
 
+def captured(owner, key, make: Callable[[], object], what: str, instead: str):
+    """owner.graphs[key] = make() (a capture), or None where it fails: said once, owner.failed set and its graphs
+    let go, so that the caller runs eagerly from then on (whatever broke the capture, the eager path still works)."""
+    try:
+        graph = owner.graphs[key] = make()
+    except Exception as e:  # noqa: BLE001 - any failure of the capture is the finding
+        owner.failed = f"{type(e).__name__}: {e}"
+        owner.graphs.clear()
+        warnings.warn(f"llmrun: capturing {what} as a CUDA graph failed ({owner.failed}); {instead}", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return graph
+
+
 @dataclass
 class _Graph:
     replay: Callable[[], object]  # runs the captured step again
@@ -151,13 +165,9 @@ class DecodeGraphs:
         span = min(max(MIN_SPAN, 1 << (slot + T - 1).bit_length()), self.cache.max_len)
         g = self.graphs.get((T, span))
         if g is None:
-            try:
-                g = self.graphs[T, span] = self._capture(staged, tokens, span)
-            except Exception as e:  # noqa: BLE001 - whatever broke the capture, the eager step still works
-                self.failed = f"{type(e).__name__}: {e}"
-                self.graphs.clear()
-                warnings.warn(f"llmrun: capturing the decode step as a CUDA graph failed ({self.failed}); "
-                              "running it eagerly", RuntimeWarning, stacklevel=2)
+            g = captured(self, (T, span), lambda: self._capture(staged, tokens, span), "the decode step",
+                         "running it eagerly")
+            if g is None:
                 return None
         g.inputs.write(staged, tokens)
         g.replay()
@@ -191,13 +201,8 @@ class DrawGraphs:
         if graph is None:
             if len(self.graphs) >= self.MAX_GRAPHS:  # one process drawing with many settings (a script, a sweep)
                 self.graphs.clear()
-            try:
-                graph = self.graphs[key] = self._capture(logits, params, u)
-            except Exception as e:  # noqa: BLE001 - whatever broke the capture, the eager draw still works
-                self.failed = f"{type(e).__name__}: {e}"
-                self.graphs.clear()
-                warnings.warn(f"llmrun: capturing the sampled draw as a CUDA graph failed ({self.failed}); "
-                              "drawing eagerly", RuntimeWarning, stacklevel=2)
+            graph = captured(self, key, lambda: self._capture(logits, params, u), "the sampled draw", "drawing eagerly")
+            if graph is None:
                 return None
         replay, source, uniform, out = graph
         source.copy_(logits)
