@@ -104,23 +104,14 @@ def sampling_table(engine, token: int) -> tuple[list[dict], int]:
     """(rows by kernel name, as `kernel_table`'s; launches) of one draw at T 0.8 from a step's logits (its
     survivors, filters and pick, and the copy of its token) made eagerly: each of its kernels, which the decode loop
     replays from a graph (`cuda_graphs.DrawGraphs`) where graphs are on."""
-    from torch.profiler import ProfilerActivity, profile
-
     from llmrun.sampling import Ahead, Randomness, SamplingParams
 
-    cuda = engine.device.type == "cuda"
     length = len(engine.tokens)
     logits = engine.decode(token)
     engine.rollback(length)
     params = SamplingParams(temperature=0.8)
     Ahead(logits, params, Randomness(0).at(length)).read()  # once untimed: the first call's allocations
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        Ahead(logits, params, Randomness(0).at(length)).read()
-        if cuda:
-            torch.cuda.synchronize()
-    return by_name(ev for ev in prof.events()
-                   if (ev.device_type.name == "CUDA") == cuda and (cuda or ev.cpu_parent is None))
+    return profiled(engine, lambda: Ahead(logits, params, Randomness(0).at(length)).read())
 
 
 def timed_prefills(engine, prompt: list[int], runs: int) -> list[float]:
@@ -200,16 +191,21 @@ def _default_out(doc, settings, name: str, suffix: str = "") -> Path:
 def kernel_table(engine, token: int) -> tuple[list[dict], int]:
     """(rows by kernel name: calls and microseconds per step, slowest first; kernels a step launches) of one decode
     step as the engine runs it (a graph's replay, or eager). On a CPU, the profiler's top-level operators."""
+    length = len(engine.tokens)
+    table = profiled(engine, lambda: engine.decode(token))
+    engine.rollback(length)
+    return table
+
+
+def profiled(engine, run) -> tuple[list[dict], int]:
+    """(rows by kernel name, the events' number) of `run()` under the profiler: its kernels on a GPU, its
+    top-level operators on a CPU."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
-    length = len(engine.tokens)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        engine.decode(token)
-        if cuda:
-            torch.cuda.synchronize()
-    engine.rollback(length)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run()
+        _sync(engine)
     return by_name(ev for ev in prof.events()
                    if (ev.device_type.name == "CUDA") == cuda and (cuda or ev.cpu_parent is None))
 

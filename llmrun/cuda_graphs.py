@@ -211,17 +211,11 @@ class DrawGraphs:
         return out
 
     def _capture(self, logits: torch.Tensor, params, u: float):
-        from llmrun.sampling import pick, survivors
+        from llmrun.sampling import drawn
 
         source = logits.clone()
         uniform = torch.full((1, 1), u, dtype=torch.float64, device=logits.device)
-
-        def step() -> torch.Tensor:
-            rows = survivors(source[None], params)
-            token, finite = pick(rows.ids, rows.probs, uniform)
-            return torch.stack((token[0], rows.exact[0].long(), finite[0].long()))
-
-        replay, out = capture(step, None)
+        replay, out = capture(lambda: drawn(source, params, uniform)[1], None)
         return replay, source, uniform, out
 
 

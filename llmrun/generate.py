@@ -204,11 +204,13 @@ class Engine:
         not undo it."""
         if steps <= 0:
             return
+
+        def draw(logits) -> Ahead:  # the draw of the position after the tokens fed so far
+            return Ahead(logits, params, None if params.greedy else rng.at(len(self.tokens)), draws=self.draws)
+
         if not self.pipeline:
             for i in range(steps):
-                logits = self.forward([token])
-                token = Ahead(logits, params, None if params.greedy else rng.at(len(self.tokens)),
-                              draws=self.draws).read()[0]
+                token = draw(self.forward([token])).read()[0]
                 more = i + 1 < steps and (go_on is None or go_on())
                 yield token
                 if not more:
@@ -216,8 +218,7 @@ class Engine:
             return
 
         def launch(fed) -> Ahead:  # a forward fed `fed` (a host token or a device one), and the draw after it
-            logits = self.forward(fed if torch.is_tensor(fed) else [fed])
-            return Ahead(logits, params, None if params.greedy else rng.at(len(self.tokens)), draws=self.draws)
+            return draw(self.forward(fed if torch.is_tensor(fed) else [fed]))
 
         ahead, launched, spare = launch(token), 1, None  # spare: where the forward fed ahead of the host went
         try:

@@ -150,6 +150,15 @@ def penalized(logits: torch.Tensor, params: SamplingParams, history: torch.Tenso
     return apply_repetition_penalty(logits, history, params.repetition_penalty)
 
 
+def drawn(logits: torch.Tensor, params: SamplingParams, u: float | torch.Tensor) -> tuple[Survivors, torch.Tensor]:
+    """A sampled draw from logits (V,) at uniform u (a float, or (1, 1) float64 on the device) as device work ->
+    (the survivors it drew among, (token, exact, finite) int64 (3,)): `pick` over `survivors`, its flags beside the
+    token, for one copy to the host. `Ahead`'s, and what `cuda_graphs.DrawGraphs` captures."""
+    rows = survivors(logits[None], params)
+    token, finite = pick(rows.ids, rows.probs, u)
+    return rows, torch.stack((token[0], rows.exact[0].long(), finite[0].long()))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            history: torch.Tensor | None = None) -> int:
     """Draw the next token id from logits (V,). On a GPU the device is waited for once, for the token."""
@@ -263,15 +272,12 @@ class Ahead:
             self._values = Fetch(self.token)
             return
         self.u = uniforms(generator)[0]
-        values = None if draws is None or dense else draws.draw(logits, params, self.u)
-        if values is not None:  # (token, exact, finite), overwritten by the next draw: read behind it, in order
-            self.token, self._values = values[:1], Fetch(values)
-            return
-        rows = survivors(logits[None], params)
-        self.token, finite = pick(rows.ids, rows.probs, self.u)  # (1,)
-        self._values = Fetch(torch.stack((self.token[0], rows.exact[0].long(), finite[0].long())))
-        if dense:
-            self.probs = rows.dense(logits.shape[-1])[0]
+        values = None if draws is None or dense else draws.draw(logits, params, self.u)  # read behind it, in order
+        if values is None:
+            rows, values = drawn(logits, params, self.u)
+            if dense:
+                self.probs = rows.dense(logits.shape[-1])[0]
+        self.token, self._values = values[:1], Fetch(values)
 
     def read(self) -> tuple[int, bool]:
         """-> (the token, whether it is `token`'s value: False where the row was not exact (`Survivors`), and the

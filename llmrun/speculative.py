@@ -174,19 +174,22 @@ class NgramDrafter:
     def propose(self, context: list[int], k: int, params: SamplingParams, rng, constraint=None) -> Proposal:
         """Up to k tokens; a `constraint` (structured output) is left to the caller, which cuts the proposal
         where it leaves the grammar: the draft is deterministic, so that is exact."""
-        self._sync(context)
-        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
-            at = self._index.get(tuple(context[-n:]))
-            if at is not None:
-                return Proposal(context[at : at + k])
-        return Proposal()
+        at = self._match(context)
+        return Proposal() if at is None else Proposal(context[at : at + k])
 
     def would_propose(self, context: list[int]) -> bool:
         """Whether `propose` would find a match for `context` (a lookup knows at no cost): a pipelined reply goes on
         by plain steps fed from the device while it would not (`llmrun.generate`)."""
+        return self._match(context) is not None
+
+    def _match(self, context: list[int]) -> int | None:
+        """The position right after the latest occurrence of the context's longest indexed tail, or None."""
         self._sync(context)
-        return any(tuple(context[-n:]) in self._index
-                   for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1))
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            at = self._index.get(tuple(context[-n:]))
+            if at is not None:
+                return at
+        return None
 
     def _sync(self, context: list[int]) -> None:
         """Index the n-grams ending at positions 1 .. len(context) - 1: each has a continuation, and the one
