@@ -12,7 +12,7 @@
 # .gpu-model/ and prints the calls to make, one a step, each tarring its results into $OUT.
 # A shorter lease: GPU_PROMPTS (the speed step's prompt lengths, default "128 8000"), GPU_WEIGHTS (its weights,
 # default "auto int4"), GPU_KV_REPEAT (the kv step's
-# timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (default: all); and
+# timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (the pair's, default: all); and
 # bench/gpu_lease.sh, every step in one call, each under a time limit of its own. GPU_RESUME=1 goes on where the
 # committed results of the same GPU model stop: a run whose JSON bench/results/ holds, or a test its logs record as
 # passed, is left out; GPU_RERUN="NAME ..." names runs to measure again all the same, and GPU_RETEST="PATTERN ..."
@@ -34,10 +34,13 @@
 #           loops, greedy and at T 0.8, profiled (bench/gpu_profile.py); bench/speculative.py's smollm2 rows
 #           (n-gram lookup, self drafts) on the GPU, whose speedups are issue 6's GPU figures for this model; then
 #           `llmrun bench --compare` and a quality sweep (dtype x weights).
-#   replay  Issue 6's draft-model figure: Qwen2.5-Coder-0.5B drafting for -1.5B on HumanEval, a pair too large to
-#           carry here, as random weights of their shapes replaying the acceptance the real pair showed on a CPU
-#           (bench/traces/qwen-pair-humaneval.json, made by `python bench/replay.py record`): plain against
-#           speculative decoding at temperature 0 and 0.8, the matrices in 4-bit blocks (as the GGUFs') and bf16.
+#   replay  Issue 6's figures for a model too large to carry here, as random weights of its shape replaying what
+#           the real model did on a CPU: first prompt lookup (--ngram 3) for Qwen2.5-Coder-1.5B on the copy-heavy
+#           and open-ended prompts, its lookups made in the real replies (bench/traces/qwen-lookup.json, made by
+#           `python bench/replay.py record --lookup 3`); then Qwen2.5-Coder-0.5B drafting for -1.5B on HumanEval,
+#           replaying the acceptance the real pair showed (bench/traces/qwen-pair-humaneval.json, `record`): plain
+#           against speculative decoding at temperature 0 and 0.8, the matrices in 4-bit blocks (as the GGUFs')
+#           and bf16.
 #   sweep   Correctness at a real shape: `llmrun bench --sweep` on the first SHAPE scores the Triton path (bf16)
 #           and the plain-PyTorch path against fp32 plain PyTorch on the same random weights (KL, top-1).
 #   speed   Every random-weight SHAPE (default: llama3.2-1b llama3-8b) at a short and a long context, its float
@@ -183,11 +186,18 @@ if [[ $steps == *" embedded "* ]] && embedded; then
 fi
 if [[ $steps == *" replay "* ]]; then
     for weights in ${GPU_REPLAY_WEIGHTS:-int4 auto}; do
-        name=qwen-pair-replay-$weights${GPU_REPLAY_TAG:-}  # the tag names a variant (an LLMRUN_GEMV_* setting)
-        done_before "$name" && continue
-        python3 bench/replay.py measure --device cuda --weights $weights ${GPU_REPLAY_PROMPTS:+--prompts "$GPU_REPLAY_PROMPTS"} \
-            --out "$results/$stamp-$gpu-$name.json" \
-            || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
+        # the lookup first (every prompt: one model to compile, ~1 s a row after), then the pair, whose target is
+        # the lookup's shape (GPU_REPLAY_PROMPTS: its first prompts only)
+        for what in lookup pair; do
+            args=(--trace bench/traces/qwen-lookup.json)
+            [ $what = lookup ] || args=(--trace bench/traces/qwen-pair-humaneval.json
+                                        ${GPU_REPLAY_PROMPTS:+--prompts "$GPU_REPLAY_PROMPTS"})
+            name=qwen-$what-replay-$weights${GPU_REPLAY_TAG:-}  # the tag names a variant (an LLMRUN_GEMV_* setting)
+            done_before "$name" && continue
+            python3 bench/replay.py measure "${args[@]}" --device cuda --weights $weights \
+                --out "$results/$stamp-$gpu-$name.json" \
+                || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
+        done
     done
 fi
 if [[ $steps == *" sweep "* ]]; then

@@ -23,9 +23,12 @@
 #   tests    the tests that failed there (30: H2O's mass, the row tests, the INT8 RoPE write's test, RoPE's fmas:
 #            all fixed; each failure now prints its traceback as it ends) or were not reached, and again those of
 #            the mass kernel, RoPE and the captured draws (GPU_RETEST); 12 pytest-xdist workers, one config a kernel.
-#   replay   the Qwen pair's replayed acceptance, 4-bit weights, the first HumanEval prompt (60 s were not enough: its
-#            load, compile and runs): plain rows pipelined, T 0.8 rows one wait a draw, blocks on the tensor-core
-#            GEMV (the H100's first lease: greedy 1.16x; predicted ~1.3x).
+#   replay   first (new) prompt lookup replayed for Qwen2.5-Coder-1.5B, 4-bit weights, on the copy-heavy and open
+#            prompts (bench/traces/qwen-lookup.json; issue 6 asks copy-heavy >= 2.5x, open-ended >= 0.95x:
+#            predicted code-edit 2.6-3.1x, open and summarize 1.0-1.2x greedy); then the Qwen pair's replayed
+#            acceptance, the first HumanEval prompt (60 s were not enough: its load, compile and runs): plain rows
+#            pipelined, T 0.8 rows one wait a draw, blocks on the tensor-core GEMV (the H100's first lease: greedy
+#            1.16x; predicted ~1.3x).
 #   profile  the shapes' remaining profiles (the 8B's 8000-token prefills into INT4 and bf16 caches, the 8B at 8000
 #            positions), each with the decode loop greedy and at T 0.8 (the new rows).
 # Call 2, `embedded`: the real embedded model joined from the halves the two calls carried: its step and decode loops

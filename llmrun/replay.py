@@ -19,6 +19,13 @@ and no cost depends on which they are.
 `simulate` goes one step further and runs the draft-length policy itself against a trace on a clock, each
 forward costing what a table of measured step times says (no model runs): a policy change weighed on every
 trace and seed in a second, and a GPU's figure foreseen from its step times alone.
+
+Prompt lookup (`NgramDrafter`) replays more simply still, from the reply alone (`Reply`, `ReplayedLookup`): its
+proposal is a function of the context, and a lookup's draft token is accepted exactly when it is the token plain
+decoding emits there, greedy or sampled (the draft is chosen outright: `speculative.verify` draws the position's
+token as plain sampling does, with the same seed, and accepts the draft if it comes out). A run on other weights
+of the same vocabulary whose lookups read the real reply's tokens, and whose decisions are the reply's, takes the
+real run's steps: a copy-heavy reply of a model too large to carry, on a GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch
 
 from llmrun.errors import LlmrunError
 from llmrun.sampling import SamplingParams, sample, token_probs
-from llmrun.speculative import Decide, DraftLength, fit_vocab
+from llmrun.speculative import Decide, DraftLength, NgramDrafter, Proposal, fit_vocab
 
 
 @dataclass(frozen=True)
@@ -78,20 +85,94 @@ def replayer(traces: list[Trace]) -> Callable[[int], Decide]:
 
 
 @dataclass(frozen=True)
+class Reply:
+    """One reply as the real target decoded it plainly (`len(tokens)` tokens, end tokens ignored), drawn with `seed`
+    at `temperature` (greedy: -1): what a lookup's replay reads (`ReplayedLookup`)."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    temperature: float
+    seed: int
+
+    def context(self, length: int) -> list[int]:
+        """The first `length` context positions as the real target had them: the prompt, then the reply."""
+        reply = length - len(self.prompt)
+        if not 0 <= reply <= len(self.tokens):
+            raise LlmrunError(f"the replay reached reply token {reply}, but the reply holds {len(self.tokens)}: decode"
+                              " at most as many tokens as were recorded")
+        return [*self.prompt, *self.tokens[:reply]]
+
+    def token(self, position: int) -> int:
+        """The reply's token at context `position`."""
+        return self.context(position + 1)[position]
+
+    def as_dict(self) -> dict:
+        return {"prompt": list(self.prompt), "temperature": self.temperature, "seed": self.seed,
+                "tokens": list(self.tokens)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Reply:
+        return cls(tuple(int(t) for t in d["prompt"]), tuple(int(t) for t in d["tokens"]), float(d["temperature"]),
+                   int(d["seed"]))
+
+
+class ReplayedLookup:
+    """Prompt lookup replaying a real reply (`follow`) on other weights: each lookup reads the real context of the
+    same length (the prompt and the reply's tokens, where the model decoding has tokens of its own), and `decide`
+    accepts a draft token exactly when it is the reply's token at its position. The policy, the steps and their
+    costs are the replaying engine's; which drafts pass is the real target's."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3):
+        self.lookup = NgramDrafter(max_n)
+        self.reply: Reply | None = None
+        self._drafts: dict[int, int] = {}  # context position -> the draft token proposed there by the latest lookup
+
+    def follow(self, reply: Reply) -> Decide:
+        """Replay `reply` from now on; -> the decisions for the speculator (`Speculator.decide`)."""
+        self.reply, self._drafts = reply, {}
+        return self.decide
+
+    def start(self, context: list[int]) -> None:
+        self.lookup.start(self.reply.context(len(context)))
+
+    def would_propose(self, context: list[int]) -> bool:
+        return self.lookup.would_propose(self.reply.context(len(context)))
+
+    def propose(self, context: list[int], k: int, params, rng, constraint=None) -> Proposal:
+        proposal = self.lookup.propose(self.reply.context(len(context)), k, params, rng)
+        self._drafts = {len(context) + i: token for i, token in enumerate(proposal.tokens)}
+        return proposal
+
+    def decide(self, position: int, accepted: bool) -> bool:
+        """Whether the real target took the draft token at context `position`: it is the reply's token there."""
+        return self._drafts.get(position) == self.reply.token(position)
+
+
+def replay_lookups(drafter: ReplayedLookup, replies: list[Reply]) -> Callable[[int], Decide]:
+    """seed -> the decisions of the timed run with that seed: run i replays reply i (cycling) through `drafter`."""
+    if not replies:
+        raise LlmrunError("no reply to replay")
+    return lambda seed: drafter.follow(replies[seed % len(replies)])
+
+
+@dataclass(frozen=True)
 class StepCosts:
-    """Seconds of one forward of T tokens after a prompt, per T, of the target and of the draft model
-    (`bench/replay.py measure` times T = 1, 2, 3, 5, 9 and saves them as "step_seconds"). A T between two
-    measured ones is interpolated; past the largest, the line through the two largest goes on."""
+    """Seconds of one forward of T tokens after a prompt, per T, of the target and of the draft model (none for a
+    lookup: an empty table) (`bench/replay.py measure` times T = 1, 2, 3, 5, 9 and saves them as "step_seconds").
+    A T between two measured ones is interpolated; past the largest, the line through the two largest goes on."""
 
     target: dict[int, float]
     draft: dict[int, float]
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCosts:
-        tables = {m: {int(t): float(s) for t, s in d[m].items()} for m in ("target", "draft")}
-        if any(1 not in table or min(table.values()) <= 0 for table in tables.values()):
-            raise LlmrunError("step costs need positive seconds for T = 1 of both models")
-        return cls(**tables)
+        target, draft = ({int(t): float(s) for t, s in d.get(m, {}).items()} for m in ("target", "draft"))
+        for table in (target, draft) if draft else (target,):
+            if 1 not in table or min(table.values()) <= 0:
+                raise LlmrunError("step costs need positive seconds for T = 1 of each model")
+        return cls(target, draft)
 
     def reshaped(self, block_cost: float | None = None, draft_ratio: float | None = None) -> StepCosts:
         """The costs of another machine, for asking what the policy would give there: with `block_cost`, a block of
@@ -168,10 +249,36 @@ def simulate(trace: Trace, costs: StepCosts, length: DraftLength, seed: int = 0)
     return Simulated((total - 1) * target(1), clock, steps, drafted, accepted)
 
 
+def simulate_lookup(reply: Reply, costs: StepCosts, length: DraftLength, max_n: int = 3) -> Simulated:
+    """`simulate` for prompt lookup (`--ngram max_n`) replaying `reply`, as an engine that is not pipelined decodes
+    (a CPU's): each step `length` chooses K, the lookup proposes from the real context (free), the target verifies
+    what it proposed (without a match: a plain step), and the reply decides each draft token."""
+    drafter = ReplayedLookup(max_n)
+    decide = drafter.follow(reply)
+    start, total = len(reply.prompt), len(reply.tokens)
+    length.begin_reply()
+    drafter.start(reply.context(start))
+    done, clock, steps, drafted, accepted = 1, 0.0, 0, 0, 0
+    while done < total:
+        context = reply.context(start + done)
+        k = length.choose(total - done - 1)
+        drafts = drafter.propose(context, k, None, None).tokens if k else []
+        n = 0
+        while n < len(drafts) and decide(len(context) + n, True):
+            n += 1
+        step_s = costs.seconds("target", len(drafts) + 1)
+        clock += step_s
+        length.observe(len(drafts), n, step_s, 0.0)
+        drafted, accepted = drafted + len(drafts), accepted + n
+        done += n + 1
+        steps += 1
+    return Simulated((total - 1) * costs.seconds("target", 1), clock, steps, drafted, accepted)
+
+
 @torch.inference_mode()
-def record(target, draft, prompt: list[int], params: SamplingParams) -> Trace:
-    """The acceptance trace of one reply of `target` (an Engine) to `prompt`, decoded plainly with `params`
-    (`params.max_new_tokens` tokens, end tokens ignored), against `draft` (an Engine with the same vocabulary)."""
+def record_reply(target, prompt: list[int], params: SamplingParams) -> Reply:
+    """The reply of `target` (an Engine) to `prompt`, decoded plainly with `params` (`params.max_new_tokens` tokens,
+    end tokens ignored): what a lookup's replay follows."""
     import dataclasses
 
     from llmrun.generate import Generation
@@ -181,11 +288,20 @@ def record(target, draft, prompt: list[int], params: SamplingParams) -> Trace:
     reply = Generation(target, prompt, params)
     for _ in reply:
         pass
-    ids = list(prompt) + reply.token_ids
-    q_logits = _step_logits(draft, prompt, reply.token_ids)
-    p_logits = None if params.greedy else _step_logits(target, prompt, reply.token_ids)
+    seed = -1 if params.greedy or params.seed is None else params.seed
+    return Reply(tuple(prompt), tuple(reply.token_ids), params.temperature, seed)
+
+
+@torch.inference_mode()
+def record(target, draft, prompt: list[int], params: SamplingParams) -> Trace:
+    """The acceptance trace of one reply of `target` (an Engine) to `prompt`, decoded plainly with `params`
+    (`params.max_new_tokens` tokens, end tokens ignored), against `draft` (an Engine with the same vocabulary)."""
+    reply = list(record_reply(target, prompt, params).tokens)
+    ids = list(prompt) + reply
+    q_logits = _step_logits(draft, prompt, reply)
+    p_logits = None if params.greedy else _step_logits(target, prompt, reply)
     accept = []
-    for i, y in enumerate(reply.token_ids):
+    for i, y in enumerate(reply):
         history = None
         if params.repetition_penalty != 1.0:
             history = torch.tensor(ids[: len(prompt) + i], device=q_logits.device)

@@ -2,7 +2,8 @@
 steps; the sampled trace's probability is the rejection rule's, given the emitted token; replayed sampling
 accepts as often as the real pair does. Simulating it (no model) takes the steps a real pair takes, and weighs the
 draft-length policy on a model draft: one early rejection does not turn a good draft off, a failing one costs
-little."""
+little. Prompt lookup replays from the reply alone: on other weights it takes the real run's steps, greedy or
+sampled, and so does its simulation."""
 
 import math
 
@@ -11,9 +12,11 @@ import torch
 
 from llmrun.errors import LlmrunError
 from llmrun.generate import Engine
-from llmrun.replay import StepCosts, Trace, record, replayer, simulate
+from llmrun.replay import (Reply, ReplayedLookup, StepCosts, Trace, record, record_reply, replay_lookups, replayer,
+                           simulate, simulate_lookup)
 from llmrun.sampling import Randomness, SamplingParams, token_probs
-from llmrun.speculative import DraftLength, ModelDrafter, Proposal, Speculator, make_speculator, verify
+from llmrun.speculative import (DraftLength, ModelDrafter, NgramDrafter, Proposal, Speculator, make_speculator,
+                                self_draft_layers, verify)
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -21,7 +24,8 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 def _steps(engine, prompt, params, speculator, decide=None):
     """(target forwards, draft tokens, accepted) of one reply."""
     engine.reset()
-    speculator.drafter.engine.reset()
+    if hasattr(speculator.drafter, "engine"):
+        speculator.drafter.engine.reset()
     engine.speculator = Speculator(speculator.drafter, DraftLength(speculator.length.max_k, adaptive=False), decide)
     try:
         reply = engine.generate(prompt, params)
@@ -107,6 +111,50 @@ def test_a_trace_round_trips_and_refuses_what_it_cannot_replay():
         Trace.from_dict({**trace.as_dict(), "accept": [1.5]})
     with pytest.raises(LlmrunError, match="no trace"):
         replayer([])
+
+
+# A code edit: the embedded model's replies copy from it, some lookups right and some wrong
+LOOKUP_TEXT = ("def total(items):\n    s = 0\n    for item in items:\n        s += item.price * item.count\n    return s\n\n"
+               "Rewrite this function with `item.qty` in place of `item.count`.")
+
+
+@pytest.mark.parametrize("temperature", [0, 0.9])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["", "pipelined"])
+def test_a_replayed_lookup_takes_the_real_lookups_steps_on_other_weights(smollm2, temperature, pipeline):
+    """Pipelined (a GPU's loop, forced here), steps without a lookup match run as plain ones fed from the device."""
+    target = Engine(smollm2, 256)
+    other = Engine(smollm2, 256, model=smollm2.model.with_layers(self_draft_layers(smollm2.model.config.n_layers)))
+    target.pipeline = other.pipeline = pipeline
+    prompt = target.tokenizer.encode_chat([{"role": "user", "content": LOOKUP_TEXT}])
+    for k, seed in ((2, 0), (5, 1)):
+        params = SamplingParams(temperature=temperature, max_new_tokens=40, ignore_eos=True, seed=seed)
+        real = _steps(target, prompt, params, Speculator(NgramDrafter(3), DraftLength(k)))
+        assert 0 < real[2] < real[1]  # drafts taken and drafts refused: a pattern worth replaying
+        reply = record_reply(target, prompt, params)
+        assert len(reply.tokens) == 40
+        own = _steps(other, prompt, params, Speculator(NgramDrafter(3), DraftLength(k)))
+        drafter = ReplayedLookup(3)
+        replayed = _steps(other, prompt, params, Speculator(drafter, DraftLength(k)), drafter.follow(reply))
+        assert replayed == real != own
+        if not pipeline:  # the simulation's loop (a pipelined one asks the lookup about the context before)
+            simulated = simulate_lookup(reply, StepCosts({1: 1.0}, {}), DraftLength(k, adaptive=False))
+            assert (simulated.steps, simulated.drafted, simulated.accepted) == real
+
+
+def test_a_reply_round_trips_and_refuses_what_it_cannot_replay():
+    reply = Reply((1, 2, 3), (7, 8), 0.8, 4)
+    assert Reply.from_dict(reply.as_dict()) == reply
+    assert reply.context(4) == [1, 2, 3, 7] and reply.token(4) == 8
+    with pytest.raises(LlmrunError, match="holds 2"):
+        reply.context(6)
+    drafter = ReplayedLookup(2)
+    decide = replay_lookups(drafter, [reply, Reply((1, 2, 3), (9, 9), 0.8, 5)])(1)
+    assert drafter.reply.tokens == (9, 9) and decide is not None
+    with pytest.raises(LlmrunError, match="no reply"):
+        replay_lookups(drafter, [])
+    with pytest.raises(LlmrunError, match="each model"):
+        StepCosts.from_dict({"target": {"2": 1.0}})
+    assert StepCosts.from_dict({"target": {"1": 1.0}}).draft == {}
 
 
 # Step times measured on a 2-core CPU (bench/runs/2026-11-25-cpu2-replay-costs-gguf.json: Qwen2.5-Coder 1.5B
@@ -234,10 +282,40 @@ def test_the_replay_script_measures_a_trace_on_random_weights(script, tmp_path, 
             script.main(["measure", "--trace", str(path)])
 
 
+def test_the_replay_script_replays_a_lookups_replies_on_random_weights(script, tmp_path, capsys):
+    import json
+
+    prompt = list(range(300, 310)) * 2
+    copied = Reply(tuple(prompt), tuple(range(300, 310)) + (300, 301), 0.0, -1)  # every lookup right
+    new = Reply(tuple(prompt), tuple(range(500, 512)), 0.8, 0)  # nothing to look up
+    doc = {"date": "2026-01-01", "target": {"file": "t.gguf", "shape": "smollm2-135m"}, "draft": {"ngram": 3},
+           "traces": [{"prompt_label": "p", **copied.as_dict()}, {"prompt_label": "p", **new.as_dict()}]}
+    path, out = tmp_path / "replies.json", tmp_path / "m.json"
+    path.write_text(json.dumps(doc))
+    assert script.main(["measure", "--trace", str(path), "--repeat", "1", "--threads", "1", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["replayed_on"] == {"target": "random:smollm2-135m", "draft": "ngram 3"}
+    assert set(run["step_seconds"]) == {"target"}
+    greedy, sampled = run["results"]
+    assert greedy["figures"]["acceptance_rate"] == 1.0 and greedy["figures"]["tokens_per_step"] > 2
+    assert greedy["figures"]["speculative"]["drafter"] == "ngram 3"
+    assert sampled["figures"]["speculative"]["drafted_tokens"] == 0  # no match: plain steps
+    table = out.with_suffix(".md").read_text()
+    assert "prompt lookup (--ngram 3)" in table and "draft's one-token step" not in table
+    capsys.readouterr()
+    assert script.main(["simulate", "--costs", str(out), "--trace", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "prompt lookup (--ngram 3) drafting" in printed and "| p | 0 | **" in printed and "| 100% |" in printed
+    # a pair's traces need the draft's step times, which a lookup's run has not
+    with pytest.raises(SystemExit, match="no draft model's step times"):
+        script.main(["simulate", "--costs", str(out)])
+
+
 def test_the_replay_script_records_only_with_the_models_at_hand(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["measure", "--real"])
-    assert "--real needs the pair's model files" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="bench/fetch_models.py"):
-        script.main(["record", "--models", str(tmp_path), "--out", str(tmp_path / "t.json")])
+    assert "--real needs the real model files" in capsys.readouterr().err
+    for lookup in ([], ["--lookup", "3"]):
+        with pytest.raises(SystemExit, match="bench/fetch_models.py"):
+            script.main(["record", "--models", str(tmp_path), "--out", str(tmp_path / "t.json"), *lookup])
     assert not (tmp_path / "t.json").exists()
