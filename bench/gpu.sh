@@ -12,7 +12,8 @@
 # .gpu-model/ and prints the calls to make, one a step, each tarring its results into $OUT.
 # A shorter lease: GPU_PROMPTS (the speed step's prompt lengths, default "128 8000"), GPU_WEIGHTS (its weights,
 # default "auto int4"), GPU_KV_REPEAT (the kv step's
-# timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (the pair's, default: all); and
+# timed runs, default 3), GPU_REPLAY_WEIGHTS (default "int4 auto") and GPU_REPLAY_PROMPTS (the pair's, default:
+# all); and
 # bench/gpu_lease.sh, every step in one call, each under a time limit of its own. GPU_RESUME=1 goes on where the
 # committed results of the same GPU model stop: a run whose JSON bench/results/ holds, or a test its logs record as
 # passed, is left out; GPU_RERUN="NAME ..." names runs to measure again all the same, and GPU_RETEST="PATTERN ..."
@@ -173,8 +174,10 @@ if [[ $steps == *" embedded "* ]] && embedded; then
     # correctness, then issue 6's n-gram and self-draft speedups on the GPU (written row by row), then the rest
     LLMRUN_TEST_ONE_CONFIG=1 run_tests embedded-tests -s -m gpu tests/test_reference.py tests/test_speculative.py
     # its step, and its decode loop greedy and at T 0.8 (the H100 ran T 0.8's plain rows 0.25-0.91 ms a token
-    # behind greedy: the draw's launches, or draws run twice?)
+    # behind greedy: the draw's launches, or draws run twice?), and speculative steps that take every draft against
+    # their forwards (its n-gram steps of 2.15 tokens took 1.7 plain tokens' time: the host's round trip?)
     done_before profile-smollm2-p128 || python3 bench/gpu_profile.py smollm2 --device cuda --prompt-tokens 128 \
+        --speculation \
         --out "$results/$stamp-$gpu-profile-smollm2-p128.json" \
         || { echo "gpu.sh: profile-smollm2-p128 FAILED (above); going on" >&2; failed+=(profile-smollm2-p128); }
     done_before smollm2-speculative || python3 bench/speculative.py --device cuda --rows ngram,self \

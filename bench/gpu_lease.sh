@@ -32,7 +32,8 @@
 #   profile  the shapes' remaining profiles (the 8B's 8000-token prefills into INT4 and bf16 caches, the 8B at 8000
 #            positions), each with the decode loop greedy and at T 0.8 (the new rows).
 # Call 2, `embedded`: the real embedded model joined from the halves the two calls carried: its step and decode loops
-# profiled, greedy and at T 0.8 (the H100 ran its plain T 0.8 rows 0.25-0.91 ms a token behind greedy); then
+# profiled, greedy and at T 0.8 (the H100 ran its plain T 0.8 rows 0.25-0.91 ms a token behind greedy), and its
+# speculative steps at K = 1, 3, 7 against their forwards (new: where its n-gram steps' 1.7 plain tokens go); then
 # bench/speculative.py's n-gram and self rows again (GPU_RERUN: the lookup's unmatched steps now pipelined, predicted
 # open-ended and summarize >= 0.97x at T 0, issue 6 asks >= 0.95x), `--compare` and the sweep.
 # Left for a later lease (gpu.sh runs them by GPU_STEPS): the kv step again at 8k and 32k, the gemv step.

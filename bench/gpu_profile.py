@@ -2,7 +2,8 @@
 times and the bandwidth floor, and the kernels that take it, in one run:
 
     python bench/gpu_profile.py [--random-weights llama3.2-1b | MODEL] [--weights auto|int4] [--kv KV]
-                                [--prompt-tokens 128] [--ctx 8192] [--steps 32] [--prefill] [--out FILE.json]
+                                [--prompt-tokens 128] [--ctx 8192] [--steps 32] [--prefill] [--speculation]
+                                [--out FILE.json]
 
 The step is llmrun's own decode step (`Engine.decode`) at a fixed position: the cache is rolled back after each,
 so every timed step attends over the same keys. Timed with device events, median of --steps after a warm-up:
@@ -17,6 +18,9 @@ so every timed step attends over the same keys. Timed with device events, median
           token it feeds), greedy fed from the host (each step waits for the host's round trip), and sampled at
           T 0.8 pipelined (with the share of its steps run twice: draws that left the top-k survivors), against
           the graph step; and one draw at T 0.8 made eagerly, profiled: its kernels' own time and launches
+  speculation  (--speculation) a reply decoded with prompt lookup at K = 1, 3, 7, every draft taken (its
+          lookups replayed from a reply that copies the prompt): wall time a step against its block's forward
+          alone, the rest being the step's verification, lookup and launch on the host while the device waits
 graph - kernels is time the GPU spends between kernels (or short of the bandwidth a kernel could draw): what
 fusing launches would win; kernels - floor, what faster kernels would. The table of kernels groups them by name.
 On a CPU the same runs, with the profiler's operators in place of kernels (a check that the script works).
@@ -45,8 +49,9 @@ from llmrun.workloads import make_workload
 HERE = Path(__file__).resolve().parent
 
 
-def timed_steps(engine, token: int, steps: int) -> list[float]:
-    """Seconds of `steps` decode steps, each from the same cache length (rolled back after it)."""
+def timed_steps(engine, token: int, steps: int, block: int = 1) -> list[float]:
+    """Seconds of `steps` forwards of `block` tokens (a decode step; more: a verification block), each from the same
+    cache length (rolled back after it)."""
     length = len(engine.tokens)
     cuda = engine.device.type == "cuda"
     times = []
@@ -54,16 +59,54 @@ def timed_steps(engine, token: int, steps: int) -> list[float]:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            engine.decode(token)
+            engine.forward([token] * block, last_only=block == 1)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
-            engine.decode(token)
+            engine.forward([token] * block, last_only=block == 1)
             times.append(time.perf_counter() - t0)
         engine.rollback(length)
     return times[2:]
+
+
+SPECULATION_K = (1, 3, 7)  # draft tokens a block: blocks of 2, 4 and 8 tokens
+
+
+def timed_speculation(engine, positions: int, tokens: int, runs: int = 3) -> dict[int, dict[str, float]]:
+    """What a speculative step costs beyond its forward: for each K of SPECULATION_K, a reply of `tokens` tokens
+    decoded with prompt lookup at that K (fixed), after a prompt of `positions` distinct tokens, every lookup right
+    (the reply copies the prompt, replayed: `llmrun.replay.ReplayedLookup`, whatever the weights say), so each step
+    verifies a block of K + 1 tokens and takes them all. -> K: {"block_s": wall seconds a step (median of `runs`),
+    "device_s": the block's forward alone (device events, as `timed_steps`), "tokens_per_step"}; block_s - device_s
+    is the step's time outside its forward: the host's verification, lookup and launch, with the device idle."""
+    from llmrun.replay import Reply, ReplayedLookup
+    from llmrun.sampling import SamplingParams
+    from llmrun.speculative import DraftLength, Speculator
+
+    vocab = engine.model.config.vocab_size
+    prompt = [(100 + i) % vocab for i in range(positions)]
+    reply = Reply(tuple(prompt), tuple(prompt[i % positions] for i in range(tokens)), 0.0, -1)
+    params = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
+    figures = {}
+    for k in SPECULATION_K:
+        drafter, block_s = ReplayedLookup(), []
+        for i in range(runs + 1):  # the first: warm-up (its blocks' graphs captured)
+            engine.speculator = Speculator(drafter, DraftLength(k, adaptive=False), drafter.follow(reply))
+            try:
+                generation = engine.generate(prompt, params)
+                list(generation)
+            finally:
+                engine.speculator = None
+            stats = generation.stats
+            block_s.append(stats.decode_s / stats.decode_steps)
+        engine.prefill(prompt)
+        device = timed_steps(engine, prompt[-1], runs, block=k + 1)
+        figures[k] = {"block_s": statistics.median(block_s[1:]), "device_s": statistics.median(device),
+                      "tokens_per_step": stats.decode_tokens / stats.decode_steps}
+    engine.reset()
+    return figures
 
 
 def timed_loops(engine, token: int, steps: int, runs: int = 3) -> dict[str, float]:
@@ -233,6 +276,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="timed steps each way (default 32; --prefill: 3 prefills)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed (default 15)")
     parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill, not a decode step")
+    parser.add_argument("--speculation", action="store_true", help="also time speculative steps that take every"
+                        " draft, at K = 1, 3, 7, against their forwards")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -263,6 +308,9 @@ def main() -> int:
             table, launches = kernel_table(engine, token)
             kernels_of = "eager step"
         engine.graphs = graphs
+        speculation = {}
+        if args.speculation:
+            speculation = timed_speculation(engine, args.prompt_tokens, max(3 * args.steps, 16))
     kv_per_token = engine.cache.nbytes // engine.cache.max_len
     read = weight_bytes_read_per_token(engine.loaded) + kv_per_token * (len(engine.tokens) + 1)
     bandwidth = copy_bandwidth(engine.device.type)
@@ -273,6 +321,7 @@ def main() -> int:
         "loop_pipelined_step_s": loops["pipelined"], "loop_host_fed_step_s": loops["host_fed"],
         "loop_sampled_step_s": loops["sampled"], "loop_sampled_reruns": loops["sampled_reruns"],
         "sampling_s": sum(r["us"] for r in sampling) / 1e6, "sampling_launches": sampling_launches,
+        "speculation": {str(k): v for k, v in speculation.items()},
     }
     doc = {"model": name, "config": vars(settings) | {"prompt_tokens": args.prompt_tokens},
            "graphs": graphs is not None and not graphs.failed, **figures, "kernels": table, "sampling": sampling,
@@ -298,6 +347,16 @@ def main() -> int:
         "",
         f"floor: {read / 1e9:.3f} GB a step at {figures['copy_bandwidth_gb_s']} GB/s (a device copy, this run)",
         "",
+        *([] if not speculation else [
+        "| speculative step, every draft taken (prompt lookup) | a step | its forward alone | outside it | a step, in"
+        " pipelined tokens | tokens a step | speedup |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| K = {k} ({k + 1} tokens) | {ms(v['block_s'])} | {ms(v['device_s'])} | {ms(v['block_s'] - v['device_s'])}"
+          f" | {v['block_s'] / plain:.2f} | {v['tokens_per_step']:.2f} |"
+          f" {v['tokens_per_step'] * plain / v['block_s']:.2f}x |"
+          for k, v in speculation.items() for plain in [figures["loop_pipelined_step_s"]]),
+        "",
+        "(speedup: over the pipelined loop, a reply's steps at the start without a match included)", ""]),
         "| kernel | calls | us / step | share |",
         "|---|---|---|---|",
         *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "

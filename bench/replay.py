@@ -93,7 +93,10 @@ def do_record(args) -> int:
     names = ("qwen-1.5b",) if args.lookup else ("qwen-1.5b", "qwen-0.5b")
     paths = {name: speculative.model_file(name, args.models, args.fetch) for name in names}
     missing = [why for why in paths.values() if isinstance(why, str)]
-    prompts = [(kind, None) for kind in LOOKUP_PROMPTS] if args.lookup else speculative.humaneval_prompts(args.humaneval)
+    if args.lookup:
+        prompts = [(kind, None) for kind in LOOKUP_PROMPTS]
+    else:
+        prompts = speculative.humaneval_prompts(args.humaneval)
     if isinstance(prompts, str):
         missing.append(prompts)
     if missing:
@@ -126,7 +129,8 @@ def do_record(args) -> int:
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["python", "bench/replay.py", *sys.argv[1:]]),
         "target": {"file": paths["qwen-1.5b"].name, "shape": SHAPES["qwen-1.5b"]},
-        "draft": {"ngram": args.lookup} if args.lookup else {"file": paths["qwen-0.5b"].name, "shape": SHAPES["qwen-0.5b"]},
+        "draft": {"ngram": args.lookup} if args.lookup else {"file": paths["qwen-0.5b"].name,
+                                                             "shape": SHAPES["qwen-0.5b"]},
         "settings": {"device": "cpu", "dtype": "fp32", "weights": "auto", "new_tokens": args.new_tokens},
         "environment": bench.environment("cpu"),
         "traces": traces,

@@ -684,7 +684,7 @@ def test_profile_script_on_a_cpu(tmp_path):
     out = tmp_path / "p.json"
     script = Path(__file__).resolve().parent.parent / "bench" / "gpu_profile.py"
     done = subprocess.run([sys.executable, str(script), "--random-weights", "smollm2-135m", "--prompt-tokens", "40",
-                           "--ctx", "128", "--steps", "3", "--device", "cpu", "--out", str(out)],
+                           "--ctx", "128", "--steps", "3", "--device", "cpu", "--speculation", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
@@ -697,6 +697,11 @@ def test_profile_script_on_a_cpu(tmp_path):
     # a draw at T 0.8: its operators, far fewer and cheaper than a step's; its reruns a share of the steps
     assert 5 <= doc["sampling_launches"] == sum(r["calls"] for r in doc["sampling"]) < doc["launches"]
     assert 0 < doc["sampling_s"] < doc["eager_step_s"] and 0 <= doc["loop_sampled_reruns"] <= 1
+    # speculative steps taking every draft: blocks of K + 1 tokens but for the reply's first steps (no match yet)
+    spec = doc["speculation"]
+    assert list(spec) == ["1", "3", "7"] and all(v["block_s"] > 0 and v["device_s"] > 0 for v in spec.values())
+    assert 1 < spec["1"]["tokens_per_step"] <= 2 < spec["3"]["tokens_per_step"] < spec["7"]["tokens_per_step"] <= 8
+    assert "| K = 3 (4 tokens) |" in done.stdout
     # one profiled step against the median of 3 timed ones: wide bounds, for a CI machine's other workers (at 0.5 the
     # profiled step once fell under half the median on 2 busy cores)
     assert 0.25 * doc["eager_step_s"] < doc["kernels_step_s"] <= 2 * doc["eager_step_s"]

@@ -114,8 +114,8 @@ def test_a_trace_round_trips_and_refuses_what_it_cannot_replay():
 
 
 # A code edit: the embedded model's replies copy from it, some lookups right and some wrong
-LOOKUP_TEXT = ("def total(items):\n    s = 0\n    for item in items:\n        s += item.price * item.count\n    return s\n\n"
-               "Rewrite this function with `item.qty` in place of `item.count`.")
+LOOKUP_TEXT = ("def total(items):\n    s = 0\n    for item in items:\n        s += item.price * item.count\n"
+               "    return s\n\nRewrite this function with `item.qty` in place of `item.count`.")
 
 
 @pytest.mark.parametrize("temperature", [0, 0.9])
