@@ -597,6 +597,18 @@ def test_ngram_index_follows_rollbacks_and_new_conversations():
     d.start([1, 2, 3, 1, 2, 9])
     assert d.propose([1, 2, 3, 1, 2], 2, params, None).tokens == [3, 1]  # the context shrank: re-indexed
     assert d.propose([7, 8, 9, 7, 8], 1, params, None).tokens == [9]  # another text altogether
+    # a context growing a token a step (a reply) is indexed as a whole one would be, checked at its tail only
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, 6, (300,), generator=g).tolist()
+    d = NgramDrafter(3)
+    d.start(ctx[:50])
+    for end in range(51, 300):
+        assert d.propose(ctx[:end], 4, params, None).tokens == NgramDrafter(3).propose(ctx[:end], 4, params, None).tokens
+    edited = ctx[:-3] + [9, 9, 8, 9, 9]  # an edit within the tail: re-indexed
+    assert d.propose(edited, 2, params, None).tokens == [8, 9]
+    edited = [7] + ctx[1:]  # before the tail: noticed by the next reply's start, which compares every token
+    d.start(edited)
+    assert d._indexed == edited[:-1]
 
 
 def _simulate(length, steps, accept, target_s, draft_s):
