@@ -105,7 +105,6 @@ def timed_speculation(engine, positions: int, tokens: int, runs: int = 3) -> dic
         device = timed_steps(engine, prompt[-1], runs, block=k + 1)
         figures[k] = {"block_s": statistics.median(block_s[1:]), "device_s": statistics.median(device),
                       "tokens_per_step": stats.decode_tokens / stats.decode_steps}
-    engine.reset()
     return figures
 
 
@@ -311,6 +310,7 @@ def main() -> int:
         speculation = {}
         if args.speculation:
             speculation = timed_speculation(engine, args.prompt_tokens, max(3 * args.steps, 16))
+            engine.prefill(workload.prompt)  # the cache the figures below count, as the steps above had it
     kv_per_token = engine.cache.nbytes // engine.cache.max_len
     read = weight_bytes_read_per_token(engine.loaded) + kv_per_token * (len(engine.tokens) + 1)
     bandwidth = copy_bandwidth(engine.device.type)

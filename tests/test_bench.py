@@ -689,6 +689,7 @@ def test_profile_script_on_a_cpu(tmp_path):
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["model"] == "random:smollm2-135m" and not doc["graphs"] and doc["config"]["prompt_tokens"] == 40
+    assert "40 cached positions" in done.stdout  # the speculative runs' cache put back for the figures after them
     assert 0 < doc["floor_step_s"] < doc["eager_step_s"] and doc["graph_step_s"] > 0
     # a reply's loop both ways: a step a token, and the host's work (on a CPU, in line with the steps) beside it
     for key in ("loop_pipelined_step_s", "loop_host_fed_step_s", "loop_sampled_step_s"):
