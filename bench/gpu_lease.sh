@@ -29,8 +29,9 @@
 #            acceptance, the first HumanEval prompt (60 s were not enough: its load, compile and runs): plain rows
 #            pipelined, T 0.8 rows one wait a draw, blocks on the tensor-core GEMV (the H100's first lease: greedy
 #            1.16x; predicted ~1.3x).
-#   profile  the shapes' remaining profiles (the 8B's 8000-token prefills into INT4 and bf16 caches, the 8B at 8000
-#            positions), each with the decode loop greedy and at T 0.8 (the new rows).
+#   profile  the shapes' remaining profiles (first the 8B at 128 positions in W4A16, issue 4's never-measured
+#            headline, predicted ~50-67% of its floor against the 75% asked; then the 1B's 8000-token prefills into
+#            INT4 and bf16 caches, the 8B at 8000 positions), each with the decode loop greedy and at T 0.8.
 # Call 2, `embedded`: the real embedded model joined from the halves the two calls carried: its step and decode loops
 # profiled, greedy and at T 0.8 (the H100 ran its plain T 0.8 rows 0.25-0.91 ms a token behind greedy), and its
 # speculative steps at K = 1, 3, 7 against their forwards (new: where its n-gram steps' 1.7 plain tokens go); then
