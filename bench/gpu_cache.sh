@@ -10,7 +10,8 @@
 # restore points Triton's and TorchInductor's caches at one folder (where neither TRITON_CACHE_DIR nor
 # TORCHINDUCTOR_CACHE_DIR is set already) and, once a machine, unpacks there the cache a call carried as
 # .gpu-cache/compiled.tgz. save packs that folder without the intermediate IR (PTX, LLVM and Triton IR: a cached
-# kernel loads from its cubin) into FILE, if it fits in 11 MiB (a call carries 64, half the embedded model 47);
+# kernel loads from its cubin) into FILE, if it fits in 11 MiB (a call carries 64, half the embedded model 47),
+# else Triton's part alone, else as many of Triton's kernels as fit, the first compiled first;
 # bench/gpu_lease.sh saves it as $OUT/compiled.tgz, which the session keeps here as .gpu-cache/compiled.tgz (git
 # ignores it) and carries on the next lease. The folder's path is the same on every machine, because Triton's
 # cache records its files' absolute paths; its keys hold Triton's version, ptxas's, the target (sm_90 for the H100
@@ -19,7 +20,7 @@
 
 COMPILED_DIR=${COMPILED_DIR:-/tmp/llmrun-compiled}
 COMPILED_IR=('*.ptx' '*.llir' '*.ttir' '*.ttgir' '*.source')
-COMPILED_LIMIT=$((11 * 1024 * 1024))  # beside half the model (47 MiB) in a call's 64
+COMPILED_LIMIT=${COMPILED_LIMIT:-$((11 * 1024 * 1024))}  # beside half the model (47 MiB) in a call's 64
 
 compiled_restore() {
     if [ "${TRITON_CACHE_DIR:-$COMPILED_DIR/triton}" != "$COMPILED_DIR/triton" ] \
@@ -57,9 +58,22 @@ compiled_save() {  # compiled_save FILE: the cache folder, IR left out, into FIL
             return 0
         fi
     done
+    # Triton's alone too big (the second H100 lease's were): its kernels, a folder each (a compiled config or a
+    # launcher), the first compiled first, as many as fit: each one a lease restores is a compile it skips
+    local dirs=() kept
+    mapfile -t dirs < <(cd "$COMPILED_DIR" && ls -d -tr triton/*/ 2>/dev/null)
+    kept=${#dirs[@]}
+    while [ "$kept" -gt 1 ]; do
+        kept=$((kept * 3 / 4))
+        tar czf "$out" -C "$COMPILED_DIR" "${excludes[@]}" "${dirs[@]:0:kept}"
+        if [ "$(stat -c %s "$out")" -le "$COMPILED_LIMIT" ]; then
+            echo "gpu_cache: the first $kept of ${#dirs[@]} Triton kernels compiled saved into $out" \
+                "($(( $(stat -c %s "$out") / 1024 )) KiB; all of them exceed $((COMPILED_LIMIT >> 20)) MiB)" >&2
+            return 0
+        fi
+    done
     rm -f "$out"
-    echo "gpu_cache: the compiled kernels exceed $((COMPILED_LIMIT >> 20)) MiB even without TorchInductor's;" \
-        "not saved" >&2
+    echo "gpu_cache: even one compiled kernel exceeds $((COMPILED_LIMIT >> 20)) MiB; not saved" >&2
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then

@@ -796,3 +796,44 @@ def test_a_runs_notes_name_its_fallbacks(monkeypatch):
     engine.graphs.failed = "RuntimeError: out of memory"
     notes = bench.run_notes(engine)
     assert len(notes) == 2 and "decode_attention failed" in notes[0] and "out of memory" in notes[1]
+
+
+def test_the_compiled_kernel_cache_keeps_what_fits_the_first_compiled_first(tmp_path):
+    """bench/gpu_cache.sh save: the whole cache if it fits a call's share, else Triton's part, else as many of
+    Triton's kernels (a folder each) as fit, the first compiled first; the intermediate IR never."""
+    import os
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_cache.sh"
+    cache = tmp_path / "compiled"
+    for i in range(12):  # 12 kernels of 64 KiB each, incompressible, compiled a second apart
+        kernel = cache / "triton" / f"k{i:02}"
+        kernel.mkdir(parents=True)
+        (kernel / "kernel.cubin").write_bytes(os.urandom(64 << 10))
+        (kernel / "kernel.ptx").write_text("ptx " * 1000)
+        os.utime(kernel, (1_000_000 + i, 1_000_000 + i))
+    (cache / "inductor").mkdir()
+    (cache / "inductor" / "graph.py").write_bytes(os.urandom(256 << 10))
+
+    def save(limit_kib):
+        out = tmp_path / f"c{limit_kib}.tgz"
+        env = {**os.environ, "COMPILED_DIR": str(cache), "COMPILED_LIMIT": str(limit_kib << 10)}
+        done = subprocess.run(["bash", str(script), "save", str(out)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        if not out.exists():
+            return None, done.stderr
+        with tarfile.open(out) as tar:
+            names = tar.getnames()
+        assert out.stat().st_size <= limit_kib << 10 and not any(n.endswith(".ptx") for n in names)
+        return {n.split("/")[1] for n in names if n.startswith("triton/") and n.count("/") >= 1} - {""}, names
+
+    kernels, names = save(2048)  # everything fits
+    assert len(kernels) == 12 and any(n.startswith("inductor") for n in names)
+    kernels, names = save(900)  # Triton's alone
+    assert len(kernels) == 12 and not any(n.startswith("inductor") for n in names)
+    kernels, _ = save(500)  # the first compiled of Triton's, as many as fit
+    assert 4 <= len(kernels) < 12 and kernels == {f"k{i:02}" for i in range(len(kernels))}
+    kernels, said = save(10)  # not even one
+    assert kernels is None and "not saved" in said
