@@ -109,7 +109,7 @@ def do_record(args) -> int:
         else:
             engine, speculator = engines(str(paths["qwen-1.5b"]), str(paths["qwen-0.5b"]), settings)
         for task, text in prompts:  # the prompts as bench/speculative.py runs them
-            prompt = list(make_workload(engine.tokenizer, kind=task if text is None else "open", text=text).prompt)
+            prompt = list(make_workload(engine.tokenizer, kind=task, text=text).prompt)  # text None: a built-in
             runs = [SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, seed=0)]
             runs += [SamplingParams(temperature=0.8, max_new_tokens=args.new_tokens, seed=s) for s in range(args.seeds)]
             for params in runs:
@@ -164,8 +164,9 @@ def read_traces(path: Path) -> tuple[dict, dict[tuple[str, float], list[Trace | 
             groups.setdefault((d["prompt_label"], trace.temperature), []).append(trace)
         if not groups:
             raise ValueError("it holds no trace")
-        if not all({"shape", "ngram"} & set(doc.get(model, {})) for model in ("target", "draft")) or "date" not in doc:
-            raise ValueError("it names no target and draft shapes, or no date")
+        drafts = {"shape", "ngram"} & set(doc.get("draft", {}))
+        if "shape" not in doc.get("target", {}) or not drafts or "date" not in doc:
+            raise ValueError("it names no target shape, no draft shape or lookup, or no date")
     except (OSError, ValueError, KeyError, TypeError, LlmrunError) as e:
         raise SystemExit(f"error: {path} is no trace file ({bench.one_line(e, with_type=True)}); make one with"
                          " python bench/replay.py record")
