@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrun.kv_cache import DeviceStep, KVCache
+from llmrun.sampling import drawn, to_device
 
 MAX_TOKENS = 16  # forwards of up to this many tokens (decode steps, verification blocks) are graphed
 MIN_SPAN = 1024  # a graph's attention spans a power of two of slots, at least this many, covering the keys in use
@@ -177,22 +178,24 @@ class DecodeGraphs:
 
 class DrawGraphs:
     """Sampled draws captured as CUDA graphs, one a setting of the filters (temperature, top-k, top-p, min-p) and
-    vocabulary: `sampling.Ahead`'s device work (the top-k survivors, the filters, the inverse-CDF pick and its tie
-    and finiteness flags, ~35 small kernels) replayed from a static copy of the logits at a uniform filled in before,
-    so a sampled token costs the host one replay instead of ~45 eager operations, and the GPU no gaps between them.
-    The same operations on the same values: the same token as the eager draw. A capture that fails is said once, and
-    every draw runs eagerly from then on. Each graph has a memory pool of its own, let go with it."""
+    shape of the logits: `sampling.Ahead`'s device work (the top-k survivors, the filters, the inverse-CDF pick and
+    its tie and finiteness flags, ~35 small kernels) replayed from a static copy of the logits at a uniform filled in
+    before, so a sampled token costs the host one replay instead of ~45 eager operations, and the GPU no gaps between
+    them; and sampled verification's, a row of a block's logits each (`speculative.verify`, a block of K + 1 rows).
+    The same operations on the same values: the same tokens as the eager draws. A capture that fails is said once,
+    and every draw runs eagerly from then on. Each graph has a memory pool of its own, let go with it."""
 
-    MAX_GRAPHS = 8  # settings kept captured at once
+    MAX_GRAPHS = 16  # (settings, shape) kept captured at once: a reply's one-token draws and its blocks' lengths
 
     def __init__(self, device: torch.device):
         self.device = device
         self.graphs: dict[tuple, tuple[Callable[[], object], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.failed: str | None = None
 
-    def draw(self, logits: torch.Tensor, params, u: float) -> torch.Tensor | None:
+    def draw(self, logits: torch.Tensor, params, u: float | list[float]) -> torch.Tensor | None:
         """(token, exact, finite) int64 (3,) on the device: the draw from logits (V,) at uniform u, as
-        `sampling.Ahead` makes it without a graph; valid until the next draw of these settings (the caller copies
+        `sampling.Ahead` makes it without a graph; or, from rows (R, V) at uniforms u (R floats), (3, R) a column a
+        row, as `sampling.drawn` makes them. Valid until the next draw of these settings and shape (the caller copies
         it behind, in stream order). None where graphs failed: the caller draws eagerly."""
         if self.failed:
             return None
@@ -206,15 +209,16 @@ class DrawGraphs:
                 return None
         replay, source, uniform, out = graph
         source.copy_(logits)
-        uniform.fill_(u)  # the value goes as the fill kernel's argument: no copy from the host to wait for
+        if logits.dim() == 1:
+            uniform.fill_(u)  # the value goes as the fill kernel's argument: no copy from the host to wait for
+        else:
+            uniform.copy_(to_device(u, torch.float64, logits.device)[:, None])  # from pinned memory, not waited for
         replay()
         return out
 
-    def _capture(self, logits: torch.Tensor, params, u: float):
-        from llmrun.sampling import drawn
-
+    def _capture(self, logits: torch.Tensor, params, u: float | list[float]):
         source = logits.clone()
-        uniform = torch.full((1, 1), u, dtype=torch.float64, device=logits.device)
+        uniform = torch.tensor(u, dtype=torch.float64, device=logits.device).view(-1, 1)  # (1 or R, 1)
         replay, out = capture(lambda: drawn(source, params, uniform)[1], None)
         return replay, source, uniform, out
 

@@ -501,7 +501,7 @@ class Generation:
         history = self._history(start + 1)
         if drafts:
             accepted, nxt = verify(logits, proposal, params, rng, history, position=start + 1,
-                                   decide=spec.decide if drafting else None)
+                                   decide=spec.decide if drafting else None, draws=engine.draws)
         else:
             accepted, nxt = 0, sample(logits, params, rng.at(start + 1), history)
         engine.rollback(start + 1 + accepted)  # rejected drafts (and any cut off above) leave the cache

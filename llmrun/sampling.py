@@ -151,12 +151,15 @@ def penalized(logits: torch.Tensor, params: SamplingParams, history: torch.Tenso
 
 
 def drawn(logits: torch.Tensor, params: SamplingParams, u: float | torch.Tensor) -> tuple[Survivors, torch.Tensor]:
-    """A sampled draw from logits (V,) at uniform u (a float, or (1, 1) float64 on the device) as device work ->
-    (the survivors it drew among, (token, exact, finite) int64 (3,)): `pick` over `survivors`, its flags beside the
-    token, for one copy to the host. `Ahead`'s, and what `cuda_graphs.DrawGraphs` captures."""
-    rows = survivors(logits[None], params)
-    token, finite = pick(rows.ids, rows.probs, u)
-    return rows, torch.stack((token[0], rows.exact[0].long(), finite[0].long()))
+    """A sampled draw from logits (V,) at uniform u (a float, or (1, 1) float64 on the device), or one a row from
+    rows (R, V) at uniforms u ((R, 1) float64 on the device), as device work -> (the survivors it drew among,
+    (token, exact, finite) int64 (3,), or (3, R) a column a row): `pick` over `survivors`, its flags beside the
+    token, for one copy to the host. `Ahead`'s and sampled verification's, and what `cuda_graphs.DrawGraphs`
+    captures."""
+    rows = survivors(logits if logits.dim() == 2 else logits[None], params)
+    tokens, finite = pick(rows.ids, rows.probs, u)
+    values = torch.stack((tokens, rows.exact.long(), finite.long()))  # (3, R)
+    return rows, values if logits.dim() == 2 else values[:, 0]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, fetch, not_finite, pick, sample,
+from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, drawn, fetch, not_finite, pick, sample,
                              sample_probs, survivors, to_device, token_probs, uniforms)
 
 
@@ -47,7 +47,8 @@ def _abide(position: int, accepted: bool) -> bool:
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng: Randomness | None = None,
-           history: torch.Tensor | None = None, position: int = 0, decide: Decide | None = None) -> tuple[int, int]:
+           history: torch.Tensor | None = None, position: int = 0, decide: Decide | None = None,
+           draws=None) -> tuple[int, int]:
     """Check a proposal against the target.
 
     logits (K+1, V): the target's logits after the context and after each draft token; history (N,): the
@@ -62,6 +63,8 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
 
     `decide(position, accepted) -> accepted`, when given, overrules each acceptance decision after the rule has
     done its work (a benchmark replaying a real pair's acceptance on random weights: `llmrun.replay`).
+    `draws` (`cuda_graphs.DrawGraphs`, a GPU's): the rows' draws of a proposal chosen outright replay a captured
+    graph, one for each block length and setting, instead of ~35 eager launches; the same tokens.
     """
     drafts = proposal.tokens
     if decide is None:
@@ -87,11 +90,11 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
     if penalize:  # each row's penalty counts the drafts before it
         return _verify_rows(logits, proposal, params, us, seen, position, decide)
     # Every row at once, as device work over the rows' top-k survivors, and one wait for what it decided
-    rows = survivors(logits[: k + 1], params)
-    u = to_device(us, torch.float64, logits.device)  # (K+1, 2)
-    if proposal.probs is None:
-        tokens, finite = pick(rows.ids, rows.probs, u[:, :1])  # (K+1,) row i's own draw from p
-        got = fetch(torch.stack((tokens, rows.exact.long(), finite.long())))  # (3, K+1)
+    if proposal.probs is None:  # row i's token: its own draw from p, at its first uniform
+        got = None if draws is None else draws.draw(logits[: k + 1], params, [u[0] for u in us])
+        if got is None:
+            got = drawn(logits[: k + 1], params, to_device([u[:1] for u in us], torch.float64, logits.device))[1]
+        got = fetch(got)  # (3, K+1): tokens, exact, finite
         if not all(got[1]):  # a tie at the k-th value: the definition's distribution, row by row
             return _verify_rows(logits, proposal, params, us, seen, position, decide)
         if not all(got[2]):
@@ -100,6 +103,8 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
             if not decide(position + i, got[0][i] == x):
                 return i, got[0][i]
         return k, got[0][k]
+    rows = survivors(logits[: k + 1], params)
+    u = to_device(us, torch.float64, logits.device)  # (K+1, 2)
     q = fit_vocab(proposal.probs.to(logits.device, torch.float32), logits.shape[-1])  # (K, V)
     x = to_device(drafts, torch.int64, logits.device)[:, None]  # (K, 1)
     p, ids = rows.probs[:k], None if rows.ids is None else rows.ids[:k]  # (K, n)

@@ -537,6 +537,67 @@ def test_a_captured_draw_is_the_eager_draw(monkeypatch, real):
     assert len(few.graphs) == 1 and len(captured) == len(settings) + 5
 
 
+@pytest.mark.parametrize("real", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_a_captured_block_of_draws_is_the_eager_block(monkeypatch, real):
+    """Sampled verification's draws, a row of a block each (`DrawGraphs.draw` of rows (R, V) at R uniforms): each
+    row's token, tie flag and finiteness flag those of the eager draws (`sampling.drawn`) at the same uniforms, over
+    random rows, rows tied past top-k's candidates and a row that is not finite; one graph a block length and
+    setting."""
+    from llmrun import cuda_graphs
+    from llmrun.sampling import SamplingParams, drawn, to_device
+
+    captured, capture = [], cuda_graphs.capture if real else replaying_capture
+    monkeypatch.setattr(cuda_graphs, "capture", lambda step, pool: captured.append(1) or capture(step, pool))
+    draws = cuda_graphs.DrawGraphs(torch.device(DEVICE))
+    g = torch.Generator().manual_seed(1)
+    settings = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=5, top_p=0.5, min_p=0.0),
+                SamplingParams(temperature=0.7, top_k=0, top_p=0.9)]
+    flags = set()
+    for params in settings:
+        for rows in (2, 5, 9):
+            for i in range(6):
+                logits = torch.randn(rows, 300, generator=g) * 3
+                if i == 1:  # ties past top-k's 2k candidates: the exact flag is down
+                    logits = torch.where(logits > -1, logits.round(), logits)
+                if i == 2:
+                    logits[rows - 1, 7] = float("nan")
+                logits, us = logits.to(DEVICE), torch.rand(rows, generator=g, dtype=torch.float64).tolist()
+                eager = drawn(logits, params, to_device([[u] for u in us], torch.float64, logits.device))[1]
+                graphed = draws.draw(logits, params, us)
+                assert graphed.shape == (3, rows) and torch.equal(graphed, eager), (params, rows, i)
+                flags |= {(bool(e), bool(f)) for e, f in eager[1:].T.tolist()}
+    assert len(draws.graphs) == len(captured) == 3 * len(settings) and not draws.failed
+    assert {(False, True), (True, False), (True, True)} <= flags  # the flags' cases all met
+
+
+def test_sampled_lookup_speculation_through_draw_graphs_is_plain_sampling(smollm2, monkeypatch):
+    """Sampled speculation whose verification draws go through `DrawGraphs` (a replaying capture) gives the plain
+    sampled reply, seed for seed, as its eager draws do: a lookup's blocks verified by one graph a block length."""
+    from llmrun import cuda_graphs
+    from llmrun.generate import Engine
+    from llmrun.sampling import SamplingParams
+    from llmrun.speculative import DraftLength, NgramDrafter, Speculator
+
+    monkeypatch.setattr(cuda_graphs, "capture", replaying_capture)
+    ids = smollm2.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(")
+    engine = Engine(smollm2, 128)
+    drafted = 0
+    for seed in (1, 2):
+        params = SamplingParams(temperature=0.7, seed=seed, max_new_tokens=24)
+        replies = []
+        for speculator, draws in [(None, None), (Speculator(NgramDrafter(3), DraftLength(4, adaptive=False)),
+                                                 cuda_graphs.DrawGraphs(engine.device))]:
+            engine.reset()
+            engine.speculator, engine.draws = speculator, draws
+            reply = engine.generate(ids, params)
+            replies.append(("".join(reply), reply.token_ids))
+            drafted += reply.stats.drafted
+        assert replies[0] == replies[1], seed
+        assert any(len(key[0]) == 2 for key in draws.graphs) and not draws.failed  # blocks drawn by their graphs
+    engine.speculator = engine.draws = None
+    assert drafted > 0
+
+
 def test_pipelined_sampling_through_draw_graphs_is_plain_sampling(smollm2, monkeypatch):
     """A pipelined engine (forced here on the CPU) whose draws go through `DrawGraphs` (a replaying capture) gives
     the reply and the cache of the one drawing eagerly, seed for seed, with and without a repetition penalty (its
