@@ -258,6 +258,7 @@ def test_a_sampled_token_waits_for_the_device_once():
     q = torch.softmax(logits[:8].roll(1, -1), -1)
     draws = DrawGraphs(logits.device)  # captured here (a capture synchronizes), replayed below
     Ahead(logits[0], params, torch.Generator().manual_seed(2), draws=draws).read()
+    verify(logits, Proposal(drafts), params, Randomness(3), position=10, draws=draws)  # a block's rows' graph
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -269,5 +270,6 @@ def test_a_sampled_token_waits_for_the_device_once():
             for p in (params, SamplingParams(temperature=0)):  # a draw left on the device, read later
                 Ahead(logits[0], p, torch.Generator().manual_seed(2)).read()
             Ahead(logits[0], params, torch.Generator().manual_seed(2), draws=draws).read()  # a replayed draw
+            verify(logits, Proposal(drafts), params, Randomness(3), position=10, draws=draws)  # replayed rows
     finally:
         torch.cuda.set_sync_debug_mode("default")
