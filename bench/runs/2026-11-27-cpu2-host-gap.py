@@ -23,8 +23,19 @@ prompt = list(make_workload(engine.tokenizer, kind="code-edit").prompt)
 engine.speculator = make_speculator(engine, ngram=3)
 marks = []
 verify, forward = generate.verify, generate.Engine.forward
-generate.verify = lambda *a, **k: (verify(*a, **k), marks.append(("verified", time.perf_counter())))[0]
-generate.Engine.forward = lambda self, *a, **k: (marks.append(("forward", time.perf_counter())), forward(self, *a, **k))[1]
+
+def timed_verify(*args, **kwargs):
+    result = verify(*args, **kwargs)
+    marks.append(("verified", time.perf_counter()))
+    return result
+
+
+def timed_forward(self, *args, **kwargs):
+    marks.append(("forward", time.perf_counter()))
+    return forward(self, *args, **kwargs)
+
+
+generate.verify, generate.Engine.forward = timed_verify, timed_forward
 for temperature in (0.0, 0.8):
     params = SamplingParams(temperature=temperature, max_new_tokens=200, ignore_eos=True, seed=0)
     for _ in range(2):
