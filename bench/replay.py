@@ -30,7 +30,8 @@ where llama.cpp keeps more bits is not modelled); auto keeps them in the compute
 It first times one forward of 1, 2, 3, 5 and 9 tokens of each model (what the draft-length policy weighs: a CPU's
 verification block is compute-bound, a GPU's nearly flat), given under the table in one-token target steps.
 Writes the JSON and a Markdown table to --out, default bench/runs/DATE-cpuTHREADS-replay.json (on a GPU:
-bench/results/DATE-GPU-replay.json), and prints the table.
+bench/results/DATE-GPU-replay.json), and prints the table; until the last row the JSON holds the rows so far,
+marked "partial": true (a run cut off keeps them).
 
 simulate: no model runs. The draft-length policy decodes each trace on a clock whose forwards cost what a measure
 run's step times say (`--costs`, the JSON of `measure`, from this machine or a GPU's), the trace deciding, each
@@ -210,7 +211,28 @@ def do_measure(args) -> int:
     target = args.target or f"random:{doc['target']['shape']}"
     draft = f"ngram {ngram}" if ngram else args.draft or f"random:{doc['draft']['shape']}"
     settings = bench.resolve(bench.Settings(args.device, "auto", args.weights, args.threads, CTX), default_ctx=CTX)
-    rows = []
+    today = datetime.date.today().isoformat()
+    if settings.device == "cuda":
+        out = args.out or HERE / "results" / f"{today}-{torch.cuda.get_device_name().replace(' ', '-')}-replay.json"
+    else:
+        out = args.out or HERE / "runs" / f"{today}-cpu{settings.threads}-replay.json"
+    rows, costs, environment = [], {}, bench.environment(settings.device)
+
+    def document() -> dict:
+        return {
+            "date": today,
+            "command": " ".join(["python", "bench/replay.py", *sys.argv[1:]]),
+            "trace_file": str(args.trace.relative_to(HERE.parent) if args.trace.is_relative_to(HERE.parent)
+                              else args.trace),
+            "recorded": {"target": doc["target"], "draft": doc["draft"], "date": doc["date"]},
+            "replayed_on": {"target": target, "draft": draft},
+            "settings": settings.describe(),
+            "environment": environment,
+            # seconds of one forward of T tokens after the first prompt, median of 8
+            "step_seconds": {model: {str(t): round(v, 6) for t, v in c.items()} for model, c in costs.items()},
+            "results": rows,
+        }
+
     with bench.torch_threads(settings.threads):
         if ngram:
             engine, lookup = bench.open_engine(model_files(target), settings), ReplayedLookup(ngram)
@@ -219,7 +241,7 @@ def do_measure(args) -> int:
             engine, speculator = engines(target, draft, settings)
             replaying = speculator
         prompt = next(iter(groups.values()))[0].prompt
-        costs = {"target": step_costs(engine, prompt)}
+        costs["target"] = step_costs(engine, prompt)
         if not ngram:
             costs["draft"] = step_costs(speculator.drafter.engine, prompt)
         for (label, temperature), traces in groups.items():
@@ -240,24 +262,10 @@ def do_measure(args) -> int:
             if not ngram:  # (a lookup's replayed acceptance is the real one, exactly)
                 row["trace_acceptance"] = round(statistics.mean(a for t in used for a in t.accept[1:]), 4)
             rows.append(row)
-    today = datetime.date.today().isoformat()
-    if settings.device == "cuda":
-        out = args.out or HERE / "results" / f"{today}-{torch.cuda.get_device_name().replace(' ', '-')}-replay.json"
-    else:
-        out = args.out or HERE / "runs" / f"{today}-cpu{settings.threads}-replay.json"
-    table = markdown(rows, doc, target, draft, settings, new_tokens, costs)
-    bench.write_run(out, {
-        "date": today,
-        "command": " ".join(["python", "bench/replay.py", *sys.argv[1:]]),
-        "trace_file": str(args.trace.relative_to(HERE.parent) if args.trace.is_relative_to(HERE.parent) else args.trace),
-        "recorded": {"target": doc["target"], "draft": doc["draft"], "date": doc["date"]},
-        "replayed_on": {"target": target, "draft": draft},
-        "settings": settings.describe(),
-        "environment": bench.environment(settings.device),
-        # seconds of one forward of T tokens after the first prompt, median of 8
-        "step_seconds": {model: {str(t): round(v, 6) for t, v in c.items()} for model, c in costs.items()},
-        "results": rows,
-    }, table)
+            # the rows so far, "partial" until the last: a run stopped midway (a lease's time limit) keeps them
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({**document(), "partial": True}, indent=1) + "\n")
+    bench.write_run(out, document(), markdown(rows, doc, target, draft, settings, new_tokens, costs))
     return 0
 
 

@@ -309,6 +309,24 @@ def test_the_replay_script_replays_a_lookups_replies_on_random_weights(script, t
     # a pair's traces need the draft's step times, which a lookup's run has not
     with pytest.raises(SystemExit, match="no draft model's step times"):
         script.main(["simulate", "--costs", str(out)])
+    # a run stopped midway (a lease's time limit) keeps the rows it measured, marked partial; a whole one is not
+    assert "partial" not in run
+    measured = script.measure_speculative
+    calls = []
+
+    def stopped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise LlmrunError("stopped")
+        return measured(*args, **kwargs)
+
+    script.measure_speculative = stopped
+    try:
+        assert script.main(["measure", "--trace", str(path), "--repeat", "1", "--threads", "1", "--out", str(out)]) == 1
+    finally:
+        script.measure_speculative = measured
+    cut = json.loads(out.read_text())
+    assert cut["partial"] is True and [r["temperature"] for r in cut["results"]] == [0]
 
 
 def test_the_replay_script_records_only_with_the_models_at_hand(script, tmp_path, capsys):
