@@ -59,21 +59,31 @@ compiled_save() {  # compiled_save FILE: the cache folder, IR left out, into FIL
         fi
     done
     # Triton's alone too big (the second H100 lease's were): its kernels, a folder each (a compiled config or a
-    # launcher), the first compiled first, as many as fit: each one a lease restores is a compile it skips
-    local dirs=() kept
+    # launcher), the first compiled first, as many as fit: each one a lease restores is a compile it skips. How many,
+    # first from their sizes at the whole's rate of compression (one more pack, not one a guess), then fewer if need be
+    local dirs=() kept=0 d packed whole total=0
     mapfile -t dirs < <(cd "$COMPILED_DIR" && ls -d -tr triton/*/ 2>/dev/null)
-    kept=${#dirs[@]}
-    while [ "$kept" -gt 1 ]; do
-        kept=$((kept * 3 / 4))
+    packed=$(stat -c %s "$out")
+    whole=$(du -sb "$COMPILED_DIR/triton" | cut -f1)
+    for d in "${dirs[@]}"; do
+        total=$((total + $(du -sb "$COMPILED_DIR/$d" | cut -f1)))
+        [ $((total * packed / whole)) -le $((COMPILED_LIMIT * 9 / 10)) ] || break
+        kept=$((kept + 1))
+    done
+    [ "$kept" -gt 0 ] || kept=1
+    while [ ${#dirs[@]} -gt 0 ]; do
         tar czf "$out" -C "$COMPILED_DIR" "${excludes[@]}" "${dirs[@]:0:kept}"
         if [ "$(stat -c %s "$out")" -le "$COMPILED_LIMIT" ]; then
             echo "gpu_cache: the first $kept of ${#dirs[@]} Triton kernels compiled saved into $out" \
                 "($(( $(stat -c %s "$out") / 1024 )) KiB; all of them exceed $((COMPILED_LIMIT >> 20)) MiB)" >&2
             return 0
         fi
+        [ "$kept" -gt 1 ] || break
+        kept=$((kept * 3 / 4))
     done
     rm -f "$out"
-    echo "gpu_cache: even one compiled kernel exceeds $((COMPILED_LIMIT >> 20)) MiB; not saved" >&2
+    echo "gpu_cache: Triton's compiled kernels exceed $((COMPILED_LIMIT >> 20)) MiB, even the first alone" \
+        "(or none is in a folder of its own); not saved" >&2
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then

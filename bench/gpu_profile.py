@@ -74,13 +74,16 @@ def timed_steps(engine, token: int, steps: int, block: int = 1) -> list[float]:
 SPECULATION_K = (1, 3, 7)  # draft tokens a block: blocks of 2, 4 and 8 tokens
 
 
-def timed_speculation(engine, positions: int, tokens: int, runs: int = 3) -> dict[int, dict[str, float]]:
-    """What a speculative step costs beyond its forward: for each K of SPECULATION_K, a reply of `tokens` tokens
-    decoded with prompt lookup at that K (fixed), after a prompt of `positions` distinct tokens, every lookup right
-    (the reply copies the prompt, replayed: `llmrun.replay.ReplayedLookup`, whatever the weights say), so each step
-    verifies a block of K + 1 tokens and takes them all. -> K: {"block_s": wall seconds a step (median of `runs`),
-    "device_s": the block's forward alone (device events, as `timed_steps`), "tokens_per_step"}; block_s - device_s
-    is the step's time outside its forward: the host's verification, lookup and launch, with the device idle."""
+def timed_speculation(engine, positions: int, tokens: int, steps: int, runs: int = 3) -> dict[int, dict[str, float]]:
+    """What a speculative step costs beyond its forward: for each K of SPECULATION_K, `runs` replies of `tokens`
+    tokens decoded with prompt lookup at that K (fixed), after a prompt of `positions` distinct tokens, every lookup
+    right (the reply copies the prompt, replayed: `llmrun.replay.ReplayedLookup`, whatever the weights say), so each
+    step after the first few verifies a block of K + 1 tokens and takes them all. -> K: {"block_s": wall seconds
+    from the start of such a step's forward to the next's (median over the runs' full blocks; not the first steps,
+    before the lookup matches, nor the last, cut short by the reply's end), "device_s": the block's forward alone
+    (device events, as `timed_steps`, median of `steps`), "tokens_per_step": the reply's, every step counted};
+    block_s - device_s is the step's time outside its forward: its verification, the host's lookup and launch,
+    the device idle."""
     from llmrun.replay import Reply, ReplayedLookup
     from llmrun.sampling import SamplingParams
     from llmrun.speculative import DraftLength, Speculator
@@ -89,22 +92,33 @@ def timed_speculation(engine, positions: int, tokens: int, runs: int = 3) -> dic
     prompt = [(100 + i) % vocab for i in range(positions)]
     reply = Reply(tuple(prompt), tuple(prompt[i % positions] for i in range(tokens)), 0.0, -1)
     params = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
-    figures = {}
-    for k in SPECULATION_K:
-        drafter, block_s = ReplayedLookup(), []
-        for i in range(runs + 1):  # the first: warm-up (its blocks' graphs captured)
-            engine.speculator = Speculator(drafter, DraftLength(k, adaptive=False), drafter.follow(reply))
-            try:
-                generation = engine.generate(prompt, params)
-                list(generation)
-            finally:
-                engine.speculator = None
+    figures, forward, starts = {}, engine.forward, []
+
+    def timed_forward(ids, last_only=True):
+        starts.append((time.perf_counter(), len(ids)))
+        return forward(ids, last_only)
+
+    engine.forward = timed_forward
+    try:
+        for k in SPECULATION_K:
+            drafter, block_s = ReplayedLookup(), []
+            for i in range(runs + 1):  # the first: warm-up (its blocks' graphs captured)
+                engine.speculator = Speculator(drafter, DraftLength(k, adaptive=False), drafter.follow(reply))
+                starts.clear()
+                try:
+                    generation = engine.generate(prompt, params)
+                    list(generation)
+                finally:
+                    engine.speculator = None
+                if i:
+                    block_s += [b - a for (a, n), (b, _) in zip(starts, starts[1:]) if n == k + 1]
             stats = generation.stats
-            block_s.append(stats.decode_s / stats.decode_steps)
-        engine.prefill(prompt)
-        device = timed_steps(engine, prompt[-1], runs, block=k + 1)
-        figures[k] = {"block_s": statistics.median(block_s[1:]), "device_s": statistics.median(device),
-                      "tokens_per_step": stats.decode_tokens / stats.decode_steps}
+            engine.prefill(prompt)
+            device = timed_steps(engine, prompt[-1], steps, block=k + 1)
+            figures[k] = {"block_s": statistics.median(block_s), "device_s": statistics.median(device),
+                          "tokens_per_step": stats.decode_tokens / stats.decode_steps}
+    finally:
+        del engine.forward
     return figures
 
 
@@ -309,7 +323,7 @@ def main() -> int:
         engine.graphs = graphs
         speculation = {}
         if args.speculation:
-            speculation = timed_speculation(engine, args.prompt_tokens, max(3 * args.steps, 16))
+            speculation = timed_speculation(engine, args.prompt_tokens, max(3 * args.steps, 16), args.steps)
             engine.prefill(workload.prompt)  # the cache the figures below count, as the steps above had it
     kv_per_token = engine.cache.nbytes // engine.cache.max_len
     read = weight_bytes_read_per_token(engine.loaded) + kv_per_token * (len(engine.tokens) + 1)
@@ -349,14 +363,14 @@ def main() -> int:
         "",
         *([] if not speculation else [
         "| speculative step, every draft taken (prompt lookup) | a step | its forward alone | outside it | a step, in"
-        " pipelined tokens | tokens a step | speedup |",
-        "|---|---|---|---|---|---|---|",
+        " pipelined tokens | speedup |",
+        "|---|---|---|---|---|---|",
         *(f"| K = {k} ({k + 1} tokens) | {ms(v['block_s'])} | {ms(v['device_s'])} | {ms(v['block_s'] - v['device_s'])}"
-          f" | {v['block_s'] / plain:.2f} | {v['tokens_per_step']:.2f} |"
-          f" {v['tokens_per_step'] * plain / v['block_s']:.2f}x |"
+          f" | {v['block_s'] / plain:.2f} | {(k + 1) * plain / v['block_s']:.2f}x |"
           for k, v in speculation.items() for plain in [figures["loop_pipelined_step_s"]]),
         "",
-        "(speedup: over the pipelined loop, a reply's steps at the start without a match included)", ""]),
+        "(a step: a full block's, from its forward's start to the next's; speedup: its K + 1 tokens against the"
+        " pipelined loop's)", ""]),
         "| kernel | calls | us / step | share |",
         "|---|---|---|---|",
         *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -181,32 +182,36 @@ class DrawGraphs:
     shape of the logits: `sampling.Ahead`'s device work (the top-k survivors, the filters, the inverse-CDF pick and
     its tie and finiteness flags, ~35 small kernels) replayed from a static copy of the logits at a uniform filled in
     before, so a sampled token costs the host one replay instead of ~45 eager operations, and the GPU no gaps between
-    them; and sampled verification's, a row of a block's logits each (`speculative.verify`, a block of K + 1 rows).
-    The same operations on the same values: the same tokens as the eager draws. A capture that fails is said once,
-    and every draw runs eagerly from then on. Each graph has a memory pool of its own, let go with it."""
+    them; and sampled verification's, a row of a block's logits each (`speculative.verify`, a block of K + 1 <=
+    MAX_TOKENS rows: the blocks that have graphs of their own). The same operations on the same values: the same
+    tokens as the eager draws. A capture that fails is said once, and every draw runs eagerly from then on. Each
+    graph has a memory pool of its own, let go with it; past MAX_GRAPHS the least recently used goes."""
 
     MAX_GRAPHS = 16  # (settings, shape) kept captured at once: a reply's one-token draws and its blocks' lengths
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.graphs: dict[tuple, tuple[Callable[[], object], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: OrderedDict[tuple, tuple[Callable[[], object], torch.Tensor, torch.Tensor, torch.Tensor]] = \
+            OrderedDict()  # least recently used first
         self.failed: str | None = None
 
     def draw(self, logits: torch.Tensor, params, u: float | list[float]) -> torch.Tensor | None:
         """(token, exact, finite) int64 (3,) on the device: the draw from logits (V,) at uniform u, as
         `sampling.Ahead` makes it without a graph; or, from rows (R, V) at uniforms u (R floats), (3, R) a column a
         row, as `sampling.drawn` makes them. Valid until the next draw of these settings and shape (the caller copies
-        it behind, in stream order). None where graphs failed: the caller draws eagerly."""
-        if self.failed:
+        it behind, in stream order). None where graphs failed, and for more than MAX_TOKENS rows: the caller draws
+        eagerly."""
+        if self.failed or (logits.dim() == 2 and len(logits) > MAX_TOKENS):
             return None
         key = (logits.shape, logits.dtype, params.temperature, params.top_k, params.top_p, params.min_p)
         graph = self.graphs.get(key)
         if graph is None:
-            if len(self.graphs) >= self.MAX_GRAPHS:  # one process drawing with many settings (a script, a sweep)
-                self.graphs.clear()
+            if len(self.graphs) >= self.MAX_GRAPHS:  # many settings or block lengths (a script, a sweep)
+                self.graphs.popitem(last=False)
             graph = captured(self, key, lambda: self._capture(logits, params, u), "the sampled draw", "drawing eagerly")
             if graph is None:
                 return None
+        self.graphs.move_to_end(key)
         replay, source, uniform, out = graph
         source.copy_(logits)
         if logits.dim() == 1:
@@ -217,6 +222,8 @@ class DrawGraphs:
         return out
 
     def _capture(self, logits: torch.Tensor, params, u: float | list[float]):
+        global _captures
+        _captures += 1  # a decode step or a verification block whose draw captured is no step's typical time
         source = logits.clone()
         uniform = torch.tensor(u, dtype=torch.float64, device=logits.device).view(-1, 1)  # (1 or R, 1)
         replay, out = capture(lambda: drawn(source, params, uniform)[1], None)

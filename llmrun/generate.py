@@ -145,7 +145,7 @@ class Engine:
         self.speculator = None
         self.grammar = None
         self.graphs = cuda_graphs.for_engine(self.model, self.cache)  # on CUDA: decode steps as CUDA graphs
-        # and plain decoding's sampled draws (`DrawGraphs`)
+        # and sampled draws, plain decoding's and verification's (`DrawGraphs`)
         self.draws = None if self.graphs is None else cuda_graphs.DrawGraphs(self.device)
         # plain decoding enqueues each step before the host reads the token it feeds (`plain_steps`): where the
         # device runs behind the host (CUDA), and a forward fed past a reply's end can leave the cache without a

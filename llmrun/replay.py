@@ -25,7 +25,10 @@ proposal is a function of the context, and a lookup's draft token is accepted ex
 decoding emits there, greedy or sampled (the draft is chosen outright: `speculative.verify` draws the position's
 token as plain sampling does, with the same seed, and accepts the draft if it comes out). A run on other weights
 of the same vocabulary whose lookups read the real reply's tokens, and whose decisions are the reply's, takes the
-real run's steps: a copy-heavy reply of a model too large to carry, on a GPU.
+real run's steps: a copy-heavy reply of a model too large to carry, on a GPU. (Exactly so where a block's rows
+pick the tokens one-token steps pick, as greedy speculation's tests hold on the CPU; a GPU's blocks run another
+GEMV, whose last bits may turn a near-tie: the replay follows the recorded reply, the real run on such a GPU would
+follow its own.)
 """
 
 from __future__ import annotations
@@ -151,10 +154,13 @@ class ReplayedLookup:
 
 
 def replay_lookups(drafter: ReplayedLookup, replies: list[Reply]) -> Callable[[int], Decide]:
-    """seed -> the decisions of the timed run with that seed: run i replays reply i (cycling) through `drafter`."""
+    """seed -> the decisions of the timed run with that seed, through `drafter`: it replays the reply drawn with
+    that seed where there is one (so that a run deciding for itself with the same seed, on the real weights, takes
+    the same steps), else reply `seed` (cycling; a greedy reply serves every seed)."""
     if not replies:
         raise LlmrunError("no reply to replay")
-    return lambda seed: drafter.follow(replies[seed % len(replies)])
+    by_seed = {reply.seed: reply for reply in replies}
+    return lambda seed: drafter.follow(by_seed.get(seed, replies[seed % len(replies)]))
 
 
 @dataclass(frozen=True)

@@ -530,11 +530,14 @@ def test_a_captured_draw_is_the_eager_draw(monkeypatch, real):
                 with pytest.raises(type(e)):
                     graphed.read()
     assert len(draws.graphs) == len(captured) == len(settings) and not draws.failed
-    few = cuda_graphs.DrawGraphs(torch.device(DEVICE))  # at most MAX_GRAPHS kept: the rest let go, captured anew
+    few = cuda_graphs.DrawGraphs(torch.device(DEVICE))  # at most MAX_GRAPHS kept: the least recently used let go
     few.MAX_GRAPHS = 2
-    for params in settings + settings[:1]:
+    before = cuda_graphs.captures()
+    for params in [settings[0], settings[1], settings[0], settings[2], settings[0], settings[1]]:
         assert torch.equal(few.draw(logits, params, 0.5), draws.draw(logits, params, 0.5))
-    assert len(few.graphs) == 1 and len(captured) == len(settings) + 5
+    # s0, s1 captured; s0 a replay; s2 lets s1 go; s0 a replay; s1 captured again, letting s2 go
+    assert len(captured) == len(settings) + 4 and cuda_graphs.captures() - before == 4
+    assert [key[2:] for key in few.graphs] == [(p.temperature, p.top_k, p.top_p, p.min_p) for p in settings[:2]]
 
 
 @pytest.mark.parametrize("real", [False, pytest.param(True, marks=pytest.mark.gpu)])
@@ -542,7 +545,7 @@ def test_a_captured_block_of_draws_is_the_eager_block(monkeypatch, real):
     """Sampled verification's draws, a row of a block each (`DrawGraphs.draw` of rows (R, V) at R uniforms): each
     row's token, tie flag and finiteness flag those of the eager draws (`sampling.drawn`) at the same uniforms, over
     random rows, rows tied past top-k's candidates and a row that is not finite; one graph a block length and
-    setting."""
+    setting, none past MAX_TOKENS rows."""
     from llmrun import cuda_graphs
     from llmrun.sampling import SamplingParams, drawn, to_device
 
@@ -568,6 +571,9 @@ def test_a_captured_block_of_draws_is_the_eager_block(monkeypatch, real):
                 flags |= {(bool(e), bool(f)) for e, f in eager[1:].T.tolist()}
     assert len(draws.graphs) == len(captured) == 3 * len(settings) and not draws.failed
     assert {(False, True), (True, False), (True, True)} <= flags  # the flags' cases all met
+    rows = cuda_graphs.MAX_TOKENS + 1  # a block whose forward has no graph of its own: its draws are eager too
+    assert draws.draw(torch.randn(rows, 300, device=DEVICE), settings[0], [0.5] * rows) is None
+    assert len(captured) == 3 * len(settings)
 
 
 def test_sampled_lookup_speculation_through_draw_graphs_is_plain_sampling(smollm2, monkeypatch):

@@ -148,8 +148,10 @@ def test_a_reply_round_trips_and_refuses_what_it_cannot_replay():
     with pytest.raises(LlmrunError, match="holds 2"):
         reply.context(6)
     drafter = ReplayedLookup(2)
-    decide = replay_lookups(drafter, [reply, Reply((1, 2, 3), (9, 9), 0.8, 5)])(1)
-    assert drafter.reply.tokens == (9, 9) and decide is not None
+    replay = replay_lookups(drafter, [reply, Reply((1, 2, 3), (9, 9), 0.8, 5)])
+    assert replay(1) is not None and drafter.reply.tokens == (9, 9)  # no reply of seed 1: the second
+    replay(4)
+    assert drafter.reply is reply  # the reply drawn with that seed
     with pytest.raises(LlmrunError, match="no reply"):
         replay_lookups(drafter, [])
     with pytest.raises(LlmrunError, match="each model"):
