@@ -182,9 +182,10 @@ class DrawGraphs:
     shape of the logits: `sampling.Ahead`'s device work (the top-k survivors, the filters, the inverse-CDF pick and
     its tie and finiteness flags, ~35 small kernels) replayed from a static copy of the logits at a uniform filled in
     before, so a sampled token costs the host one replay instead of ~45 eager operations, and the GPU no gaps between
-    them; and sampled verification's, a row of a block's logits each (`speculative.verify`, a block of K + 1 <=
-    MAX_TOKENS rows: the blocks that have graphs of their own). The same operations on the same values: the same
-    tokens as the eager draws. A capture that fails is said once, and every draw runs eagerly from then on. Each
+    them; and sampled verification's (`speculative.verify`, a block of K + 1 <= MAX_TOKENS rows: the blocks that have
+    graphs of their own): a row of a block's logits each where the drafts were chosen outright, the rejection rule's
+    work (`speculative.decided`) for a model draft's. The same operations on the same values: the same tokens as the
+    eager work. A capture that fails is said once, and every draw runs eagerly from then on. Each
     graph has a memory pool of its own, let go with it; past MAX_GRAPHS the least recently used goes."""
 
     MAX_GRAPHS = 16  # (settings, shape) kept captured at once: a reply's one-token draws and its blocks' lengths
@@ -201,33 +202,64 @@ class DrawGraphs:
         row, as `sampling.drawn` makes them. Valid until the next draw of these settings and shape (the caller copies
         it behind, in stream order). None where graphs failed, and for more than MAX_TOKENS rows: the caller draws
         eagerly."""
-        if self.failed or (logits.dim() == 2 and len(logits) > MAX_TOKENS):
+        if logits.dim() == 2:
+            return self.run(drawn_rows, (logits, to_device(u, torch.float64, logits.device)[:, None]), params)
+        graph = self._graph((logits.shape, logits.dtype), params, lambda: self._capture(drawn_rows, (logits[None],
+                            torch.tensor([[u]], dtype=torch.float64, device=logits.device)), params))
+        if graph is None:
             return None
-        key = (logits.shape, logits.dtype, params.temperature, params.top_k, params.top_p, params.min_p)
+        replay, (source, uniform), out = graph
+        source.copy_(logits)
+        uniform.fill_(u)  # the value goes as the fill kernel's argument: no copy from the host to wait for
+        replay()
+        return out[:, 0]
+
+    def run(self, function: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], params) -> torch.Tensor | None:
+        """function(*inputs, params) -> a tensor, device work over the device tensors `inputs` (the rows of a block
+        and what decides them: at most MAX_TOKENS rows in the first), replayed from the graph of that function,
+        those shapes and dtypes and params' filters, the inputs copied into its own: its output, valid until the
+        next run of that graph. None where graphs failed or the block is longer: the caller runs it eagerly."""
+        if len(inputs[0]) > MAX_TOKENS:
+            return None
+        key = (function.__name__, *((t.shape, t.dtype) for t in inputs))
+        graph = self._graph(key, params, lambda: self._capture(function, inputs, params))
+        if graph is None:
+            return None
+        replay, statics, out = graph
+        for static, value in zip(statics, inputs):
+            static.copy_(value)
+        replay()
+        return out
+
+    def _graph(self, key: tuple, params, capture_it: Callable[[], tuple]) -> tuple | None:
+        """The graph of `key` and params' filters, captured by `capture_it` where there is none (the least recently
+        used let go past MAX_GRAPHS), or None where graphs failed."""
+        if self.failed:
+            return None
+        key = (*key, params.temperature, params.top_k, params.top_p, params.min_p)
         graph = self.graphs.get(key)
         if graph is None:
             if len(self.graphs) >= self.MAX_GRAPHS:  # many settings or block lengths (a script, a sweep)
                 self.graphs.popitem(last=False)
-            graph = captured(self, key, lambda: self._capture(logits, params, u), "the sampled draw", "drawing eagerly")
+            graph = captured(self, key, capture_it, "the sampled draw", "drawing eagerly")
             if graph is None:
                 return None
         self.graphs.move_to_end(key)
-        replay, source, uniform, out = graph
-        source.copy_(logits)
-        if logits.dim() == 1:
-            uniform.fill_(u)  # the value goes as the fill kernel's argument: no copy from the host to wait for
-        else:
-            uniform.copy_(to_device(u, torch.float64, logits.device)[:, None])  # from pinned memory, not waited for
-        replay()
-        return out
+        return graph
 
-    def _capture(self, logits: torch.Tensor, params, u: float | list[float]):
+    @staticmethod
+    def _capture(function: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], params) -> tuple:
         global _captures
         _captures += 1  # a decode step or a verification block whose draw captured is no step's typical time
-        source = logits.clone()
-        uniform = torch.tensor(u, dtype=torch.float64, device=logits.device).view(-1, 1)  # (1 or R, 1)
-        replay, out = capture(lambda: drawn(source, params, uniform)[1], None)
-        return replay, source, uniform, out
+        statics = tuple(t.clone() for t in inputs)
+        replay, out = capture(lambda: function(*statics, params), None)
+        return replay, statics, out
+
+
+def drawn_rows(logits: torch.Tensor, u: torch.Tensor, params) -> torch.Tensor:
+    """`sampling.drawn`'s (token, exact, finite) (3, R) of rows (R, V) at uniforms u (R, 1), in `DrawGraphs.run`'s
+    argument order."""
+    return drawn(logits, params, u)[1]
 
 
 def for_engine(model, cache: KVCache) -> DecodeGraphs | None:

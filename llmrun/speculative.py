@@ -63,8 +63,9 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
 
     `decide(position, accepted) -> accepted`, when given, overrules each acceptance decision after the rule has
     done its work (a benchmark replaying a real pair's acceptance on random weights: `llmrun.replay`).
-    `draws` (`cuda_graphs.DrawGraphs`, a GPU's): the rows' draws of a proposal chosen outright replay a captured
-    graph, one for each block length and setting, instead of ~35 eager launches; the same tokens.
+    `draws` (`cuda_graphs.DrawGraphs`, a GPU's): the rows' draws (of a proposal chosen outright) or the rule's
+    device work (`decided`, a model draft's) replay a captured graph, one for each block length and setting,
+    instead of ~35-45 eager launches; the same tokens.
     """
     drafts = proposal.tokens
     if decide is None:
@@ -103,19 +104,10 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
             if not decide(position + i, got[0][i] == x):
                 return i, got[0][i]
         return k, got[0][k]
-    rows = survivors(logits[: k + 1], params)
-    u = to_device(us, torch.float64, logits.device)  # (K+1, 2)
-    q = fit_vocab(proposal.probs.to(logits.device, torch.float32), logits.shape[-1])  # (K, V)
-    x = to_device(drafts, torch.int64, logits.device)[:, None]  # (K, 1)
-    p, ids = rows.probs[:k], None if rows.ids is None else rows.ids[:k]  # (K, n)
-    px = p.gather(-1, x) if ids is None else (p * (ids == x)).sum(-1, keepdim=True)  # (K, 1) p(x), 0 if dropped
-    accepted = u[:k, :1] * q.gather(-1, x) < px  # r < p(x) / q(x)
-    residual = (p - (q if ids is None else q.gather(-1, ids))).clamp_(min=0.0)  # 0 where p is 0 anyway
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p <= q everywhere: p == q but rounding
-    fixed, fixed_finite = pick(ids, residual, u[:k, 1:])  # (K,) row i's token on a rejection
-    bonus, finite = pick(None if rows.ids is None else rows.ids[k:], rows.probs[k:], u[k:, :1])  # all accepted
-    ok = finite & fixed_finite.all()  # (1,)
-    got = fetch(torch.cat((accepted[:, 0].long(), fixed, bonus, rows.exact.long(), ok.long())))
+    inputs = (logits[: k + 1], fit_vocab(proposal.probs.to(logits.device, torch.float32), logits.shape[-1]),
+              to_device(drafts, torch.int64, logits.device)[:, None], to_device(us, torch.float64, logits.device))
+    got = None if draws is None else draws.run(decided, inputs, params)
+    got = fetch(decided(*inputs, params) if got is None else got)
     if not all(got[2 * k + 1 : 3 * k + 2]):
         return _verify_rows(logits, proposal, params, us, seen, position, decide)
     if not got[-1]:
@@ -124,6 +116,25 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
         if not decide(position + i, bool(got[i])):
             return i, got[k + i]
     return k, got[2 * k]
+
+
+def decided(logits: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor,
+            params: SamplingParams) -> torch.Tensor:
+    """`verify`'s rule for drafts x (K, 1) drawn from q (K, V), against the target's rows logits (K+1, V), at each
+    row's two uniforms u (K+1, 2) float64, as device work -> (3K + 3,) int64: each draft's acceptance (K), each
+    row's token on a rejection (K), the bonus token (1), each row's exact flag (K + 1: `Survivors.exact`) and
+    whether every draw had a finite total (1). Nothing here waits for the device."""
+    k = len(x)
+    rows = survivors(logits, params)
+    p, ids = rows.probs[:k], None if rows.ids is None else rows.ids[:k]  # (K, n)
+    px = p.gather(-1, x) if ids is None else (p * (ids == x)).sum(-1, keepdim=True)  # (K, 1) p(x), 0 if dropped
+    accepted = u[:k, :1] * q.gather(-1, x) < px  # r < p(x) / q(x)
+    residual = (p - (q if ids is None else q.gather(-1, ids))).clamp_(min=0.0)  # 0 where p is 0 anyway
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p <= q everywhere: p == q but rounding
+    fixed, fixed_finite = pick(ids, residual, u[:k, 1:])  # (K,) row i's token on a rejection
+    bonus, finite = pick(None if rows.ids is None else rows.ids[k:], rows.probs[k:], u[k:, :1])  # all accepted
+    ok = finite & fixed_finite.all()  # (1,)
+    return torch.cat((accepted[:, 0].long(), fixed, bonus, rows.exact.long(), ok.long()))
 
 
 def _verify_rows(logits, proposal, params, us, seen, position, decide) -> tuple[int, int]:

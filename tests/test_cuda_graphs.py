@@ -599,9 +599,71 @@ def test_sampled_lookup_speculation_through_draw_graphs_is_plain_sampling(smollm
             replies.append(("".join(reply), reply.token_ids))
             drafted += reply.stats.drafted
         assert replies[0] == replies[1], seed
-        assert any(len(key[0]) == 2 for key in draws.graphs) and not draws.failed  # blocks drawn by their graphs
+        assert any(key[0] == "drawn_rows" for key in draws.graphs) and not draws.failed  # blocks drawn by graphs
     engine.speculator = engine.draws = None
     assert drafted > 0
+
+
+@pytest.mark.parametrize("real", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_a_captured_verification_decides_as_the_eager_rule(monkeypatch, real):
+    """A model draft's sampled verification (`speculative.decided`: acceptances, the tokens on a rejection, the
+    bonus token, the flags) replayed from its graph (`DrawGraphs.run`) decides as the eager rule, over drafts drawn
+    from q and drafts q gives little weight, rows tied past top-k's candidates and a row that is not finite; one
+    graph a block length and setting."""
+    from llmrun import cuda_graphs
+    from llmrun.sampling import SamplingParams, token_probs
+    from llmrun.speculative import decided
+
+    captured, capture = [], cuda_graphs.capture if real else replaying_capture
+    monkeypatch.setattr(cuda_graphs, "capture", lambda step, pool: captured.append(1) or capture(step, pool))
+    draws = cuda_graphs.DrawGraphs(torch.device(DEVICE))
+    g = torch.Generator().manual_seed(2)
+    settings = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=0, top_p=0.9, min_p=0.0)]
+    accepted = set()
+    for params in settings:
+        for k in (1, 4, 8):
+            for i in range(5):
+                logits = torch.randn(k + 1, 300, generator=g) * 3
+                q = torch.stack([token_probs(torch.randn(300, generator=g) * 3 + logits[j], params) for j in range(k)])
+                if i == 1:
+                    logits = torch.where(logits > -1, logits.round(), logits)
+                if i == 2:
+                    logits[0, 5] = float("nan")
+                x = torch.multinomial(q, 1, generator=g) if i != 3 else torch.randint(0, 300, (k, 1), generator=g)
+                u = torch.rand(k + 1, 2, generator=g, dtype=torch.float64)
+                inputs = tuple(t.to(DEVICE) for t in (logits, q, x, u))
+                eager, graphed = decided(*inputs, params), draws.run(decided, inputs, params)
+                assert torch.equal(graphed, eager), (params, k, i)
+                accepted |= set(eager[:k].tolist())
+    assert len(draws.graphs) == len(captured) == 3 * len(settings) and not draws.failed
+    assert accepted == {0, 1}  # drafts taken and drafts refused
+
+
+def test_model_draft_sampling_through_draw_graphs_is_the_eager_one(tiny_pair, monkeypatch):
+    """A model draft's sampled speculation whose verification replays `DrawGraphs` (a replaying capture) gives the
+    reply of the one verifying eagerly, seed for seed."""
+    from llmrun import cuda_graphs
+    from llmrun.generate import Engine
+    from llmrun.sampling import SamplingParams
+    from llmrun.speculative import DraftLength, ModelDrafter, Speculator
+
+    monkeypatch.setattr(cuda_graphs, "capture", replaying_capture)
+    target, draft = tiny_pair
+    engine = Engine(target, 96)
+    engine.speculator = Speculator(ModelDrafter(engine.sibling(draft), "tiny"), DraftLength(4, adaptive=False))
+    for seed in (1, 2, 3):
+        params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=30, ignore_eos=True,
+                                seed=seed)
+        replies = []
+        for draws in (None, cuda_graphs.DrawGraphs(engine.device)):
+            engine.reset()
+            engine.draws = draws
+            reply = engine.generate([5, 17, 42, 9], params)
+            list(reply)
+            replies.append((reply.token_ids, reply.stats.drafted, reply.stats.accepted))
+        assert replies[0] == replies[1], seed
+        assert any(key[0] == "decided" for key in draws.graphs) and 0 < replies[0][2] < replies[0][1]
+    engine.speculator = engine.draws = None
 
 
 def test_pipelined_sampling_through_draw_graphs_is_plain_sampling(smollm2, monkeypatch):

@@ -259,6 +259,7 @@ def test_a_sampled_token_waits_for_the_device_once():
     draws = DrawGraphs(logits.device)  # captured here (a capture synchronizes), replayed below
     Ahead(logits[0], params, torch.Generator().manual_seed(2), draws=draws).read()
     verify(logits, Proposal(drafts), params, Randomness(3), position=10, draws=draws)  # a block's rows' graph
+    verify(logits, Proposal(drafts, q), params, Randomness(3), position=10, draws=draws)  # a model draft's rule's
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -271,5 +272,6 @@ def test_a_sampled_token_waits_for_the_device_once():
                 Ahead(logits[0], p, torch.Generator().manual_seed(2)).read()
             Ahead(logits[0], params, torch.Generator().manual_seed(2), draws=draws).read()  # a replayed draw
             verify(logits, Proposal(drafts), params, Randomness(3), position=10, draws=draws)  # replayed rows
+            verify(logits, Proposal(drafts, q), params, Randomness(3), position=10, draws=draws)  # replayed rule
     finally:
         torch.cuda.set_sync_debug_mode("default")
