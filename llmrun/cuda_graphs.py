@@ -214,7 +214,8 @@ class DrawGraphs:
         replay()
         return out[:, 0]
 
-    def run(self, function: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], params) -> torch.Tensor | None:
+    def run(self, function: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+            params) -> torch.Tensor | None:
         """function(*inputs, params) -> a tensor, device work over the device tensors `inputs` (the rows of a block
         and what decides them: at most MAX_TOKENS rows in the first), replayed from the graph of that function,
         those shapes and dtypes and params' filters, the inputs copied into its own: its output, valid until the

@@ -603,7 +603,8 @@ def test_ngram_index_follows_rollbacks_and_new_conversations():
     d = NgramDrafter(3)
     d.start(ctx[:50])
     for end in range(51, 300):
-        assert d.propose(ctx[:end], 4, params, None).tokens == NgramDrafter(3).propose(ctx[:end], 4, params, None).tokens
+        fresh = NgramDrafter(3).propose(ctx[:end], 4, params, None).tokens
+        assert d.propose(ctx[:end], 4, params, None).tokens == fresh
     edited = ctx[:-3] + [9, 9, 8, 9, 9]  # an edit within the tail: re-indexed
     assert d.propose(edited, 2, params, None).tokens == [8, 9]
     edited = [7] + ctx[1:]  # before the tail: noticed by the next reply's start, which compares every token
