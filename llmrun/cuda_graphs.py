@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrun.kv_cache import DeviceStep, KVCache
-from llmrun.sampling import drawn, to_device
+from llmrun.sampling import drawn_rows
 
 MAX_TOKENS = 16  # forwards of up to this many tokens (decode steps, verification blocks) are graphed
 MIN_SPAN = 1024  # a graph's attention spans a power of two of slots, at least this many, covering the keys in use
@@ -192,18 +192,16 @@ class DrawGraphs:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.graphs: OrderedDict[tuple, tuple[Callable[[], object], torch.Tensor, torch.Tensor, torch.Tensor]] = \
-            OrderedDict()  # least recently used first
+        # key -> (replay, its static inputs, its output), least recently used first
+        self.graphs: OrderedDict[tuple, tuple[Callable[[], object], tuple[torch.Tensor, ...], torch.Tensor]] = \
+            OrderedDict()
         self.failed: str | None = None
 
-    def draw(self, logits: torch.Tensor, params, u: float | list[float]) -> torch.Tensor | None:
+    def draw(self, logits: torch.Tensor, params, u: float) -> torch.Tensor | None:
         """(token, exact, finite) int64 (3,) on the device: the draw from logits (V,) at uniform u, as
-        `sampling.Ahead` makes it without a graph; or, from rows (R, V) at uniforms u (R floats), (3, R) a column a
-        row, as `sampling.drawn` makes them. Valid until the next draw of these settings and shape (the caller copies
-        it behind, in stream order). None where graphs failed, and for more than MAX_TOKENS rows: the caller draws
-        eagerly."""
-        if logits.dim() == 2:
-            return self.run(drawn_rows, (logits, to_device(u, torch.float64, logits.device)[:, None]), params)
+        `sampling.Ahead` makes it without a graph (a block's rows: `run(sampling.drawn_rows, ...)`). Valid until the
+        next draw of these settings (the caller copies it behind, in stream order). None where graphs failed: the
+        caller draws eagerly."""
         graph = self._graph((logits.shape, logits.dtype), params, lambda: self._capture(drawn_rows, (logits[None],
                             torch.tensor([[u]], dtype=torch.float64, device=logits.device)), params))
         if graph is None:
@@ -255,12 +253,6 @@ class DrawGraphs:
         statics = tuple(t.clone() for t in inputs)
         replay, out = capture(lambda: function(*statics, params), None)
         return replay, statics, out
-
-
-def drawn_rows(logits: torch.Tensor, u: torch.Tensor, params) -> torch.Tensor:
-    """`sampling.drawn`'s (token, exact, finite) (3, R) of rows (R, V) at uniforms u (R, 1), in `DrawGraphs.run`'s
-    argument order."""
-    return drawn(logits, params, u)[1]
 
 
 def for_engine(model, cache: KVCache) -> DecodeGraphs | None:

@@ -99,15 +99,22 @@ class Reply:
 
     def context(self, length: int) -> list[int]:
         """The first `length` context positions as the real target had them: the prompt, then the reply."""
+        return [*self.prompt, *self.tokens[: self._reached(length)]]
+
+    def token(self, position: int) -> int:
+        """The reply's token at context `position` (one past the prompt's, at least)."""
+        i = self._reached(position + 1) - 1
+        if i < 0:
+            raise LlmrunError(f"context position {position} holds a prompt token, not a reply's")
+        return self.tokens[i]
+
+    def _reached(self, length: int) -> int:
+        """How many reply tokens a context of `length` positions holds; past the recorded ones, a one-line error."""
         reply = length - len(self.prompt)
         if not 0 <= reply <= len(self.tokens):
             raise LlmrunError(f"the replay reached reply token {reply}, but the reply holds {len(self.tokens)}: decode"
                               " at most as many tokens as were recorded")
-        return [*self.prompt, *self.tokens[:reply]]
-
-    def token(self, position: int) -> int:
-        """The reply's token at context `position`."""
-        return self.context(position + 1)[position]
+        return reply
 
     def as_dict(self) -> dict:
         return {"prompt": list(self.prompt), "temperature": self.temperature, "seed": self.seed,

@@ -162,6 +162,12 @@ def drawn(logits: torch.Tensor, params: SamplingParams, u: float | torch.Tensor)
     return rows, values if logits.dim() == 2 else values[:, 0]
 
 
+def drawn_rows(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`drawn`'s (token, exact, finite) (3, R) of rows (R, V) at uniforms u (R, 1) float64, in the argument order
+    of `cuda_graphs.DrawGraphs.run`, which replays it."""
+    return drawn(logits, params, u)[1]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            history: torch.Tensor | None = None) -> int:
     """Draw the next token id from logits (V,). On a GPU the device is waited for once, for the token."""

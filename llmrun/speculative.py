@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, drawn, fetch, not_finite, pick, sample,
-                             sample_probs, survivors, to_device, token_probs, uniforms)
+from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, drawn_rows, fetch, not_finite, pick,
+                             sample, sample_probs, survivors, to_device, token_probs, uniforms)
 
 
 @dataclass
@@ -92,10 +92,9 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, rng
         return _verify_rows(logits, proposal, params, us, seen, position, decide)
     # Every row at once, as device work over the rows' top-k survivors, and one wait for what it decided
     if proposal.probs is None:  # row i's token: its own draw from p, at its first uniform
-        got = None if draws is None else draws.draw(logits[: k + 1], params, [u[0] for u in us])
-        if got is None:
-            got = drawn(logits[: k + 1], params, to_device([u[:1] for u in us], torch.float64, logits.device))[1]
-        got = fetch(got)  # (3, K+1): tokens, exact, finite
+        inputs = (logits[: k + 1], to_device([u[:1] for u in us], torch.float64, logits.device))
+        got = None if draws is None else draws.run(drawn_rows, inputs, params)
+        got = fetch(drawn_rows(*inputs, params) if got is None else got)  # (3, K+1): tokens, exact, finite
         if not all(got[1]):  # a tie at the k-th value: the definition's distribution, row by row
             return _verify_rows(logits, proposal, params, us, seen, position, decide)
         if not all(got[2]):
@@ -175,6 +174,7 @@ class NgramDrafter:
     copies from the prompt or from itself (code edits, summaries, answers quoting a document)."""
 
     name = "ngram"
+    TAIL = 16  # indexed tokens checked against each context between replies' starts (`_sync`)
 
     def __init__(self, max_n: int = 3, min_n: int | None = None):
         if max_n < 1:
@@ -183,8 +183,6 @@ class NgramDrafter:
         self.min_n = min(2, max_n) if min_n is None else min_n
         self._indexed: list[int] = []  # the context whose n-grams are in the index
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
-
-    TAIL = 16  # indexed tokens checked against each context between replies' starts (`_sync`)
 
     def start(self, context: list[int]) -> None:
         self._sync(context, whole=True)

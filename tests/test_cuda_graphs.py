@@ -542,12 +542,12 @@ def test_a_captured_draw_is_the_eager_draw(monkeypatch, real):
 
 @pytest.mark.parametrize("real", [False, pytest.param(True, marks=pytest.mark.gpu)])
 def test_a_captured_block_of_draws_is_the_eager_block(monkeypatch, real):
-    """Sampled verification's draws, a row of a block each (`DrawGraphs.draw` of rows (R, V) at R uniforms): each
+    """Sampled verification's draws, a row of a block each (`DrawGraphs.run` of `drawn_rows`, R uniforms): each
     row's token, tie flag and finiteness flag those of the eager draws (`sampling.drawn`) at the same uniforms, over
     random rows, rows tied past top-k's candidates and a row that is not finite; one graph a block length and
     setting, none past MAX_TOKENS rows."""
     from llmrun import cuda_graphs
-    from llmrun.sampling import SamplingParams, drawn, to_device
+    from llmrun.sampling import SamplingParams, drawn, drawn_rows, to_device
 
     captured, capture = [], cuda_graphs.capture if real else replaying_capture
     monkeypatch.setattr(cuda_graphs, "capture", lambda step, pool: captured.append(1) or capture(step, pool))
@@ -565,14 +565,15 @@ def test_a_captured_block_of_draws_is_the_eager_block(monkeypatch, real):
                 if i == 2:
                     logits[rows - 1, 7] = float("nan")
                 logits, us = logits.to(DEVICE), torch.rand(rows, generator=g, dtype=torch.float64).tolist()
-                eager = drawn(logits, params, to_device([[u] for u in us], torch.float64, logits.device))[1]
-                graphed = draws.draw(logits, params, us)
+                u = to_device([[u] for u in us], torch.float64, logits.device)
+                eager, graphed = drawn(logits, params, u)[1], draws.run(drawn_rows, (logits, u.clone()), params)
                 assert graphed.shape == (3, rows) and torch.equal(graphed, eager), (params, rows, i)
                 flags |= {(bool(e), bool(f)) for e, f in eager[1:].T.tolist()}
     assert len(draws.graphs) == len(captured) == 3 * len(settings) and not draws.failed
     assert {(False, True), (True, False), (True, True)} <= flags  # the flags' cases all met
     rows = cuda_graphs.MAX_TOKENS + 1  # a block whose forward has no graph of its own: its draws are eager too
-    assert draws.draw(torch.randn(rows, 300, device=DEVICE), settings[0], [0.5] * rows) is None
+    u = torch.full((rows, 1), 0.5, dtype=torch.float64, device=DEVICE)
+    assert draws.run(drawn_rows, (torch.randn(rows, 300, device=DEVICE), u), settings[0]) is None
     assert len(captured) == 3 * len(settings)
 
 

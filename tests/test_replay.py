@@ -147,6 +147,8 @@ def test_a_reply_round_trips_and_refuses_what_it_cannot_replay():
     assert reply.context(4) == [1, 2, 3, 7] and reply.token(4) == 8
     with pytest.raises(LlmrunError, match="holds 2"):
         reply.context(6)
+    with pytest.raises(LlmrunError, match="prompt token"):
+        reply.token(2)
     drafter = ReplayedLookup(2)
     replay = replay_lookups(drafter, [reply, Reply((1, 2, 3), (9, 9), 0.8, 5)])
     assert replay(1) is not None and drafter.reply.tokens == (9, 9)  # no reply of seed 1: the second
