@@ -240,7 +240,13 @@ def int4_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None)
     mask = (position <= row) & torch.where(as_code, position < cut, position >= cut)
     if window is not None:
         mask &= row - position < window
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=Hq != k.shape[1])
+    k_heads, v_heads, gqa = k, v, Hq != k.shape[1]
+    if gqa and q.is_cuda:  # of CUDA's fused SDPA kernels flash takes no mask, the memory-efficient one no GQA: with
+        # both, SDPA would fall back to its math kernel (the (Hq, T, S) scores in memory, several passes over them);
+        # the kv heads repeated for their query heads instead, which the memory-efficient kernel takes with the mask
+        G = Hq // k.shape[1]
+        k_heads, v_heads, gqa = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), False
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k_heads, v_heads, attn_mask=mask, enable_gqa=gqa)
     if mass is not None:
         weights = ref.attention_mass(q, k, mask=mask)
         mass[:, :, :last] += weights[:, :, :last]

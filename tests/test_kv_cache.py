@@ -279,6 +279,30 @@ def test_an_int4_prompt_chunk_attends_in_one_call(start, T, window, dtype, monke
         assert (mass - want_mass).abs().max().item() <= 1e-5 * T * Hq
 
 
+@pytest.mark.parametrize("window", [None, 300])
+def test_an_int4_prompt_chunk_on_cuda_repeats_the_kv_heads(window, monkeypatch):
+    """On CUDA (routed so here) the chunk's SDPA call gets the kv heads repeated for their query heads and no GQA:
+    flash takes no mask and the memory-efficient kernel no GQA, so with both SDPA would run its math kernel. The
+    same attention either way."""
+    from llmrun import kernels
+
+    start, T, Hq = 100, 300, 2 * H
+    k, v = random_kv(start + T)
+    cache = KVCache(L, B, H, start + T, D, torch.float32, "cpu", kv_format="int4")
+    write(cache, k, v, [start])
+    kv, _, _ = write(cache, k, v, [T], start=start)
+    q = torch.randn(B, T, Hq, D, generator=torch.Generator().manual_seed(1))
+    want = kernels.int4_attention(q, kv, window)
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    heads = lambda q, k, v, **kw: calls.append((k.shape[1], v.shape[1], kw["enable_gqa"])) or sdpa(q, k, v, **kw)
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", heads)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    got = kernels.int4_attention(q, kv, window)
+    monkeypatch.undo()
+    assert calls == [(Hq, Hq, False)]
+    assert (got - want).abs().max().item() <= 1e-5
+
+
 def test_a_long_int4_block_reads_codes_where_the_rings_lost_the_exact_keys():
     """A block longer than the rings serve: rows whose one-token keys and values are gone read the codes instead."""
     assert ref.RECENT == 576  # the positions below follow from it
