@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.errors import LlmrunError, UsageError
+from llmrun.errors import LlmrunError, UsageError, not_finite
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 MAX_THREADS = 1024  # far past any one machine's cores; OpenMP fails to create tens of thousands (or crashes)
@@ -158,6 +158,15 @@ class EngineRunner:
     def argmax(self, logits) -> int:
         return int(logits.argmax())
 
+    @property
+    def dtype(self):
+        return self.engine.loaded.dtype
+
+    def finite(self, logits) -> bool:
+        import torch
+
+        return bool(torch.isfinite(logits).all())
+
     def decode_greedy(self, token: int, steps: int) -> None:
         """`steps` greedy decode steps after `token`, as a reply runs them (`Engine.plain_steps`: on a GPU each
         step is enqueued before the host reads the token it feeds)."""
@@ -189,6 +198,9 @@ def time_run(runner, prompt: list[int], new_tokens: int) -> Run:
         for _ in range(new_tokens - 1):
             token = runner.argmax(runner.decode(token))
     t3 = time.perf_counter()
+    finite = getattr(runner, "finite", None)  # (after the timing) NaN or inf logits would time garbage
+    if finite is not None and not finite(logits):
+        raise not_finite(runner.dtype)
     return Run(t1 - t0, t2 - t0, t3 - t2, len(prompt), new_tokens)
 
 
@@ -374,11 +386,17 @@ def measure_settings(files, settings: Settings, workload, compiled: bool = False
             release(settings.device)
 
 
-def check_fits_context(prompt_tokens: int, new_tokens: int, ctx: int) -> None:
+def check_fits_context(prompt_tokens: int, new_tokens: int, ctx: int, trained: int | None = None) -> None:
+    """A run must fit the context of `ctx` positions (at most `trained`, the model's own, when given)."""
     if prompt_tokens + new_tokens > ctx:
+        fix = "lower --prompt-tokens/--new-tokens"
+        if trained is None or ctx < min(trained, prompt_tokens + new_tokens):
+            fix = f"raise --ctx{'' if trained is None else f' (up to {trained})'} or {fix}"
+        elif trained < prompt_tokens + new_tokens:
+            fix += f" (the model was trained for {trained} positions), or bound the cache with --kv-evict"
         raise UsageError(
             f"the prompt ({prompt_tokens} tokens) and --new-tokens {new_tokens} need {prompt_tokens + new_tokens}"
-            f" positions but the context holds {ctx}; raise --ctx or lower --prompt-tokens/--new-tokens"
+            f" positions but the context holds {ctx}; {fix}"
         )
 
 
@@ -415,7 +433,7 @@ def compare_rows(files, settings: Settings, figures: dict, workload, progress) -
     # attention on a CPU, the Triton kernels and CUDA graphs its whole step on CUDA.)
     if eager == settings:
         rows.append(peers.row("llmrun eager", config, version=__version__,
-                              skipped="skipped: the configured run is already the eager path (--weights dequant)"))
+                              skipped="the configured run is already the eager path (--weights dequant)"))
     else:
         try:
             rows.append(peers.row("llmrun eager", config, measure_settings(files, eager, workload), version=__version__))

@@ -35,3 +35,9 @@ def check_utf8(text: str) -> None:
         code = ord(text[e.start])
         what = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"lone surrogate U+{code:04X}"
         raise LlmrunError(f"the text is not UTF-8 ({what} at character {e.start})") from None
+
+
+def not_finite(dtype) -> LlmrunError:
+    """The error for a model whose output holds NaN or inf, computed in torch dtype `dtype`."""
+    hint = "" if str(dtype) == "torch.float32" else f", or {dtype} overflowed: try --dtype fp32"
+    return LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, not_finite
 
 DEFAULT_CTX = 512  # window length when --ctx is not given (or the model's context, if shorter)
 
@@ -144,6 +144,9 @@ def evaluate(engine, ids: list[int], ctx: int, stride: int, reference=None,
             on_window(done, len(windows))
     seconds = time.perf_counter() - t0
     nll_all = torch.cat(nll).double()
+    for e, scores in ((engine, nll_all), (reference, torch.cat(nll_ref) if nll_ref else None)):
+        if scores is not None and not bool(torch.isfinite(scores).all()):  # NaN logits make NaN scores, never inf
+            raise not_finite(e.loaded.dtype)
     result = EvalResult(len(ids), len(nll_all), len(windows), nll_all.mean().item(), seconds)
     if reference is not None:
         kl_all = torch.cat(kl).double()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrun import cuda_graphs
-from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
+from llmrun.errors import ContextOverflowError, LlmrunError, UsageError, not_finite
 from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
 from llmrun.sampling import Ahead, Randomness, SamplingParams, sample
@@ -306,9 +306,7 @@ class Generation:
         try:  # the prefill too: after Ctrl-C during it, `finally` still records where the cache stands
             logits, stats.reused_tokens = engine.prefill(self.prompt)
             if not bool(torch.isfinite(logits).all()):  # once a reply: corrupt weights show here, not as a token
-                dtype = engine.loaded.dtype
-                hint = "" if dtype == torch.float32 else f", or {dtype} overflowed: try --dtype fp32"
-                raise LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")
+                raise not_finite(engine.loaded.dtype)
             if spec is not None:
                 spec.length.begin_reply()
                 if not spec.length.hopeless:

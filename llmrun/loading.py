@@ -367,7 +367,8 @@ def _read_quantized(f, file, module: str, suffixes: set[str], quant, keep_blocks
         return ours, q.dequantize() if isinstance(q, GroupQuant) else q
     planes = q.planes() if isinstance(q, GroupQuant) else None
     if planes is None or (planes[3], planes[2] is not None) != keep_blocks[ours]:
-        raise ModelFormatError(f"{file}: layer {module} does not match its quantization_config {quant}")
+        raise ModelFormatError(f"{file}: layer {module} does not match its quantization_config ({quant.method}, "
+                               f"{quant.bits} bits, group {quant.group})")
     return ours, planes
 
 
@@ -492,7 +493,15 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
             w = _concat_rows(parts.pop(name))
         if isinstance(w, tuple):  # quantized planes
             module = name.removesuffix(".weight")
-            state.update({f"{module}.{field}": p.to(dev) for field, p in zip(("qs", "d", "m"), w[:3]) if p is not None})
+            for field, plane in zip(("qs", "d", "m"), w[:3]):
+                if plane is None:
+                    continue
+                want = expected.get(f"{module}.{field}")
+                if want is not None and tuple(plane.shape) != tuple(want.shape):
+                    raise ModelFormatError(
+                        f"{files.source.path}: tensor {_file_name(files, name)}'s packed {_PLANES[field]} have shape "
+                        f"{tuple(plane.shape)}, the config implies {tuple(want.shape)}")
+                state[f"{module}.{field}"] = plane.to(dev)
             continue
         if name not in expected:
             raise ModelFormatError(f"{files.source.path}: tensor {name} does not belong to a {cfg.architecture}")
@@ -515,6 +524,8 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     model.reference_ops = weights == "dequant"  # the plain-PyTorch path, every op from kernels.ref
     return LoadedModel(files, model, dev, dt, "packed" if keep else "dequant", notes)
 
+
+_PLANES = {"qs": "codes", "d": "scales", "m": "offsets"}  # a packed matrix's planes, as errors name them
 
 # Checkpoints store these projections apart; the model holds each group as one matrix, rows concatenated.
 _FUSED = {"attn.q": ("attn.qkv", 0, 3), "attn.k": ("attn.qkv", 1, 3), "attn.v": ("attn.qkv", 2, 3),

@@ -109,13 +109,13 @@ class LlamaCppRunner:
 
 def _start_llama_cpp(files, settings):
     if files.source.format == "random":
-        raise PeerSkipped("skipped: llama.cpp reads GGUF files; random weights have none")
+        raise PeerSkipped("llama.cpp reads GGUF files; random weights have none")
     if files.source.format != "gguf":
-        raise PeerSkipped(f"skipped: llama.cpp reads GGUF files, the model is {files.source.format}")
+        raise PeerSkipped(f"llama.cpp reads GGUF files, the model is {files.source.format}")
     try:
         import llama_cpp
     except ImportError:
-        raise PeerSkipped("skipped: llama-cpp-python not installed (pip install llama-cpp-python)") from None
+        raise PeerSkipped("llama-cpp-python not installed (pip install llama-cpp-python)") from None
     try:
         runner = LlamaCppRunner(llama_cpp, files.source.path, settings)
     except Exception as e:  # a third-party engine's failure: reported, never fatal
@@ -194,7 +194,7 @@ def _start_transformers(files, settings):
     try:
         import transformers
     except ImportError:
-        raise PeerSkipped("skipped: transformers not installed (pip install transformers)") from None
+        raise PeerSkipped("transformers not installed (pip install transformers)") from None
     import torch
 
     transformers.utils.logging.set_verbosity_error()

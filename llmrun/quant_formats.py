@@ -121,6 +121,9 @@ def unpack_gptq(qweight, qzeros, scales, g_idx, bits: int, zeros_minus_one: bool
     group = inp // groups
     if g_idx is not None and not torch.equal(g_idx.long().cpu(), torch.arange(inp) // group):
         g = g_idx.long()
+        if g.shape != (inp,) or g.min() < 0 or g.max() >= groups:
+            raise ModelFormatError(f"GPTQ g_idx {tuple(g_idx.shape)} does not name one of the {groups} groups for "
+                                   f"each of the {inp} input columns")
         return (scales.float()[g] * (codes.float() - zeros.float()[g])).T.contiguous()
     return GroupQuant(codes.T.contiguous(), scales.T.half().contiguous(), zeros.T.contiguous(), bits, group)
 
@@ -150,14 +153,30 @@ class CheckpointQuant:
         return unpack_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx"), self.bits, self.zeros_minus_one)
 
 
+def _whole(qc: dict, names: tuple[str, ...], default: int) -> int:
+    """quantization_config's integer under the first of `names` it has (else `default`); anything else raises."""
+    value = next((qc[name] for name in names if name in qc), default)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelFormatError(f"config.json: quantization_config's {next((n for n in names if n in qc), names[0])} "
+                               f"is {value!r}, not an integer")
+    return value
+
+
 def checkpoint_quant(config: dict) -> CheckpointQuant | None:
     """Parse config.json's `quantization_config`; None for a float checkpoint. Formats llmrun cannot read raise."""
     qc = config.get("quantization_config")
     if not qc:
         return None
+    if not isinstance(qc, dict):
+        raise ModelFormatError(f"config.json: quantization_config is a {type(qc).__name__}, not an object")
     method = str(qc.get("quant_method", "?")).lower()
-    bits = int(qc.get("bits", qc.get("w_bit", 0)))
-    group = int(qc.get("group_size", qc.get("q_group_size", -1)))
+    bits = _whole(qc, ("bits", "w_bit"), 0)
+    group = _whole(qc, ("group_size", "q_group_size"), -1)
+    if group == 0 or group < -1:
+        raise ModelFormatError(f"config.json: quantization_config's group_size is {group}: a positive number of "
+                               "input columns a group, or -1 for one group a row")
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm" or bits != 4 or not qc.get("zero_point", True):

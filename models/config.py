@@ -68,6 +68,15 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} key/value heads"
             )
+        rs = self.rope_scaling
+        if rs is not None:
+            if not all(math.isfinite(x) and x > 0 for x in (rs.factor, rs.low_freq_factor, rs.high_freq_factor)):
+                raise ModelFormatError(f"invalid config: RoPE scaling factors {rs.factor}, {rs.low_freq_factor}, "
+                                       f"{rs.high_freq_factor}: each a positive number")
+            if rs.kind == "llama3" and (rs.high_freq_factor <= rs.low_freq_factor or rs.original_max_position < 1):
+                raise ModelFormatError(f"invalid config: llama3 RoPE scaling with low_freq_factor "
+                                       f"{rs.low_freq_factor}, high_freq_factor {rs.high_freq_factor}, original "
+                                       f"context {rs.original_max_position} (low < high, a positive context)")
 
     @property
     def n_params(self) -> int:

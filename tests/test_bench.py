@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 
@@ -382,8 +383,10 @@ def test_plot_without_matplotlib(cli, monkeypatch, tmp_path):
 
 
 def test_prompt_and_new_tokens_must_fit_the_context(cli, tiny_gguf):
-    assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "260", "holds 256", "--ctx", code=2)
-    assert_one_error_line(cli(tiny_gguf, "--ctx", "64", "--prompt-tokens", "60", "--new-tokens", "8"), "holds 64", code=2)
+    assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "260", "holds 256",
+                          "trained for 256", code=2)
+    assert_one_error_line(cli(tiny_gguf, "--ctx", "64", "--prompt-tokens", "60", "--new-tokens", "8"), "holds 64",
+                          "raise --ctx (up to 256)", code=2)
     assert_one_error_line(cli(tiny_gguf, "--ctx", "4096"), "--ctx 4096", "256", code=2)
 
 
@@ -488,8 +491,8 @@ def test_compare_with_peers_missing(cli, tiny_gguf, monkeypatch):
     assert rows["llmrun"]["decode_ratio"] == 1.0 and rows["llmrun"]["decode_tok_s"] == doc["decode_tok_s"]
     assert rows["llmrun eager"]["skipped"] is None and rows["llmrun eager"]["decode_ratio"] > 0
     assert "--weights dequant" in rows["llmrun eager"]["config"]
-    assert rows["llama.cpp"]["skipped"] == "skipped: llama-cpp-python not installed (pip install llama-cpp-python)"
-    assert rows["transformers"]["skipped"] == "skipped: transformers not installed (pip install transformers)"
+    assert rows["llama.cpp"]["skipped"] == "llama-cpp-python not installed (pip install llama-cpp-python)"
+    assert rows["transformers"]["skipped"] == "transformers not installed (pip install transformers)"
     assert rows["transformers"]["decode_tok_s"] is None and rows["transformers"]["decode_ratio"] is None
 
 
@@ -557,7 +560,16 @@ def test_llama_cpp_runs_the_same_workload(embedded_path, monkeypatch):
     llama, transformers = peers.peer_rows(files, settings, workload)
     assert llama["skipped"] is None, llama["skipped"]
     assert llama["decode_tok_s"]["median"] > 0 and "Q4_1" in llama["config"]
-    assert transformers["skipped"].startswith("skipped: transformers not installed")
+    assert transformers["skipped"].startswith("transformers not installed")
+
+
+def test_a_run_past_the_context_says_what_can_change():
+    """--ctx is offered only where raising it helps: never past the model's trained context."""
+    bench.check_fits_context(100, 28, 128, 8192)
+    for ctx, trained, fix in [(128, 8192, "raise --ctx (up to 8192) or lower"), (128, None, "raise --ctx or lower"),
+                              (8192, 8192, "lower --prompt-tokens/--new-tokens (the model was trained for 8192")]:
+        with pytest.raises(LlmrunError, match=re.escape(fix)):
+            bench.check_fits_context(ctx + 1, 9, ctx, trained)
 
 
 def test_ratios():
@@ -565,7 +577,7 @@ def test_ratios():
                                     "decode_tok_s": {"median": 10.0, "min": 9.0, "max": 11.0}})
     slow = peers.row("other", "", {"ttft_s": 0.2, "prefill_tok_s": 50.0, "e2e_tok_s": 4.0,
                                    "decode_tok_s": {"median": 5.0, "min": 4.0, "max": 6.0}})
-    gone = peers.row("gone", "", skipped="skipped: not installed")
+    gone = peers.row("gone", "", skipped="not installed")
     rows = peers.add_ratios([fast, slow, gone])
     assert [(r["decode_ratio"], r["prefill_ratio"]) for r in rows] == [(1.0, 1.0), (0.5, 0.5), (None, None)]
 

@@ -128,6 +128,22 @@ def test_a_model_that_predicts_nothing_has_the_vocabulary_size_as_perplexity(cli
     assert doc["nll"] == pytest.approx(math.log(128), rel=1e-6)
 
 
+def test_a_model_whose_output_is_not_finite_is_refused(cli, tiny, tmp_path):
+    """A NaN in the weights makes NaN scores: one error line, as chat gives, not a perplexity of nan; as the
+    reference of --kl-vs too, and under `llmrun bench`."""
+    path, model, text = tiny
+    broken = random_model(CFG, seed=0)
+    with torch.no_grad():
+        broken.norm.weight[3] = float("nan")
+    broken = write_hf_dir(tmp_path / "nan", broken)
+    for args in (("eval", broken, *CPU, "--ppl", text, "--ctx", 16),
+                 ("eval", path, *CPU, "--ppl", text, "--ctx", 16, "--kl-vs", f"model={broken}"),
+                 ("bench", broken, *CPU, "--prompt-tokens", 8, "--new-tokens", 4, "--repeat", 1)):
+        out = cli(*args)
+        assert out.code == 1 and "not finite" in out.stderr and "Traceback" not in out.stderr, args
+        assert out.stdout == ""
+
+
 def test_max_tokens_scores_the_first_n(cli, tiny):
     path, model, text = tiny
     doc = cli("eval", path, *CPU, "--ppl", text, "--ctx", 16, "--max-tokens", 20, "--json").json

@@ -144,6 +144,9 @@ def test_rope_parameters_from_transformers_itself():
     ({"head_dim": 15}, ["head size 15", "odd"]),
     ({"rope_scaling": {"rope_type": "linear"}}, ["rope_scaling", "factor"]),
     ({"rope_scaling": "linear"}, ["rope_scaling", "'linear'"]),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, ["RoPE scaling factors 0.0"]),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1,
+                       "original_max_position_embeddings": 8192}}, ["low < high"]),
     ({"rope_parameters": {"rope_theta": "big"}}, ["rope_theta", "'big'"]),
 ])
 def test_invalid_config_values(change, words):

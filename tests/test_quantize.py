@@ -11,7 +11,7 @@ import torch
 
 from llmrun import awq
 from llmrun.awq import LinearInputs, quantize_groups, quantize_int8_rows, search_scale
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, ModelFormatError
 from llmrun.kernels import ref
 from llmrun.models import ModelConfig, config_from_hf, config_to_hf
 from llmrun.models.config import RopeScaling
@@ -116,6 +116,26 @@ def test_quantization_configs():
                 {"quant_method": "gptq", "bits": 3}):
         with pytest.raises(LlmrunError):
             checkpoint_quant({"quantization_config": bad})
+    assert checkpoint_quant({"quantization_config": {"quant_method": "gptq", "bits": "8", "group_size": -1}}).bits == 8
+    # what a config.json may hold instead of a group size or an object: named, not a ZeroDivisionError or TypeError
+    for bad, words in [({"group_size": 0}, "group_size is 0"), ({"group_size": -2}, "group_size is -2"),
+                       ({"group_size": None}, "group_size is None"), ({"bits": 4.5}, "bits is 4.5"),
+                       ({"group_size": True}, "group_size is True")]:
+        with pytest.raises(ModelFormatError, match=words):
+            checkpoint_quant({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32, **bad}})
+    with pytest.raises(ModelFormatError, match="quantization_config is a list"):
+        checkpoint_quant({"quantization_config": [1]})
+
+
+def test_gptq_g_idx_out_of_range():
+    """An act-order checkpoint's g_idx naming a group it lacks: one error, not an IndexError."""
+    qweight = torch.zeros(64 // 4, 8, dtype=torch.int32)  # 64 input columns of 8-bit codes, 8 outputs
+    qzeros, scales = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 8, dtype=torch.float16)
+    g_idx = torch.arange(64) % 2  # act order: columns alternate between the two groups
+    assert unpack_gptq(qweight, qzeros, scales, g_idx, 8).shape == (8, 64)
+    for bad in (g_idx + 1, g_idx - 1, g_idx[:63]):
+        with pytest.raises(ModelFormatError, match="g_idx"):
+            unpack_gptq(qweight, qzeros, scales, bad, 8)
 
 
 # --- rounding and the AWQ search --------------------------------------------------------------------------
@@ -330,7 +350,7 @@ def test_the_output_config_names_one_dtype(tiny_source, tmp_path):
     source = shutil.copytree(tiny_source[0], tmp_path / "src")
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))  # as transformers 5 writes it
-    quantize(str(source), tmp_path / "q", QuantizeOptions("rtn"), device="cpu")
+    quantize(str(source), tmp_path / "q", QuantizeOptions("int8"), device="cpu")  # (widths of 144: no 4-bit groups)
     written = json.loads((tmp_path / "q" / "config.json").read_text())
     assert (written["dtype"], written["torch_dtype"]) == ("float16", "float16")
 
@@ -560,6 +580,23 @@ def test_an_unsupported_quantization_method_fails_to_load(tiny_source, tmp_path,
     (path / "config.json").write_text(json.dumps(config))
     code, _, err = run_main(["generate", path, "hi", "-n", "2"], monkeypatch, capsys)
     assert code == 1 and "'bitsandbytes'" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_whose_config_contradicts_its_packed_tensors_fails_to_load(tmp_path):
+    """A vocabulary the config gives but the (tied, so packed) embedding does not have: named as the float path
+    names it, not a state-dict size mismatch."""
+    from llmrun.loading import load_model
+
+    from .tiny import CONFIGS, random_model, write_hf_dir
+
+    cfg = replace(CONFIGS["smollm2"], n_heads=8, n_kv_heads=2, ffn_dim=128)  # widths of 32s: packed
+    quantize(str(write_hf_dir(tmp_path / "float", random_model(cfg))), tmp_path / "q", QuantizeOptions("rtn"),
+             device="cpu")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    (tmp_path / "q" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] // 2}))
+    for weights in ("auto", "dequant"):
+        with pytest.raises(ModelFormatError, match="the config implies"):
+            load_model(str(tmp_path / "q"), device="cpu", dtype="fp32", weights=weights)
 
 
 @pytest.mark.gpu

@@ -84,7 +84,7 @@ def bench(
                                         ev and ev.policy, ev and ev.budget, ev.sinks if ev else 4),
                            default_ctx=min(trained, DEFAULT_CTX_CAP))
     if ev is None:  # an evicting cache has no end
-        lib.check_fits_context(len(workload.prompt), new_tokens, settings.ctx)
+        lib.check_fits_context(len(workload.prompt), new_tokens, settings.ctx, trained)
     name = files.source.spec
     with progress_bar(f"bench {name}") as update:
         doc = lib.benchmark(files, settings, workload, model=name, compare=compare, sweep_axes=sweep_axes,
@@ -256,7 +256,7 @@ def _compare_table(rows: list[dict], config: dict) -> Table:
     for r in rows:
         name = r["name"] + (f" {r['version']}" if r["version"] else "")
         if r["skipped"] is not None:
-            table.add_row(name, Text(r["skipped"], style="dim"), *[""] * 6)
+            table.add_row(name, Text(f"skipped: {r['skipped']}", style="dim"), *[""] * 6)
             continue
         table.add_row(name, r["config"], f"{r['ttft_s'] * 1000:,.1f}", _tok_s(r["prefill_tok_s"]),
                       _tok_s(r["decode_tok_s"]["median"]), _tok_s(r["e2e_tok_s"]), _ratio(r["decode_ratio"]),
