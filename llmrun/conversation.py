@@ -120,7 +120,7 @@ def load_conversation(path: str | Path) -> SavedConversation:
         raise LlmrunError(f"{path} is not JSON ({e}); give a file saved with --save or /save") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise LlmrunError(f"{path} is not an llmrun conversation (no \"format\": \"{FORMAT}\"); give a file saved with --save or /save")
-    if doc.get("version") != FORMAT_VERSION:
+    if type(doc.get("version")) is not int or doc.get("version") != FORMAT_VERSION:  # (true == 1 in Python)
         raise LlmrunError(f"{path} has conversation format version {doc.get('version')!r}; this llmrun reads version {FORMAT_VERSION}")
     model, system, messages = doc.get("model"), doc.get("system"), doc.get("messages")
     if not isinstance(model, str) or not (system is None or isinstance(system, str)) or not isinstance(messages, list):
@@ -131,4 +131,7 @@ def load_conversation(path: str | Path) -> SavedConversation:
         if m["role"] != ROLES[i % 2]:
             raise LlmrunError(f"{path}: message {i} is the {m['role']}'s; a conversation's messages alternate, the"
                               " user's first")
+    if len(messages) % 2:  # what a reply would follow: the next turn's message would be a second user's in a row
+        raise LlmrunError(f"{path}: the last message is the user's, with no reply; a saved conversation ends with the"
+                          " assistant's")
     return SavedConversation(model, system, [{"role": m["role"], "content": m["content"]} for m in messages])

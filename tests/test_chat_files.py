@@ -71,6 +71,8 @@ BAD_FILES = [
      "message 0 is the assistant's; a conversation's messages alternate, the user's first"),
     (json.dumps(_doc([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])).encode(),
      "message 1 is the user's"),
+    (json.dumps(_doc([{"role": "user", "content": "a"}])).encode(), "the last message is the user's, with no reply"),
+    (json.dumps(_doc([], version=True)).encode(), "format version True"),
 ]
 
 
