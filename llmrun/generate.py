@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrun import cuda_graphs
+from llmrun import cuda_graphs, threads
 from llmrun.errors import ContextOverflowError, LlmrunError, UsageError, not_finite
 from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
@@ -181,7 +181,12 @@ class Engine:
         logits = None if self.graphs is None else self.graphs.forward(ids, self.cache.position, start)
         if logits is None:
             x = ids.view(1, -1) if torch.is_tensor(ids) else torch.tensor([ids], dtype=torch.long, device=self.device)
+            governor = threads.governor() if self.device.type == "cpu" else None
+            if governor is not None:  # fewer threads while other processes hold the cores (`llmrun.threads`)
+                governor.start(id(self.model), len(ids))
             logits = self.model(x, start_pos=self.cache.position, cache=self.cache, last_only=last_only)
+            if governor is not None:
+                governor.stop()
         # Only now, with the forward complete, do the cache and the token list advance (Ctrl-C safe).
         self.cache.length = start + len(ids)
         self.tokens.extend([UNREAD] * len(ids) if torch.is_tensor(ids) else ids)

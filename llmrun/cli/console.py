@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from llmrun import threads
 from llmrun.errors import LlmrunError, UsageError
 
 # click's context, or that of Typer's vendored copy of click (Typer >= 0.26)
@@ -256,6 +257,8 @@ def status_line(stats, memory: dict) -> Text:
     if "device_peak_allocated" in memory:
         parts.append(f"GPU peak {human_bytes(memory['device_peak_allocated'])}")
     parts.append(f"peak {human_bytes(memory['process_peak_rss'])}")
+    if (reduced := threads.reduced()) is not None:  # other processes hold cores: `llmrun.threads`
+        parts.append(f"threads {reduced[0]}/{reduced[1]} (CPU busy)")
     if stats.finish_reason in ("length", "context", "interrupted"):
         parts.append({"length": "stopped: --max-new-tokens", "context": "stopped: context full",
                       "interrupted": "interrupted"}[stats.finish_reason])

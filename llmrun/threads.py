@@ -1,0 +1,140 @@
+"""CPU threads on a machine other processes keep busy.
+
+The CPU kernels and PyTorch's ops share one OpenMP pool, and each parallel region ends at a barrier that waits for
+all of its threads. Where another busy process holds one of the cores, a thread of ours loses its core for a
+scheduler time slice (milliseconds) at a time, and every region waits for it: a decode step has a few hundred
+regions. On the 2-core development VM, beside another process running PyTorch matmuls on both cores, the embedded
+model decoded 60 tokens in over 100 s with 2 threads, and at 132 tok/s with 1 (OpenMP's passive wait policy avoids
+the collapse but makes free cores 5x slower: 60 against 300 tok/s).
+
+So a `Governor` times the forwards themselves and tries another thread count now and then: every CHECK_S seconds
+(while tries fail, up to LONGEST_S apart), or at once when a forward takes SLOWER times the recent ones, it runs
+TRIES forwards of the same model and length with half the threads (or, below the ceiling, twice as many) and keeps
+the count whose forwards were faster by a tenth on average. A try's forward SLOWER times the recent ones ends it
+at once; forwards that together take CHECK_S are enough to judge by, however few. The ceiling is the count set by
+anyone else (PyTorch's default, `--threads`). A thread count changes no result: each output of a CPU kernel is
+computed by one thread, whatever their number. LLMRUN_ADAPT_THREADS=0 turns the governor off.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+
+CHECK_S = 0.5  # the shortest time between two tries of another thread count
+LONGEST_S = 8.0  # the longest, reached while tries keep failing
+SLOWER = 3.0  # a forward this many times its kind's recent median tries fewer threads at once
+TRIES = 4  # forwards a try measures, and the fewest recent ones it is held against
+BETTER = 0.9  # a try wins when its mean forward takes at most this share of the recent mean
+RECENT = 8  # forwards of each kind remembered at the current count
+
+
+class Governor:
+    """The thread count of the process's pool, between 1 and the count last set by anyone else, chosen by the time
+    forwards take. `start(model, tokens)` before a forward, `stop()` after it; forwards of one kind (a model and a
+    number of tokens) compare with each other (with the model's other kinds, a token, only where no forward of its
+    kind is known). `get`/`set`: the pool's thread count."""
+
+    def __init__(self, get: Callable[[], int], set: Callable[[int], None],
+                 clock: Callable[[], float] = time.perf_counter):
+        self.get, self.set, self.clock = get, set, clock
+        self.most = self.current = None  # the ceiling, and the count this governor set
+        self.recent: dict[Hashable, deque] = {}  # kind -> the latest forwards' seconds at the current count
+        self.trial = None  # while trying another count: (the count before, each kind's seconds, [forwards seen])
+        self.interval = CHECK_S
+        self.due = 0.0  # the first try as soon as a kind's forwards are known
+        self.changes = 0  # how many times a try changed the count
+        self._kind, self._t0 = None, 0.0
+
+    def start(self, model: Hashable, tokens: int) -> None:
+        n = self.get()
+        if n != self.current and self.trial is None:  # set by someone else since (or at first): the new ceiling
+            self.most = self.current = n
+            self.recent.clear()
+        self._kind, self._t0 = (model, tokens), self.clock()
+
+    def stop(self) -> None:
+        now = self.clock()
+        took, kind = now - self._t0, self._kind
+        if self.trial is not None:
+            self._try(now, kind, took)
+            return
+        times = self.recent.setdefault(kind, deque(maxlen=RECENT))
+        sudden = len(times) >= TRIES and took > SLOWER * statistics.median(times) and self.current > 1
+        times.append(took)
+        if not _known(times) or not (sudden or now >= self.due):
+            return
+        if sudden or self.current == self.most:
+            candidate = max(1, self.current // 2)
+        else:
+            candidate = min(self.most, 2 * self.current)
+        if candidate == self.current:  # one thread is all there is
+            self.due = now + LONGEST_S
+            return
+        self.trial = (self.current, {}, [0])  # the count before, each kind's times at the new one, forwards seen
+        self._use(candidate)
+
+    def _try(self, now: float, kind: Hashable, took: float) -> None:
+        """A forward during a try: it ends on the first kind with recent forwards to hold its own against."""
+        _, tried, seen = self.trial
+        times = tried.setdefault(kind, [])
+        times.append(took)
+        seen[0] += 1
+        base = self.recent.get(kind)
+        if base and took > SLOWER * statistics.median(base):  # one forward says enough
+            self._decide(now, won=False)
+        elif base and _known(times):  # means, not medians: a busy machine's cost is its forwards' long tail
+            self._decide(now, won=statistics.fmean(times) <= BETTER * statistics.fmean(base))
+        elif _known(times) and (others := [statistics.fmean(b) / k[1] for k, b in self.recent.items()
+                                           if k[0] == kind[0] and b]):
+            # none of its kind before (a prompt's one chunk, then decoding): held against the same model's other
+            # kinds a token, where a longer forward takes less, so only a try far better wins
+            self._decide(now, won=SLOWER * statistics.fmean(times) / kind[1] <= min(others))
+        elif seen[0] >= 4 * TRIES:  # nothing to compare came
+            self._decide(now, won=False)
+
+    def _decide(self, now: float, won: bool) -> None:
+        before, tried, _ = self.trial
+        self.trial = None
+        if won:
+            self.recent = {kind: deque(times, maxlen=RECENT) for kind, times in tried.items()}
+            self.interval = CHECK_S
+            self.changes += 1
+        else:
+            self._use(before)
+            self.interval = min(2 * self.interval, LONGEST_S)
+        self.due = now + self.interval
+
+    def _use(self, n: int) -> None:
+        self.set(n)
+        self.current = n
+
+
+def _known(times) -> bool:
+    """Enough forwards of a kind to judge by: TRIES, or fewer that together took CHECK_S (no more waiting)."""
+    return len(times) >= TRIES or sum(times) >= CHECK_S
+
+
+_governor: Governor | bool | None = None  # False: none (turned off)
+
+
+def governor() -> Governor | None:
+    """The process's governor (made at the first call), or None where LLMRUN_ADAPT_THREADS=0."""
+    global _governor
+    if _governor is None:
+        import torch
+
+        off = os.environ.get("LLMRUN_ADAPT_THREADS", "1") == "0"
+        _governor = False if off else Governor(torch.get_num_threads, torch.set_num_threads)
+    return _governor or None
+
+
+def reduced() -> tuple[int, int] | None:
+    """(threads in use, the ceiling) while the governor keeps fewer threads than it may, else None."""
+    g = _governor
+    if not g or g.current is None or g.trial is not None or g.current >= g.most:
+        return None
+    return g.current, g.most

@@ -1,0 +1,136 @@
+"""The thread governor (`llmrun.threads`) on a simulated machine: forwards whose time follows the thread count and
+whether another process holds the cores, on a clock of their own; and a reply whose thread count changes every
+forward, which must not change a bit of it."""
+
+import pytest
+import torch
+
+from llmrun import threads
+
+
+class Machine:
+    """Forwards of `kinds` (model, tokens) taking `cost(threads, kind)` seconds, in turn, on a simulated clock."""
+
+    def __init__(self, cost, most=2):
+        self.cost, self.now, self.threads = cost, 0.0, most
+        self.gov = threads.Governor(lambda: self.threads, self.set, clock=lambda: self.now)
+        self.counts = []  # the thread count of each forward
+
+    def set(self, n):
+        self.threads = n
+
+    def run(self, n, kind=("m", 1)):
+        for _ in range(n):
+            self.gov.start(*kind)
+            self.counts.append(self.threads)
+            self.now += self.cost(self.threads, kind)
+            self.gov.stop()
+
+
+def free(n, kind):  # two free cores: 2 threads 3 ms a token, 1 thread 5 ms
+    return (3e-3 if n == 2 else 5e-3) * kind[1] ** 0.5
+
+
+def busy(n, kind):  # another process on a core: 2 threads wait at every barrier
+    return (0.1 if n == 2 else 6e-3) * kind[1] ** 0.5
+
+
+def test_free_cores_keep_every_thread():
+    m = Machine(free)
+    m.run(3000)  # ~9 s: tries of one thread, ever rarer, all lost
+    assert m.threads == 2 and m.gov.changes == 0
+    assert m.counts.count(1) <= 0.01 * len(m.counts)
+
+
+def test_a_busy_machine_drops_to_one_thread_and_comes_back():
+    m = Machine(busy)
+    m.run(20)
+    assert m.threads == 1 and m.counts[-10:] == [1] * 10  # within the first few forwards
+    m.run(2000)  # ~12 s of busy cores: tries of two threads cost one slow forward each, ever rarer
+    assert m.counts[20:].count(2) <= 8
+    m.cost = free
+    m.run(3000)  # the other process ended: back to two threads within LONGEST_S
+    assert m.threads == 2 and m.counts[-2000:].count(1) <= 20
+
+
+def test_sudden_contention_is_tried_at_once():
+    m = Machine(free)
+    m.run(400)
+    m.cost = busy
+    m.run(8)
+    assert m.threads == 1
+
+
+def test_the_ceiling_is_what_anyone_else_set():
+    def cost(n, kind):  # four threads contend, two do not
+        return {4: 0.05, 2: 3e-3, 1: 5e-3}[n]
+
+    m = Machine(cost, most=4)
+    m.run(100)
+    assert m.threads == 2 and m.gov.most == 4
+    m.threads = 1  # --threads 1, or a benchmark's setting: the new ceiling, never exceeded
+    m.run(200)
+    assert m.gov.most == 1 and set(m.counts[-200:]) == {1}
+
+
+def test_a_slow_prompt_chunk_then_decoding():
+    """One slow prompt chunk (no other of its kind follows): the try of one thread is judged by the decoding
+    forwards after it, a token against a token, and only a far faster try wins."""
+    m = Machine(lambda n, kind: 1.0 if kind[1] == 4 and n == 2 else busy(n, kind))
+    m.run(1, ("m", 4))
+    assert m.threads == 1  # a forward as slow as CHECK_S is enough to try
+    m.run(10)
+    assert m.threads == 1 and m.gov.trial is None
+    m = Machine(free)
+    m.cost = lambda n, kind: 0.6 if kind[1] == 512 else free(n, kind)  # a long chunk on free cores
+    m.run(1, ("m", 512))
+    m.run(40)
+    assert m.threads == 2
+
+
+def test_thread_counts_change_no_result(smollm2, monkeypatch):
+    """Greedy decoding with the thread count changed before every forward (1, 2, 1, ...) gives the fixed count's
+    logits bit for bit: every output of the CPU kernels is one thread's."""
+    from llmrun.generate import Engine
+    from llmrun.sampling import SamplingParams
+
+    before = torch.get_num_threads()
+
+    def reply():
+        engine = Engine(smollm2, 256)
+        gen = engine.generate(smollm2.tokenizer.encode("The history of Rome"), SamplingParams(temperature=0,
+                                                                                              max_new_tokens=24))
+        text = "".join(gen)
+        return text, engine.forward(engine.tokens[-1:])
+
+    class Flipping:
+        def __init__(self):
+            self.calls = 0
+
+        def start(self, model, tokens):
+            self.calls += 1
+            torch.set_num_threads(1 + self.calls % 2)
+
+        def stop(self):
+            pass
+
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "_governor", False)
+        fixed = reply()
+        flipping = Flipping()
+        monkeypatch.setattr(threads, "_governor", flipping)
+        flipped = reply()
+    finally:
+        torch.set_num_threads(before)
+    assert flipping.calls > 20
+    assert flipped[0] == fixed[0] and torch.equal(flipped[1], fixed[1])
+
+
+def test_llmrun_adapt_threads_0_turns_it_off(monkeypatch):
+    monkeypatch.setattr(threads, "_governor", None)
+    monkeypatch.setenv("LLMRUN_ADAPT_THREADS", "0")
+    assert threads.governor() is None
+    monkeypatch.setattr(threads, "_governor", None)
+    monkeypatch.delenv("LLMRUN_ADAPT_THREADS")
+    assert isinstance(threads.governor(), threads.Governor)
