@@ -11,7 +11,7 @@ So a `Governor` times the forwards themselves and tries another thread count now
 (while tries fail, up to LONGEST_S apart), or at once when a forward takes SLOWER times the recent ones, it runs
 TRIES forwards of the same model and length with half the threads (or, below the ceiling, twice as many) and keeps
 the count whose forwards were faster by a tenth on average. A try's forward SLOWER times the recent ones ends it
-at once; forwards that together take CHECK_S are enough to judge by, however few. The ceiling is the count set by
+at once; forwards that together take CHECK_S are enough to judge by, however few (one-token ones to start a try). The ceiling is the count set by
 anyone else (PyTorch's default, `--threads`). A thread count changes no result: each output of a CPU kernel is
 computed by one thread, whatever their number. LLMRUN_ADAPT_THREADS=0 turns the governor off.
 """
@@ -65,7 +65,10 @@ class Governor:
         times = self.recent.setdefault(kind, deque(maxlen=RECENT))
         sudden = len(times) >= TRIES and took > SLOWER * statistics.median(times) and self.current > 1
         times.append(took)
-        if not _known(times) or not (sudden or now >= self.due):
+        # a try waits for TRIES forwards of a kind, or for one-token forwards that together took CHECK_S (slow enough
+        # to be worth no more waiting); a prompt's one long chunk starts none: nothing of its kind may follow
+        known = len(times) >= TRIES or (kind[1] == 1 and _known(times))
+        if not known or not (sudden or now >= self.due):
             return
         if sudden or self.current == self.most:
             candidate = max(1, self.current // 2)
@@ -91,12 +94,14 @@ class Governor:
         elif _known(times) and (others := [statistics.fmean(b) / k[1] for k, b in self.recent.items()
                                            if k[0] == kind[0] and b]):
             # none of its kind before (a prompt's one chunk, then decoding): held against the same model's other
-            # kinds a token, where a longer forward takes less, so only a try far better wins
-            self._decide(now, won=SLOWER * statistics.fmean(times) / kind[1] <= min(others))
+            # kinds a token, where a longer forward takes less, so only a try far better wins (and a loss here
+            # says little: tried again once a kind of its own is known)
+            won = SLOWER * statistics.fmean(times) / kind[1] <= min(others)
+            self._decide(now, won=won, judged=won)
         elif seen[0] >= 4 * TRIES:  # nothing to compare came
-            self._decide(now, won=False)
+            self._decide(now, won=False, judged=False)
 
-    def _decide(self, now: float, won: bool) -> None:
+    def _decide(self, now: float, won: bool, judged: bool = True) -> None:
         before, tried, _ = self.trial
         self.trial = None
         if won:
@@ -105,8 +110,9 @@ class Governor:
             self.changes += 1
         else:
             self._use(before)
-            self.interval = min(2 * self.interval, LONGEST_S)
-        self.due = now + self.interval
+            if judged:  # lost: tried less often
+                self.interval = min(2 * self.interval, LONGEST_S)
+        self.due = now + self.interval if judged else now
 
     def _use(self, n: int) -> None:
         self.set(n)

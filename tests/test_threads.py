@@ -74,11 +74,11 @@ def test_the_ceiling_is_what_anyone_else_set():
 
 
 def test_a_slow_prompt_chunk_then_decoding():
-    """One slow prompt chunk (no other of its kind follows): the try of one thread is judged by the decoding
-    forwards after it, a token against a token, and only a far faster try wins."""
+    """A prompt's slow chunks start a try that the decoding after them judges (no chunk of their kind follows), a
+    token against a token, where only a far faster try wins; on free cores a long chunk changes nothing."""
     m = Machine(lambda n, kind: 1.0 if kind[1] == 4 and n == 2 else busy(n, kind))
-    m.run(1, ("m", 4))
-    assert m.threads == 1  # a forward as slow as CHECK_S is enough to try
+    m.run(4, ("m", 4))  # a prompt's chunks: four are enough to try, and the decoding after them judges it
+    assert m.threads == 1
     m.run(10)
     assert m.threads == 1 and m.gov.trial is None
     m = Machine(free)
@@ -86,6 +86,15 @@ def test_a_slow_prompt_chunk_then_decoding():
     m.run(1, ("m", 512))
     m.run(40)
     assert m.threads == 2
+
+
+def test_a_busy_benchmark_run():
+    """A prompt chunk, then decoding (as `llmrun bench` runs): one chunk starts no try (nothing of its kind may
+    follow); decoding's first forwards do, and it wins."""
+    m = Machine(busy)
+    m.run(1, ("m", 134))  # ~1.2 s a chunk at 2 threads: 8.6 ms a token, where decoding at 1 takes 6 ms a token
+    m.run(10)
+    assert m.threads == 1 and m.counts[-5:] == [1] * 5 and m.gov.interval == threads.CHECK_S
 
 
 def test_thread_counts_change_no_result(smollm2, monkeypatch):
