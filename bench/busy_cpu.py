@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args()
+    if min(args.new_tokens, args.repeat, args.rounds) < 1:
+        ap.error("--new-tokens, --repeat and --rounds take positive numbers")
     rows = []
     for r in range(args.rounds):
         for busy in (False, True):

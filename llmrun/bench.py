@@ -50,22 +50,24 @@ def resolve(settings: Settings, default_ctx: int) -> Settings:
 
     device = resolve_device(settings.device)
     dtype = DTYPE_NAMES[str(resolve_dtype(settings.dtype, device)).removeprefix("torch.")]
-    threads = settings.threads or torch.get_num_threads()
+    from llmrun import threads as pool
+
+    threads = settings.threads or pool.most()  # (not what a busy CPU's governor uses now: `llmrun.threads`)
     return dataclasses.replace(settings, device=device.type, dtype=dtype, threads=threads, ctx=settings.ctx or default_ctx)
 
 
 @contextmanager
 def torch_threads(n: int | None):
     """Run with `n` CPU threads, then give back the previous count (a sweep changes it per configuration)."""
-    import torch
+    from llmrun import threads
 
-    before = torch.get_num_threads()
+    before = threads.most()
     if n:
-        torch.set_num_threads(n)
+        threads.set_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        threads.set_threads(before)
 
 
 def open_engine(files, settings: Settings, loaded=None):

@@ -145,7 +145,7 @@ def evaluate(engine, ids: list[int], ctx: int, stride: int, reference=None,
     seconds = time.perf_counter() - t0
     nll_all = torch.cat(nll).double()
     for e, scores in ((engine, nll_all), (reference, torch.cat(nll_ref) if nll_ref else None)):
-        if scores is not None and not bool(torch.isfinite(scores).all()):  # NaN logits make NaN scores, never inf
+        if scores is not None and not bool(torch.isfinite(scores).all()):  # NaN logits make NaN scores
             raise not_finite(e.loaded.dtype)
     result = EvalResult(len(ids), len(nll_all), len(windows), nll_all.mean().item(), seconds)
     if reference is not None:

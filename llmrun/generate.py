@@ -184,7 +184,12 @@ class Engine:
             governor = threads.governor() if self.device.type == "cpu" else None
             if governor is not None:  # fewer threads while other processes hold the cores (`llmrun.threads`)
                 governor.start(id(self.model), len(ids))
-            logits = self.model(x, start_pos=self.cache.position, cache=self.cache, last_only=last_only)
+            try:
+                logits = self.model(x, start_pos=self.cache.position, cache=self.cache, last_only=last_only)
+            except BaseException:  # Ctrl-C, out of memory: a try of another thread count ends with it
+                if governor is not None:
+                    governor.abort()
+                raise
             if governor is not None:
                 governor.stop()
         # Only now, with the forward complete, do the cache and the token list advance (Ctrl-C safe).

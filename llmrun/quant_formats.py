@@ -156,8 +156,11 @@ class CheckpointQuant:
 def _whole(qc: dict, names: tuple[str, ...], default: int) -> int:
     """quantization_config's integer under the first of `names` it has (else `default`); anything else raises."""
     value = next((qc[name] for name in names if name in qc), default)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, int):
         raise ModelFormatError(f"config.json: quantization_config's {next((n for n in names if n in qc), names[0])} "
                                f"is {value!r}, not an integer")

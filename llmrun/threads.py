@@ -9,11 +9,12 @@ the collapse but makes free cores 5x slower: 60 against 300 tok/s).
 
 So a `Governor` times the forwards themselves and tries another thread count now and then: every CHECK_S seconds
 (while tries fail, up to LONGEST_S apart), or at once when a forward takes SLOWER times the recent ones, it runs
-TRIES forwards of the same model and length with half the threads (or, below the ceiling, twice as many) and keeps
-the count whose forwards were faster by a tenth on average. A try's forward SLOWER times the recent ones ends it
-at once; forwards that together take CHECK_S are enough to judge by, however few (one-token ones to start a try). The ceiling is the count set by
-anyone else (PyTorch's default, `--threads`). A thread count changes no result: each output of a CPU kernel is
-computed by one thread, whatever their number. LLMRUN_ADAPT_THREADS=0 turns the governor off.
+forwards with half the threads (or, below the ceiling, twice as many) and keeps the count under which they took a
+tenth less than the same kinds of forward (a model and a number of tokens) did before. A try's forward SLOWER
+times the recent ones ends it at once; forwards that together take CHECK_S are enough to judge by, however few.
+The ceiling is `--threads` (`set_threads`), else PyTorch's count as anyone else set it. A thread count changes no
+result: each output of a CPU kernel is computed by one thread, whatever their number. LLMRUN_ADAPT_THREADS=0
+turns the governor off.
 """
 
 from __future__ import annotations
@@ -27,34 +28,48 @@ from collections.abc import Callable, Hashable
 CHECK_S = 0.5  # the shortest time between two tries of another thread count
 LONGEST_S = 8.0  # the longest, reached while tries keep failing
 SLOWER = 3.0  # a forward this many times its kind's recent median tries fewer threads at once
-TRIES = 4  # forwards a try measures, and the fewest recent ones it is held against
-BETTER = 0.9  # a try wins when its mean forward takes at most this share of the recent mean
+TRIES = 4  # forwards of a kind before a try (and of the kinds it compares, in all, before it is judged)
+BETTER = 0.9  # a try wins when its forwards take at most this share of what they took at the count before
 RECENT = 8  # forwards of each kind remembered at the current count
 
 
 class Governor:
-    """The thread count of the process's pool, between 1 and the count last set by anyone else, chosen by the time
-    forwards take. `start(model, tokens)` before a forward, `stop()` after it; forwards of one kind (a model and a
-    number of tokens) compare with each other (with the model's other kinds, a token, only where no forward of its
-    kind is known). `get`/`set`: the pool's thread count."""
+    """The thread count of the process's pool, between 1 and the ceiling (`ceiling(n)`, or the count anyone else
+    set), chosen by the time forwards take. `start(model, tokens)` before a forward, `stop()` after it (`abort()`
+    for one that raised); forwards of one kind (a model and a number of tokens) compare with each other. A try is
+    judged on every kind it saw that has recent forwards, weighted by their count (a draft model's forwards and its
+    target's blocks together), or, where none has, a token against the same model's kinds as long or longer.
+    `get`/`set`: the pool's thread count."""
 
     def __init__(self, get: Callable[[], int], set: Callable[[int], None],
                  clock: Callable[[], float] = time.perf_counter):
         self.get, self.set, self.clock = get, set, clock
         self.most = self.current = None  # the ceiling, and the count this governor set
         self.recent: dict[Hashable, deque] = {}  # kind -> the latest forwards' seconds at the current count
-        self.trial = None  # while trying another count: (the count before, each kind's seconds, [forwards seen])
+        self.trial = None  # while trying another count (`stop`)
         self.interval = CHECK_S
         self.due = 0.0  # the first try as soon as a kind's forwards are known
         self.changes = 0  # how many times a try changed the count
+        self.latest = deque(maxlen=4 * TRIES)  # the kinds of the latest forwards outside tries
         self._kind, self._t0 = None, 0.0
+
+    def ceiling(self, n: int) -> None:
+        """Use n threads from now on, and never more: what is known of the forwards starts over."""
+        self.set(n)
+        self.most = self.current = n
+        self.recent, self.trial, self.interval, self.due = {}, None, CHECK_S, 0.0
+        self.latest.clear()
 
     def start(self, model: Hashable, tokens: int) -> None:
         n = self.get()
-        if n != self.current and self.trial is None:  # set by someone else since (or at first): the new ceiling
-            self.most = self.current = n
-            self.recent.clear()
+        if n != self.current:  # set by someone else since (or at first): the new ceiling, a try dropped
+            self.ceiling(n)
         self._kind, self._t0 = (model, tokens), self.clock()
+
+    def abort(self) -> None:
+        """The forward started last raised: a try it was part of ends, the count before restored."""
+        if self.trial is not None:
+            self._decide(self.clock(), won=False, judged=False)
 
     def stop(self) -> None:
         now = self.clock()
@@ -65,10 +80,14 @@ class Governor:
         times = self.recent.setdefault(kind, deque(maxlen=RECENT))
         sudden = len(times) >= TRIES and took > SLOWER * statistics.median(times) and self.current > 1
         times.append(took)
-        # a try waits for TRIES forwards of a kind, or for one-token forwards that together took CHECK_S (slow enough
-        # to be worth no more waiting); a prompt's one long chunk starts none: nothing of its kind may follow
-        known = len(times) >= TRIES or (kind[1] == 1 and _known(times))
-        if not known or not (sudden or now >= self.due):
+        self.latest.append(kind)
+        # a try waits for TRIES forwards of a kind and a full window of latest forwards (to know which kinds recur),
+        # or for one-token forwards that together took CHECK_S (slow enough to be worth no more waiting); a
+        # prompt's one long chunk starts none: nothing of its kind may follow
+        slow = kind[1] == 1 and sum(times) >= CHECK_S
+        if not (len(times) >= TRIES and len(self.latest) == self.latest.maxlen or slow):
+            return
+        if not (sudden or now >= self.due):
             return
         if sudden or self.current == self.most:
             candidate = max(1, self.current // 2)
@@ -77,32 +96,42 @@ class Governor:
         if candidate == self.current:  # one thread is all there is
             self.due = now + LONGEST_S
             return
-        self.trial = (self.current, {}, [0])  # the count before, each kind's times at the new one, forwards seen
+        # the count before, each kind's times at the new one, forwards seen, and the kinds it must see to be judged:
+        # those that came more than once among the latest forwards (a draft's tokens and its target's blocks)
+        recurring = {k for k in self.latest if self.latest.count(k) > 1}
+        self.trial = (self.current, {}, [0], recurring)
         self._use(candidate)
 
     def _try(self, now: float, kind: Hashable, took: float) -> None:
-        """A forward during a try: it ends on the first kind with recent forwards to hold its own against."""
-        _, tried, seen = self.trial
-        times = tried.setdefault(kind, [])
-        times.append(took)
+        """A forward during a try: judged once the kinds it saw with recent forwards add up to TRIES forwards (or
+        CHECK_S), on what those forwards took against their kinds' recent means."""
+        _, tried, seen, recurring = self.trial
+        tried.setdefault(kind, []).append(took)
         seen[0] += 1
         base = self.recent.get(kind)
         if base and took > SLOWER * statistics.median(base):  # one forward says enough
-            self._decide(now, won=False)
-        elif base and _known(times):  # means, not medians: a busy machine's cost is its forwards' long tail
-            self._decide(now, won=statistics.fmean(times) <= BETTER * statistics.fmean(base))
-        elif _known(times) and (others := [statistics.fmean(b) / k[1] for k, b in self.recent.items()
-                                           if k[0] == kind[0] and b]):
-            # none of its kind before (a prompt's one chunk, then decoding): held against the same model's other
-            # kinds a token, where a longer forward takes less, so only a try far better wins (and a loss here
-            # says little: tried again once a kind of its own is known)
+            return self._decide(now, won=False)
+        compared = {k: t for k, t in tried.items() if self.recent.get(k)}
+        # judged once it saw each kind that recurred before it (or 2 * TRIES forwards: a kind may have stopped)
+        if compared and (recurring <= set(tried) or seen[0] >= 2 * TRIES) \
+                and _known([x for t in compared.values() for x in t]):
+            # means, not medians: a busy machine's cost is its forwards' long tail
+            before = sum(statistics.fmean(self.recent[k]) * len(t) for k, t in compared.items())
+            return self._decide(now, won=sum(map(sum, compared.values())) <= BETTER * before)
+        times = tried[kind]
+        others = [statistics.fmean(b) / k[1] for k, b in self.recent.items()
+                  if k[0] == kind[0] and k[1] >= kind[1] and b]
+        if not base and _known(times) and others:
+            # none of its kind before (a prompt's chunks, then decoding): held against the same model's kinds as
+            # long or longer a token, where a longer forward takes less, so only a try far better wins (and a loss
+            # here says little: tried again once a kind of its own is known)
             won = SLOWER * statistics.fmean(times) / kind[1] <= min(others)
             self._decide(now, won=won, judged=won)
         elif seen[0] >= 4 * TRIES:  # nothing to compare came
             self._decide(now, won=False, judged=False)
 
     def _decide(self, now: float, won: bool, judged: bool = True) -> None:
-        before, tried, _ = self.trial
+        before, tried = self.trial[:2]
         self.trial = None
         if won:
             self.recent = {kind: deque(times, maxlen=RECENT) for kind, times in tried.items()}
@@ -120,7 +149,7 @@ class Governor:
 
 
 def _known(times) -> bool:
-    """Enough forwards of a kind to judge by: TRIES, or fewer that together took CHECK_S (no more waiting)."""
+    """Enough forwards to judge by: TRIES, or fewer that together took CHECK_S (no more waiting)."""
     return len(times) >= TRIES or sum(times) >= CHECK_S
 
 
@@ -136,6 +165,27 @@ def governor() -> Governor | None:
         off = os.environ.get("LLMRUN_ADAPT_THREADS", "1") == "0"
         _governor = False if off else Governor(torch.get_num_threads, torch.set_num_threads)
     return _governor or None
+
+
+def most() -> int:
+    """The most threads forwards may use: the governor's ceiling, or PyTorch's count where it is off."""
+    g = governor()
+    if g is None or g.most is None:
+        import torch
+
+        return torch.get_num_threads()
+    return g.most
+
+
+def set_threads(n: int) -> None:
+    """torch.set_num_threads(n), and the governor's ceiling: `--threads`, a benchmark's setting."""
+    g = governor()
+    if g is None:
+        import torch
+
+        torch.set_num_threads(n)
+    else:
+        g.ceiling(n)
 
 
 def reduced() -> tuple[int, int] | None:

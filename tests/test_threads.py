@@ -74,13 +74,12 @@ def test_the_ceiling_is_what_anyone_else_set():
 
 
 def test_a_slow_prompt_chunk_then_decoding():
-    """A prompt's slow chunks start a try that the decoding after them judges (no chunk of their kind follows), a
-    token against a token, where only a far faster try wins; on free cores a long chunk changes nothing."""
+    """A prompt's slow chunks, then decoding: decoding's slow forwards start a try at once and judge it (no chunk of
+    their kind follows); on free cores a long chunk changes nothing."""
     m = Machine(lambda n, kind: 1.0 if kind[1] == 4 and n == 2 else busy(n, kind))
-    m.run(4, ("m", 4))  # a prompt's chunks: four are enough to try, and the decoding after them judges it
-    assert m.threads == 1
-    m.run(10)
-    assert m.threads == 1 and m.gov.trial is None
+    m.run(4, ("m", 4))  # a prompt's chunks (no try: the window of latest forwards is not full)
+    m.run(30)  # decoding: slow enough to try at once, and judged on decoding (the chunks stopped coming)
+    assert m.threads == 1 and m.counts[-10:] == [1] * 10
     m = Machine(free)
     m.cost = lambda n, kind: 0.6 if kind[1] == 512 else free(n, kind)  # a long chunk on free cores
     m.run(1, ("m", 512))
@@ -95,6 +94,52 @@ def test_a_busy_benchmark_run():
     m.run(1, ("m", 134))  # ~1.2 s a chunk at 2 threads: 8.6 ms a token, where decoding at 1 takes 6 ms a token
     m.run(10)
     assert m.threads == 1 and m.counts[-5:] == [1] * 5 and m.gov.interval == threads.CHECK_S
+
+
+def test_a_count_set_during_a_try_is_the_new_ceiling():
+    """--threads or a benchmark's setting in the middle of a try: kept, not overwritten by the try's loss."""
+    m = Machine(free)
+    m.run(4 * threads.TRIES)
+    assert m.gov.trial is not None and m.threads == 1  # the first try: one thread
+    m.threads = 2  # set by someone else (here the count the try left)
+    m.run(1)
+    m.gov.ceiling(1)  # set_threads(1): the ceiling even where the count already is 1
+    m.run(300)
+    assert m.gov.most == 1 and set(m.counts[-300:]) == {1}
+
+
+def test_speculation_is_judged_on_the_draft_and_the_target_together():
+    """A draft model's one-token forwards a little faster on one thread, its target's 5-token blocks twice as slow:
+    the try is judged on both, weighted by their forwards' time, and the target keeps two threads."""
+    def cost(n, kind):
+        return {("draft", 1): {1: 1.7e-3, 2: 2.0e-3}, ("target", 5): {1: 38e-3, 2: 20e-3}}[kind][n]
+
+    m = Machine(cost)
+    for _ in range(300):  # ~8 s: steps of 4 draft tokens and a verification block
+        m.run(4, ("draft", 1))
+        m.run(1, ("target", 5))
+    targets = m.counts[4::5]
+    assert m.threads == 2 and targets.count(1) <= 0.05 * len(targets)
+
+
+def test_a_long_chunk_in_a_try_is_not_held_against_shorter_forwards():
+    """A try started by decoding that sees only prompt chunks (cheaper a token than decoding): no verdict, the count
+    before restored."""
+    m = Machine(free)
+    m.run(4 * threads.TRIES)
+    assert m.gov.trial is not None
+    m.run(20, ("m", 512))
+    m.run(20)
+    assert m.threads == 2 and m.gov.changes == 0
+
+
+def test_a_forward_that_raises_ends_the_try():
+    m = Machine(free)
+    m.run(4 * threads.TRIES)
+    assert m.gov.trial is not None and m.threads == 1
+    m.gov.start("m", 1)
+    m.gov.abort()  # Ctrl-C inside the forward
+    assert m.gov.trial is None and m.threads == 2
 
 
 def test_thread_counts_change_no_result(smollm2, monkeypatch):
@@ -121,6 +166,9 @@ def test_thread_counts_change_no_result(smollm2, monkeypatch):
             torch.set_num_threads(1 + self.calls % 2)
 
         def stop(self):
+            pass
+
+        def abort(self):
             pass
 
     try:

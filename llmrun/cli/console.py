@@ -186,9 +186,7 @@ def open_engine(model: str, opts):
     from .options import DEFAULT_CTX_CAP
 
     if opts.threads:
-        import torch
-
-        torch.set_num_threads(opts.threads)
+        threads.set_threads(opts.threads)  # (the thread governor's ceiling too)
     if opts.eviction is not None and opts.ctx is not None:
         raise UsageError(f"--ctx {opts.ctx} with --kv-evict: an evicting cache holds --kv-budget tokens and the"
                          " conversation has no length limit; drop --ctx")

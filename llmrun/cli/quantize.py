@@ -67,9 +67,9 @@ def quantize_(
     if method != "awq" and given:
         raise UsageError(f"{', '.join(given)}: calibration applies to --awq only")
     if threads:
-        import torch
+        from llmrun import threads as pool
 
-        torch.set_num_threads(threads)
+        pool.set_threads(threads)
     options = QuantizeOptions(method, group_size, calib, samples or 128, seq_len, seed=seed or 0)
 
     source = model_source(model)  # a hub download first, with its own bar
