@@ -8,9 +8,10 @@ model decoded 60 tokens in over 100 s with 2 threads, and at 132 tok/s with 1 (O
 the collapse but makes free cores 5x slower: 60 against 300 tok/s).
 
 So a `Governor` times the forwards themselves and tries another thread count now and then: every CHECK_S seconds
-(while tries fail, up to LONGEST_S apart), or at once when a forward takes SLOWER times the recent ones, it runs
-forwards with half the threads (or, below the ceiling, twice as many) and keeps the count under which they took a
-tenth less than the same kinds of forward (a model and a number of tokens) did before. A try's forward SLOWER
+(while tries fail, up to LONGEST_S apart, or more where they cost more than TRY_SHARE of the time), or at once
+when a forward takes SLOWER times the recent ones, it runs forwards with half the threads (or, below the ceiling,
+twice as many) and keeps the count under which they took a tenth less than the same kinds of forward (a model and
+a number of tokens) did before. A try's forward SLOWER
 times the recent ones ends it at once; forwards that together take CHECK_S are enough to judge by, however few.
 The ceiling is `--threads` (`set_threads`), else PyTorch's count as anyone else set it. A thread count changes no
 result: each output of a CPU kernel is computed by one thread, whatever their number. LLMRUN_ADAPT_THREADS=0
@@ -31,6 +32,7 @@ SLOWER = 3.0  # a forward this many times its kind's recent median tries fewer t
 TRIES = 4  # forwards of a kind before a try (and of the kinds it compares, in all, before it is judged)
 BETTER = 0.9  # a try wins when its forwards take at most this share of what they took at the count before
 RECENT = 8  # forwards of each kind remembered at the current count
+TRY_SHARE = 0.05  # the most of the time lost tries may take: a try that took 2 s waits 40 s for the next
 
 
 class Governor:
@@ -139,8 +141,10 @@ class Governor:
             self.changes += 1
         else:
             self._use(before)
-            if judged:  # lost: tried less often
-                self.interval = min(2 * self.interval, LONGEST_S)
+            if judged:  # lost: tried less often, and never more than a share of the time (on a busy CPU one
+                # forward of a try can take seconds)
+                spent = sum(map(sum, tried.values()))
+                self.interval = max(min(2 * self.interval, LONGEST_S), spent / TRY_SHARE)
         self.due = now + self.interval if judged else now
 
     def _use(self, n: int) -> None:

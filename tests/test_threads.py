@@ -53,6 +53,14 @@ def test_a_busy_machine_drops_to_one_thread_and_comes_back():
     assert m.threads == 2 and m.counts[-2000:].count(1) <= 20
 
 
+def test_tries_that_cost_seconds_come_rarely():
+    """On a busy CPU a forward of two threads can take seconds: tries of them take at most TRY_SHARE of the time."""
+    m = Machine(lambda n, kind: 2.0 if n == 2 else 6e-3)
+    m.run(30000)  # 180 s at one thread
+    tried = m.counts.count(2)
+    assert m.threads == 1 and tried * 2.0 <= 1.5 * threads.TRY_SHARE * m.now
+
+
 def test_sudden_contention_is_tried_at_once():
     m = Machine(free)
     m.run(400)
