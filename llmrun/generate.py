@@ -181,7 +181,10 @@ class Engine:
         logits = None if self.graphs is None else self.graphs.forward(ids, self.cache.position, start)
         if logits is None:
             x = ids.view(1, -1) if torch.is_tensor(ids) else torch.tensor([ids], dtype=torch.long, device=self.device)
-            governor = threads.governor() if self.device.type == "cpu" else None
+            # (only on the C kernels, whose outputs are each one thread's: PyTorch's float matmuls round otherwise
+            # with another thread count, and a reply's bits would follow the machine's load)
+            packed = self.device.type == "cpu" and self.loaded.weights == "packed"
+            governor = threads.governor() if packed else None
             if governor is not None:  # fewer threads while other processes hold the cores (`llmrun.threads`)
                 governor.start(id(self.model), len(ids))
             try:

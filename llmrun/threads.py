@@ -13,8 +13,9 @@ when a forward takes SLOWER times the recent ones, it runs forwards with half th
 twice as many) and keeps the count under which they took a tenth less than the same kinds of forward (a model and
 a number of tokens) did before. A try's forward SLOWER
 times the recent ones ends it at once; forwards that together take CHECK_S are enough to judge by, however few.
-The ceiling is `--threads` (`set_threads`), else PyTorch's count as anyone else set it. A thread count changes no
-result: each output of a CPU kernel is computed by one thread, whatever their number. LLMRUN_ADAPT_THREADS=0
+The ceiling is `--threads` (`set_threads`), else PyTorch's count as anyone else set it. Engines on the C kernels
+(packed weights) use it, where a thread count changes no result: each output of a CPU kernel is computed by one
+thread, whatever their number (PyTorch's float matmuls round otherwise with another count). LLMRUN_ADAPT_THREADS=0
 turns the governor off.
 """
 
