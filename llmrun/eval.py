@@ -144,7 +144,8 @@ def evaluate(engine, ids: list[int], ctx: int, stride: int, reference=None,
             on_window(done, len(windows))
     seconds = time.perf_counter() - t0
     nll_all = torch.cat(nll).double()
-    for e, scores in ((engine, nll_all), (reference, torch.cat(nll_ref) if nll_ref else None)):
+    nll_ref_all = torch.cat(nll_ref).double() if nll_ref else None
+    for e, scores in ((engine, nll_all), (reference, nll_ref_all)):
         if scores is not None and not bool(torch.isfinite(scores).all()):  # NaN logits make NaN scores
             raise not_finite(e.loaded.dtype)
     result = EvalResult(len(ids), len(nll_all), len(windows), nll_all.mean().item(), seconds)
@@ -153,6 +154,6 @@ def evaluate(engine, ids: list[int], ctx: int, stride: int, reference=None,
         result.kl = KLStats(
             mean=kl_all.mean().item(), max=kl_all.max().item(), p99=torch.quantile(kl_all, 0.99).item(),
             top1_agreement=torch.cat(same_top1).double().mean().item(),
-            ppl_reference=math.exp(torch.cat(nll_ref).double().mean().item()),
+            ppl_reference=math.exp(nll_ref_all.mean().item()),
         )
     return result

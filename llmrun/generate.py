@@ -150,6 +150,9 @@ class Engine:
         # plain decoding enqueues each step before the host reads the token it feeds (`plain_steps`): where the
         # device runs behind the host (CUDA), and a forward fed past a reply's end can leave the cache without a
         # trace (not H2O's: its attention adds to the mass of the tokens it keeps)
+        # the CPU thread governor (`llmrun.threads`) runs on the C kernels only, whose outputs are each one thread's:
+        # PyTorch's float matmuls round otherwise with another thread count, and a reply's bits would follow the load
+        self.governed = self.device.type == "cpu" and loaded.weights == "packed"
         self.pipeline = (self.device.type == "cuda" and (eviction is None or eviction.policy == "window")
                          and os.environ.get("LLMRUN_PIPELINE", "1") != "0")
 
@@ -181,10 +184,7 @@ class Engine:
         logits = None if self.graphs is None else self.graphs.forward(ids, self.cache.position, start)
         if logits is None:
             x = ids.view(1, -1) if torch.is_tensor(ids) else torch.tensor([ids], dtype=torch.long, device=self.device)
-            # (only on the C kernels, whose outputs are each one thread's: PyTorch's float matmuls round otherwise
-            # with another thread count, and a reply's bits would follow the machine's load)
-            packed = self.device.type == "cpu" and self.loaded.weights == "packed"
-            governor = threads.governor() if packed else None
+            governor = threads.governor() if self.governed else None
             if governor is not None:  # fewer threads while other processes hold the cores (`llmrun.threads`)
                 governor.start(id(self.model), len(ids))
             try:
