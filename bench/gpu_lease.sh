@@ -22,7 +22,8 @@
 # step profiles and the embedded model's tests and speculative rows; what is left, by GPU_RESUME=1:
 #   tests    the tests that failed there (30: H2O's mass, the row tests, the INT8 RoPE write's test, RoPE's fmas:
 #            all fixed; each failure now prints its traceback as it ends) or were not reached, and again those of
-#            the mass kernel, RoPE and the captured draws (GPU_RETEST); 12 pytest-xdist workers, one config a kernel.
+#            the mass kernel, RoPE, the captured draws and the INT4 attention (its nibbles now unpacked by inline
+#            PTX: GPU_RETEST); 12 pytest-xdist workers, one config a kernel.
 #   replay   first (new) prompt lookup replayed for Qwen2.5-Coder-1.5B, 4-bit weights, on the copy-heavy and open
 #            prompts (bench/traces/qwen-lookup.json; issue 6 asks copy-heavy >= 2.5x, open-ended >= 0.95x:
 #            predicted code-edit 2.6-3.1x, open and summarize 1.0-1.2x greedy); then the Qwen pair's replayed
@@ -56,8 +57,9 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 }
 
 export GPU_RESUME=1
-# the tests not yet passed on this GPU, and again those of the kernels changed since they passed (H2O's mass, RoPE)
-export GPU_RETEST="tests/test_cuda_graphs.py mass rope sampled_token_waits"
+# the tests not yet passed on this GPU, and again those of the kernels changed since they passed (H2O's mass, RoPE,
+# the INT4 attention's nibbles)
+export GPU_RETEST="tests/test_cuda_graphs.py mass rope sampled_token_waits quantized_cache int4_rows exact_halves"
 PYTEST_ADDOPTS="-n 12" step 150 tests
 GPU_RERUN="qwen-pair-replay-int4" GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 150 replay
 step 110 profile

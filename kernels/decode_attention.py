@@ -135,9 +135,9 @@ def _load_kv(base, stride_s, scale_base, stride_scale_s, min_base, stride_min_s,
                 BLOCK_D: tl.constexpr = offs_d.shape[0]
                 pairs = tl.arange(0, BLOCK_D // 2)
                 packed = tl.load(base + offs_n[:, None] * stride_s + pairs[None, :],
-                                 mask=n_ok[:, None] & (pairs < D // 2)[None, :], other=0).to(tl.uint16)
-                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_D))
-                x = tl.fma(common.exact_half(codes, 0), scale, lo)
+                                 mask=n_ok[:, None] & (pairs < D // 2)[None, :], other=0)
+                low, high = common.nibble_halves(packed, ASM)
+                x = tl.fma(tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D)), scale, lo)
             else:
                 packed = tl.load(base + offs_n[:, None] * stride_s + (offs_d // 2)[None, :], mask=mask, other=0)
                 codes = (packed.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF  # each byte read for both channels

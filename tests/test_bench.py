@@ -794,6 +794,28 @@ def test_gemv_script_times_every_variant_of_each_matrix(tmp_path):
     assert all(r["config"] is None for r in doc["rows"])  # the autotuner's choice: a GPU's alone
 
 
+
+@pytest.mark.slow
+def test_sass_script_counts_the_split_kernels_loops(tmp_path):
+    """bench/sass.py, where GPU_NOTES' instruction counts come from: the INT8 split kernel's decode launch compiled
+    for sm_90 without a GPU, its loops found in the listing and counted by opcode (the MMA among them)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    listing = tmp_path / "int8.sass"
+    script = Path(__file__).resolve().parent.parent / "bench" / "sass.py"
+    done = subprocess.run([sys.executable, str(script), "--kv", "int8", "--block-n", "32", "--dump", str(listing)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "'BITS': 8" in done.stdout and "'BLOCK_N': 32" in done.stdout
+    assert re.search(r"^sm_90: \d+ registers", done.stdout, re.M)
+    counts = [int(n) for n in re.findall(r"^loop 0x[0-9a-f]+-0x[0-9a-f]+: (\d+) instructions \(.*HMMA", done.stdout,
+                                         re.M)]
+    assert counts and all(n >= 40 for n in counts)
+    assert "HMMA" in listing.read_text()
+
 def test_a_runs_notes_name_its_fallbacks(monkeypatch):
     """A figure taken on a fallback says so: a Triton kernel that failed (its slow reference ran) and CUDA graphs
     whose capture failed (eager steps), beside the load's own notes; none when nothing fell back."""

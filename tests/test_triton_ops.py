@@ -146,3 +146,22 @@ def test_int8_codes_become_exact_halves(asm):
     out = torch.empty(x.shape, dtype=torch.float16, device=DEVICE)
     _halves[(1,)](x, out, ASM=asm, BLOCK=x.numel())
     assert torch.equal(out, x.half())
+
+
+@triton.jit
+def _nibbles(x_ptr, low_ptr, high_ptr, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    low, high = common.nibble_halves(tl.load(x_ptr + i), ASM)
+    tl.store(low_ptr + i, low)
+    tl.store(high_ptr + i, high)
+
+
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_int4_codes_become_exact_halves(asm):
+    """common.nibble_halves, INT4 attention's code-to-fp16: every byte, at each of the four places of the 32-bit
+    register the PTX form packs four bytes into, gives its low and high nibble as fp16, exactly."""
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    x = torch.stack([x.roll(shift) for shift in range(4)], dim=1).flatten().to(DEVICE)  # 1024 bytes
+    low, high = (torch.empty(x.shape, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    _nibbles[(1,)](x, low, high, ASM=asm, BLOCK=x.numel())
+    assert torch.equal(low, (x & 15).half()) and torch.equal(high, (x >> 4).half())
