@@ -295,11 +295,11 @@ class Terminal:
     """`llmrun ARGS` with a pseudo-terminal as stdin, stdout and stderr, as a person runs it. Every wait has a
     deadline, and `close` kills the process if it is still running, so a test can never hang."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, env=None):
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # rows, cols: no wrapping
         self.proc = subprocess.Popen(
-            [*LLMRUN, *args], stdin=slave, stdout=slave, stderr=slave, env=ENV, close_fds=True,
+            [*LLMRUN, *args], stdin=slave, stdout=slave, stderr=slave, env={**ENV, **(env or {})}, close_fds=True,
             start_new_session=True, preexec_fn=_default_sigint,
         )
         os.close(slave)
@@ -376,8 +376,8 @@ class Terminal:
 def terminal():
     opened = []
 
-    def start(*args) -> Terminal:
-        opened.append(Terminal(*args))
+    def start(*args, env=None) -> Terminal:
+        opened.append(Terminal(*args, env=env))
         return opened[-1]
 
     yield start
@@ -477,10 +477,19 @@ def test_repl_ctrl_c_stops_the_reply_and_keeps_the_conversation(terminal):
     assert "Traceback" not in t.text()
 
 
+
+def test_repl_prompt_without_colour_where_asked(terminal):
+    """NO_COLOR (or TERM=dumb) leaves the prompt uncoloured, as Rich leaves the rest (its dim and bold stay)."""
+    t = terminal("chat", "--ctx", "256", env={"NO_COLOR": "1"})
+    t.expect(PROMPT_MARK, timeout=LOAD_S)
+    assert t.output.endswith(b"\r\n>>> ") and b"\x1b[1;32m" not in t.output
+    t.send("/exit")
+    assert t.wait() == 0
+
 def test_repl_messages_of_several_lines(terminal, tmp_path):
     """A line ending in a backslash goes on at the next; three double quotes open and close a block of lines;
     Ctrl-C at a continuation prompt drops the unfinished message and the chat goes on; /system takes its text
-    from the lines after it too. The saved conversation shows each message as it was meant."""
+    from the lines after it too, and from a block; a block is a message even where it begins with a slash. The saved conversation shows each message as it was meant."""
     saved = tmp_path / "c.json"
     t = terminal("chat", "--temperature", "0", "-n", "4", "--ctx", "1024", "--save", str(saved))
     t.expect(PROMPT_MARK, timeout=LOAD_S)
@@ -492,6 +501,7 @@ def test_repl_messages_of_several_lines(terminal, tmp_path):
     t.expect(b"... ")
     t.send("then a fruit.")
     assert "tok/s" in t.expect(PROMPT_MARK)  # one reply, to the two lines
+    assert json.loads(saved.read_text())["system"] == "You are\nterse."  # (--save writes after every turn)
     t.send('"""')  # alone on its line: the message begins at the next
     t.expect(b"... ")
     t.send("def f(x):")
@@ -502,6 +512,14 @@ def test_repl_messages_of_several_lines(terminal, tmp_path):
     t.expect(b"... ")
     t.send('What does f do?"""')
     assert "tok/s" in t.expect(PROMPT_MARK)
+    t.send('"""/* C: a block is a message whatever it begins with */')
+    t.expect(b"... ")
+    t.send('int add(int a, int b);"""')
+    assert "tok/s" in t.expect(PROMPT_MARK)
+    t.send('/system """Be')  # /system takes a block too
+    t.expect(b"... ")
+    t.send('brief."""')
+    assert "system prompt set" in t.expect(PROMPT_MARK)
     t.send('"""')
     t.expect(b"... ")
     t.send("never sent")
@@ -513,10 +531,13 @@ def test_repl_messages_of_several_lines(terminal, tmp_path):
     t.proc.send_signal(signal.SIGINT)
     assert "unfinished message was dropped" in t.expect(PROMPT_MARK)
     assert t.proc.poll() is None
+    t.send("/save")  # the system prompt set after the last turn
+    assert "saved 3 turns" in t.expect(PROMPT_MARK)
     t.send("/exit")
     assert t.wait() == 0
     assert "Traceback" not in t.text()
     doc = json.loads(saved.read_text())
-    assert doc["system"] == "You are\nterse."
+    assert doc["system"] == "Be\nbrief."
     assert [m["content"] for m in doc["messages"] if m["role"] == "user"] == [
-        "Name a colour,\nthen a fruit.", "def f(x):\n    return x + 1  \\\n\nWhat does f do?"]
+        "Name a colour,\nthen a fruit.", "def f(x):\n    return x + 1  \\\n\nWhat does f do?",
+        "/* C: a block is a message whatever it begins with */\nint add(int a, int b);"]

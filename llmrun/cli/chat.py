@@ -1,5 +1,6 @@
 """`llmrun chat`: interactive multi-turn chat, or one turn with -p / piped stdin."""
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,32 +165,39 @@ def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool
 
 def _read_line(prompt: str = ">>> ") -> str:
     if sys.stdout.isatty():  # readline must know the prompt to redraw the line while editing
+        if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":  # as Rich's console obeys them
+            return input(prompt)
         return input(f"\001\033[1;32m\002{prompt}\001\033[0m\002")
     err.print(Text(prompt, style="bold green"), end="")  # stdout is redirected: keep it for replies only
     return input()
 
 
-def _read_message() -> str | None:
-    """The next message typed at the prompt: one line, or several. A line ending in a backslash goes on at the
-    next (the backslash dropped, the line break kept); a message opened with BLOCK (three double quotes) goes on
-    until a line ending in BLOCK (the quotes dropped; backslashes inside are the text's). A paste of several lines
-    that the line editor takes whole (bracketed paste) is one message as it is. EOFError and KeyboardInterrupt at
-    the first prompt end the chat; Ctrl-C at a continuation prompt drops the unfinished message (None), Ctrl-D
-    there ends the chat."""
+def _read_message() -> tuple[str, bool] | None:
+    """The next message typed at the prompt, and whether it is a slash command: one line, or several. A line
+    ending in a backslash goes on at the next (the backslash dropped, the line break kept); a message opened with
+    BLOCK (three double quotes) goes on until a line ending in BLOCK (the quotes dropped; backslashes inside are the
+    text's), and is a message whatever it begins with (`/* C */`, a path); `/system` followed by BLOCK takes such a
+    block as its text. A paste of several lines that the line editor takes whole (bracketed paste) is one message
+    as it is. EOFError and KeyboardInterrupt at the first prompt end the chat; Ctrl-C at a continuation prompt
+    drops the unfinished message (None), Ctrl-D there ends the chat."""
     line = _read_line()
     try:
+        command = ""
+        if line.startswith("/system") and line[len("/system"):].lstrip().startswith(BLOCK):
+            command, line = "/system ", line[len("/system"):].lstrip()
         if line.startswith(BLOCK):
             lines, line = [], line[len(BLOCK):]
             while not line.endswith(BLOCK):
                 lines.append(line)
                 line = _read_line(MORE)
             lines.append(line[: -len(BLOCK)])
-            return "\n".join(lines).strip("\n")
+            return command + "\n".join(lines).strip("\n"), bool(command)
         lines = []
         while line.endswith("\\"):
             lines.append(line[:-1])
             line = _read_line(MORE)
-        return "\n".join([*lines, line])
+        text = "\n".join([*lines, line])
+        return text, text.startswith("/")
     except KeyboardInterrupt:
         err.print()
         err.print(Text("(the unfinished message was dropped)", style="dim"))
@@ -207,13 +215,14 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
     last = None
     while True:
         try:
-            line = _read_message()
+            message = _read_message()
         except (EOFError, KeyboardInterrupt):
             err.print()
             return
-        if line is None or not line.strip():
+        if message is None or not message[0].strip():
             continue
-        if line.startswith("/"):
+        line, command = message
+        if command:
             try:
                 if _slash(line, conversation, last, saving):
                     return
