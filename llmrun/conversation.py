@@ -36,8 +36,8 @@ class Conversation:
         """Start the assistant's reply to `text`; iterate the result to stream it, then `finish` it."""
         check_utf8(text)  # here, so that an error points into the message rather than the rendered template
         messages = self.messages + [{"role": "user", "content": text}]
-        rendered = self.engine.tokenizer.render_chat(self._with_system(messages))
-        prompt = self._encode(rendered)
+        rendered, plain = self.engine.tokenizer.render_chat_spans(self._with_system(messages))
+        prompt = self._encode(rendered, plain)
         if len(prompt) >= self.engine.max_len:
             raise ContextOverflowError(
                 f"the conversation takes {len(prompt)} tokens and the context holds {self.engine.max_len}, leaving"
@@ -47,18 +47,21 @@ class Conversation:
         self._asked = (rendered, prompt)
         return self.engine.generate(prompt, self.params)
 
-    def _encode(self, rendered: str) -> list[int]:
-        """The ids of the rendered conversation. Up to the end of the last reply they are the ids that reply was
-        generated as, which the cache holds: tokenizing its text again need not give them back (a constrained or
-        sampled reply can take a split the tokenizer would not make), and the cache would then be reused only up
-        to the reply. The rest is tokenized on its own where it begins with a control token (the template's end
-        of turn), so that no token could have spanned the join."""
+    def _encode(self, rendered: str, plain: list[tuple[int, int]]) -> list[int]:
+        """The ids of the rendered conversation (`plain`: its spans of message text spelling a control token, read
+        as text). Up to the end of the last reply they are the ids that reply was generated as, which the cache
+        holds: tokenizing its text again need not give them back (a constrained or sampled reply can take a split
+        the tokenizer would not make), and the cache would then be reused only up to the reply. The rest is
+        tokenized on its own where it begins with a control token (the template's end of turn), so that no token
+        could have spanned the join."""
         tokenizer = self.engine.tokenizer
         if self._held is not None and rendered.startswith(self._held[0]):
-            rest = tokenizer.encode(rendered[len(self._held[0]):], special=True, add_bos=False)
+            cut = len(self._held[0])
+            rest = tokenizer.encode_rendered(rendered[cut:], [(max(a, cut) - cut, b - cut) for a, b in plain if b > cut],
+                                             add_bos=False)
             if rest and rest[0] in tokenizer.special_ids():
                 return self._held[1] + rest
-        return tokenizer.encode_rendered(rendered)
+        return tokenizer.encode_rendered(rendered, plain)
 
     def finish(self, reply: Generation) -> None:
         """Record the reply (also a partial one, after Ctrl-C). A reply interrupted before its first token

@@ -10,6 +10,7 @@ code path:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -36,6 +37,10 @@ _LLAMA3_SPLIT = (
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell"}
+
+# Two Unicode noncharacters that bracket message text spelling a control token while a chat template renders
+# (`Tokenizer.render_chat_spans`): never in text people exchange
+_TEXT_OPEN, _TEXT_CLOSE = "\ufdd0", "\ufdd1"
 _LLAMA3 = {"llama-bpe", "llama3", "llama-v3"}
 _QWEN2 = {"qwen2", "deepseek-r1-qwen"}
 _GPT2 = {"gpt-2", "gpt2", "default"}
@@ -68,6 +73,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self.warnings = list(warnings)
         self._template: ChatTemplate | None = None
+        texts = sorted({t.content for t in tok.get_added_tokens_decoder().values() if t.special}, key=len, reverse=True)
+        # matches the text of any control token, the longest first (`render_chat_spans`); None if there is none
+        self._control_text = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def encode(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
         """special=True turns control tokens written in `text` (e.g. "<|im_start|>") into their ids;
@@ -112,15 +120,54 @@ class Tokenizer:
             eos_token=self._piece_or_empty(self.eos_id),
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode_rendered(self.render_chat(messages, add_generation_prompt))
+    def render_chat_spans(self, messages: list[dict], add_generation_prompt: bool = True
+                          ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered template and the spans (start, end) of it that are message text spelling a control token
+        (a user who types "<|im_end|>"): `encode_rendered` reads those as text, so that no message can forge a
+        turn boundary. Such text is bracketed by two noncharacters while the template renders, and the brackets
+        then taken out; a template that does more with them than copy them (the text without them differs from
+        the plain rendering) is refused."""
+        pattern = self._control_text
+        texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        if pattern is None or not any(pattern.search(content) for content in texts):
+            return self.render_chat(messages, add_generation_prompt), []
+        marked = [{**m, "content": pattern.sub(lambda x: _TEXT_OPEN + x.group(0) + _TEXT_CLOSE, m["content"])}
+                  if isinstance(m.get("content"), str) else m for m in messages]
+        text, spans, start = "", [], None
+        for piece in re.split(f"([{_TEXT_OPEN}{_TEXT_CLOSE}])", self.render_chat(marked, add_generation_prompt)):
+            if piece == _TEXT_OPEN and start is None:
+                start = len(text)
+            elif piece == _TEXT_CLOSE and start is not None:
+                spans.append((start, len(text)))
+                start = None
+            elif piece in (_TEXT_OPEN, _TEXT_CLOSE):
+                start = -1  # unbalanced: the check below refuses it
+                break
+            else:
+                text += piece
+        if start is not None or text != self.render_chat(messages, add_generation_prompt):
+            raise LlmrunError("a message spells one of the model's control tokens (e.g. <|im_end|>), and this model's"
+                              " chat template does not keep it apart from its own markup; rephrase the message")
+        return text, spans
 
-    def encode_rendered(self, text: str) -> list[int]:
-        """The ids of a rendered chat template: its control tokens parsed, BOS added unless the text has it."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode_rendered(*self.render_chat_spans(messages, add_generation_prompt))
+
+    def encode_rendered(self, text: str, plain: Iterable[tuple[int, int]] = (), add_bos: bool | None = None
+                        ) -> list[int]:
+        """The ids of a rendered chat template: its control tokens parsed, but in the spans `plain` (message text,
+        `render_chat_spans`) read as text; BOS added unless the text has it (add_bos None) or as add_bos says."""
         # Many templates write {{ bos_token }} themselves; adding another would double it.
         bos_text = self._piece_or_empty(self.bos_id)
-        add_bos = self.add_bos and bool(bos_text) and not text.startswith(bos_text)
-        return self.encode(text, special=True, add_bos=add_bos)
+        if add_bos is None:
+            add_bos = self.add_bos and bool(bos_text) and not text.startswith(bos_text)
+        ids, at = [], 0
+        for start, end in plain:
+            ids += self.encode(text[at:start], special=True, add_bos=False)
+            ids += self.encode(text[start:end], special=False, add_bos=False)
+            at = end
+        ids += self.encode(text[at:], special=True, add_bos=False)
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
     def save(self, directory: Path) -> None:
         """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json: the
