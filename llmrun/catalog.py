@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, parse_json
 from llmrun.loading import DEFAULT_MODEL, embedded_model_path
 
 
@@ -109,7 +109,7 @@ def quantized_index_path() -> Path:
 
 def _read_index() -> list[str]:
     try:
-        dirs = json.loads(quantized_index_path().read_text())
+        dirs = parse_json(quantized_index_path().read_text())
     except (OSError, ValueError):  # none yet, or damaged: it is only a cache of paths
         return []
     return [d for d in dirs if isinstance(d, str)] if isinstance(dirs, list) else []
@@ -145,7 +145,7 @@ def quantized_entries() -> list[CatalogEntry]:
     entries, kept = [], []
     for d in dirs:
         try:
-            config = json.loads((Path(d) / "config.json").read_text())
+            config = parse_json((Path(d) / "config.json").read_text())
         except (OSError, ValueError):
             continue
         kept.append(d)

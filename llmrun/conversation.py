@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.errors import ContextOverflowError, LlmrunError, check_utf8
+from llmrun.errors import ContextOverflowError, LlmrunError, check_utf8, parse_json
 from llmrun.generate import Engine, Generation
 from llmrun.sampling import SamplingParams
 
@@ -112,7 +112,7 @@ def load_conversation(path: str | Path) -> SavedConversation:
     """Read a file `save_conversation` wrote; anything else is one LlmrunError saying what is wrong with it."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = parse_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise LlmrunError(f"{path}: no such file") from None
     except UnicodeDecodeError:

@@ -41,3 +41,14 @@ def not_finite(dtype) -> LlmrunError:
     """The error for a model whose output holds NaN or inf, computed in torch dtype `dtype`."""
     hint = "" if str(dtype) == "torch.float32" else f", or {dtype} overflowed: try --dtype fp32"
     return LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")
+
+
+def parse_json(text: str | bytes):
+    """`json.loads`, where a document nested deeper than Python's parser recurses (`[[[[...`, a corrupt or hostile
+    file) is a ValueError as any other malformed JSON, not a RecursionError."""
+    import json
+
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None

@@ -16,7 +16,6 @@ distribution (temperature > 0), whatever the tokenizer does at the boundaries.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import sys
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmrun.errors import LlmrunError, UsageError
+from llmrun.errors import LlmrunError, UsageError, parse_json
 
 if TYPE_CHECKING:
     import torch
@@ -56,14 +55,14 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
     if json_schema is not None:
         if json_schema == ANY_JSON:
             return GrammarSpec("json", ANY_JSON, "any")
-        if json_schema.lstrip().startswith("{") or (json_schema != "-" and not Path(json_schema).is_file()
+        if json_schema.lstrip().startswith(("{", "[")) or (json_schema != "-" and not _is_file(json_schema)
                                                      and _is_json(json_schema)):
             text, origin = json_schema, "(inline)"
         else:
             text, origin = _read("--json-schema", json_schema), json_schema
         try:
-            json.loads(text)
-        except json.JSONDecodeError as e:
+            parse_json(text)
+        except ValueError as e:
             raise LlmrunError(f"--json-schema {origin} is not valid JSON: {e}") from None
         return GrammarSpec("json", text, origin)
     if regex is not None:
@@ -77,10 +76,17 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
 
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text)
+        parse_json(text)
     except ValueError:
         return False
     return True
+
+
+def _is_file(name: str) -> bool:
+    try:
+        return Path(name).is_file()
+    except OSError:  # a name too long for the system (inline JSON mistaken for a file name)
+        return False
 
 
 def _read(option: str, name: str) -> str:
@@ -89,7 +95,7 @@ def _read(option: str, name: str) -> str:
             raise LlmrunError(f"{option} - reads stdin, but stdin is a terminal; pipe the text in or name a file")
         return sys.stdin.read().removeprefix("\ufeff")
     path = Path(name)
-    if not path.is_file():
+    if not _is_file(name):
         raise LlmrunError(f"{option} {name}: no such file")
     try:
         return path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not text)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from llmrun.errors import LlmrunError, ModelFormatError, ModelNotFoundError
+from llmrun.errors import LlmrunError, ModelFormatError, ModelNotFoundError, parse_json
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,7 +73,7 @@ def _check_weights(path: Path) -> None:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
+            shards = set(parse_json(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelFormatError(f"{index}: cannot read its weight_map ({e})") from e
         absent = sorted(str(name) for name in shards if not (path / str(name)).is_file())
@@ -215,7 +214,7 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
             stored[t.type_name] = stored.get(t.type_name, 0) + t.data.nbytes
         return ModelFiles(source, config, tokenizer_from_gguf(g.metadata), stored, gguf=g)
     try:
-        hf_config = json.loads((source.path / "config.json").read_text())
+        hf_config = parse_json((source.path / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ModelFormatError(f"{source.path / 'config.json'}: cannot parse ({e})") from e
     if not isinstance(hf_config, dict):
@@ -259,7 +258,7 @@ def _safetensors_headers(path: Path):
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > size - 8:
                     raise ValueError(f"its header claims {n} bytes, the file has {size}")
-                header = json.loads(f.read(n))
+                header = parse_json(f.read(n))
             if not isinstance(header, dict):
                 raise ValueError("its header is not a JSON object")
             entries = [(k, v) for k, v in header.items() if k != "__metadata__"]

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from llmrun.errors import LlmrunError, UsageError
+from llmrun.errors import LlmrunError, UsageError, parse_json
 
 METHODS = ("awq", "rtn", "int8")
 GROUP_SIZES = (128, 64, 32)  # the default is the first that divides every layer's input width
@@ -319,7 +319,7 @@ def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, optio
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         if files.gguf is None:  # keep every field of the original config and its tokenizer files as they are
-            config = json.loads((files.source.path / "config.json").read_text())
+            config = parse_json((files.source.path / "config.json").read_text())
             for path in files.source.path.iterdir():
                 if path.is_file() and (path.name.startswith(("tokenizer", "special_tokens", "generation_config",
                                                              "added_tokens", "chat_template", "vocab", "merges"))):

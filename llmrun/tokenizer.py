@@ -18,7 +18,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from llmrun.chat_template import ChatTemplate
-from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedModelError, check_utf8
+from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedModelError, check_utf8, parse_json
 
 # GGUF `tokenizer.ggml.token_type` values.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -389,8 +389,8 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+        return parse_json(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
         raise ModelFormatError(f"{path} is not valid JSON: {exc}") from None
 
 

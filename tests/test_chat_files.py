@@ -58,6 +58,7 @@ def test_a_failed_save_leaves_the_previous_file(tmp_path, monkeypatch):
 BAD_FILES = [
     (None, "no such file"),
     (b"{\"format\":", "is not JSON"),
+    (b"[" * 100_000, "is not JSON (nested too deeply to parse)"),
     (b"\xff\xfe{}", "is not UTF-8 text"),
     (b"[1, 2]", "is not an llmrun conversation"),
     (json.dumps({"messages": []}).encode(), "is not an llmrun conversation"),

@@ -326,6 +326,7 @@ def test_grammar_spec_reads_inline_files_and_the_any_keyword(tmp_path, monkeypat
     (dict(json_schema="{}", regex="a"), "--json-schema and --regex each constrain the output"),
     (dict(json_schema="missing.json"), "--json-schema missing.json: no such file"),
     (dict(json_schema="{not json"), "is not valid JSON"),
+    (dict(json_schema="[" * 100_000), "is not valid JSON: nested too deeply to parse"),  # (no file of that name)
     (dict(regex=""), "--regex is empty"),
     (dict(grammar="nowhere.gbnf"), "--grammar nowhere.gbnf: no such file"),
 ])
