@@ -227,6 +227,8 @@ def test_corrupt_safetensors(cli, hf_dir, weights, names):
         (["--device", "tpu"], ["--device", "tpu"]),
         (["--frobnicate"], ["--frobnicate"]),
         (["--temperature", "inf"], ["--temperature", "finite"]),
+        (["--temperature", "1e-38"], ["--temperature", "too small to sample with: 0 means greedy"]),
+        (["--repetition-penalty", "1e-40"], ["--repetition-penalty", "between 0.0001 and 10000"]),
         (["--repetition-penalty", "nan"], ["--repetition-penalty", "finite"]),
         (["--top-p", "nan"], ["--top-p"]),
         (["--seed", str(2**64)], ["--seed"]),

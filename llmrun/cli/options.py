@@ -25,6 +25,8 @@ SPECULATIVE = "Speculative decoding"
 STRUCTURED = "Structured output"
 KV = "KV cache"
 NGRAM_DEFAULT = 3  # `--ngram` without a value
+MIN_TEMPERATURE = 1e-4  # below, logits / temperature can overflow fp32 (1e-38: inf, then NaN probabilities)
+PENALTY_RANGE = 1e4  # --repetition-penalty within [1 / PENALTY_RANGE, PENALTY_RANGE], for the same reason
 
 
 class Device(str, Enum):
@@ -149,10 +151,14 @@ def _build(values: dict) -> RunOptions:
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         if not math.isfinite(values[name]):
             raise typer.BadParameter("must be a finite number", param_hint=f"'--{name.replace('_', '-')}'")
+    if 0.0 < values["temperature"] < MIN_TEMPERATURE:  # logits / T would overflow fp32: inf, then NaN
+        raise typer.BadParameter(f"{values['temperature']:g} is too small to sample with: 0 means greedy, and a sampled"
+                                 f" reply takes at least {MIN_TEMPERATURE:g}", param_hint="'--temperature'")
     if not 0.0 < values["top_p"] <= 1.0:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
-    if values["repetition_penalty"] <= 0:
-        raise typer.BadParameter("must be > 0", param_hint="'--repetition-penalty'")
+    if not 1 / PENALTY_RANGE <= values["repetition_penalty"] <= PENALTY_RANGE:  # beyond, logits overflow or vanish
+        raise typer.BadParameter(f"must be between {1 / PENALTY_RANGE:g} and {PENALTY_RANGE:g} (1: off)",
+                                 param_hint="'--repetition-penalty'")
     if "" in (values["stop"] or ()):
         raise typer.BadParameter("an empty stop string would stop before the first token", param_hint="'--stop'")
     params = SamplingParams(
