@@ -92,15 +92,16 @@ class SavedConversation:
 def save_conversation(path: str | Path, saved: SavedConversation) -> None:
     """Write `saved` as JSON, atomically: a crash or Ctrl-C leaves the previous file or the new one, never half."""
     path = Path(path)
+    target = Path(os.path.realpath(path))  # through a symbolic link, the file it names is the one replaced
     doc = {"format": FORMAT, "version": FORMAT_VERSION, "model": saved.model, "system": saved.system,
            "messages": saved.messages}
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(doc, f, ensure_ascii=False, indent=1)
                 f.write("\n")
-            os.replace(tmp, path)
+            os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -41,6 +41,17 @@ def test_save_and_load_round_trip(tmp_path):
     assert os.listdir(tmp_path) == ["c.json"]  # the temporary file was renamed into place
 
 
+
+def test_a_save_through_a_symbolic_link_replaces_the_file_it_names(tmp_path):
+    (tmp_path / "chats").mkdir()
+    real, link = tmp_path / "chats" / "real.json", tmp_path / "link.json"
+    save_conversation(real, SavedConversation("smollm2", None, []))
+    link.symlink_to(real)
+    saved = SavedConversation("smollm2", None, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    save_conversation(link, saved)
+    assert link.is_symlink() and load_conversation(real) == saved
+    assert sorted(os.listdir(tmp_path / "chats")) == ["real.json"]
+
 def test_a_failed_save_leaves_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / "c.json"
     path.write_text("before")
@@ -106,6 +117,9 @@ def test_save_refuses_to_overwrite_a_conversation_it_did_not_load(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "{}"
     result = runner.invoke(app, ["chat", "--save", str(tmp_path / "no" / "c.json"), "-p", "hi"])
     assert result.exit_code == 1 and "no directory" in result.stderr
+    if os.path.isdir("/proc"):  # a directory where no file can be made (root may write anywhere else)
+        result = runner.invoke(app, ["chat", "--save", "/proc/c.json", "-p", "hi"])
+        assert result.exit_code == 1 and "--save /proc/c.json: cannot write in /proc" in result.stderr
 
 
 # --- chat -p: one turn continued and written back ----------------------------------------------------------------

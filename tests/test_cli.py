@@ -47,6 +47,23 @@ def run(*args, input=None, timeout=LOAD_S) -> subprocess.CompletedProcess:
     )
 
 
+
+def test_a_reader_that_goes_away_stops_the_reply_quietly():
+    """`llmrun generate ... | head -c 5`: no traceback, no error line; the exit status SIGPIPE gives a C program."""
+    proc = subprocess.Popen([*LLMRUN, "generate", "Once upon a time", "-n", "300", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert len(proc.stdout.read(5)) == 5
+    proc.stdout.close()
+    assert proc.wait(timeout=LOAD_S) == 141
+    assert proc.stderr.read() == b""
+
+
+def test_a_closed_stdout_is_one_error_line():
+    done = subprocess.run([*LLMRUN, "chat", "-p", "Hi", "-n", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, env=ENV, timeout=LOAD_S, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "error: standard output is closed; redirect it (> FILE, or > /dev/null) instead"]
+
 @pytest.fixture(scope="module")
 def cli():
     """Invoke the app in-process; every command of the module shares one loaded model (each gets its own

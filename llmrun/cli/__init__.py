@@ -61,6 +61,9 @@ def main() -> None:
     """Entry point: usage errors become one `error:` line (exit 2) instead of a help panel."""
     from .options import expand_bare_options
 
+    if sys.stdout is None:  # started with stdout closed (`>&-`): replies, tables and JSON would go nowhere
+        print("error: standard output is closed; redirect it (> FILE, or > /dev/null) instead", file=sys.stderr)
+        sys.exit(2)
     replaced = {}
     for name in ("SIGTERM", "SIGHUP"):
         number = getattr(signal, name, None)  # (no SIGHUP on Windows)

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Optional
@@ -97,6 +98,12 @@ def _check_files(save: Path | None, load: Path | None):
             raise LlmrunError(f"--save {save}: the file exists; continue it with --load {save} --save {save}, or choose another file")
         if not save.parent.is_dir():
             raise LlmrunError(f"--save {save}: no directory {save.parent}")
+        try:  # a file can be made there (not a read-only or pseudo file system), before the model loads
+            fd, probe = tempfile.mkstemp(prefix=f".{save.name}.", dir=Path(os.path.realpath(save)).parent)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise LlmrunError(f"--save {save}: cannot write in {save.parent} ({e.strerror or e})") from None
     return saved
 
 

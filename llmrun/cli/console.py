@@ -54,6 +54,10 @@ def user_errors(command):
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130)
+        except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as SIGPIPE would stop a
+            # C program (128 + 13), with stdout pointed at nothing so that Python's last flush cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(141)
         except (MemoryError, RuntimeError) as e:
             if not _is_out_of_memory(e):
                 raise
