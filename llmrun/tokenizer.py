@@ -9,6 +9,7 @@ code path:
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from pathlib import Path
@@ -37,6 +38,18 @@ _LLAMA3_SPLIT = (
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell"}
+
+
+def _gpt2_byte_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet: each byte as the printable character that spells it in the vocabulary (GPT-2's
+    table: printable Latin-1 bytes as themselves, the other 68 as U+0100 onwards, in order) -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_chars()
 
 # Two Unicode noncharacters that bracket message text spelling a control token while a chat template renders
 # (`Tokenizer.render_chat_spans`): never in text people exchange
@@ -76,6 +89,7 @@ class Tokenizer:
         texts = sorted({t.content for t in tok.get_added_tokens_decoder().values() if t.special}, key=len, reverse=True)
         # matches the text of any control token, the longest first (`render_chat_spans`); None if there is none
         self._control_text = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._special = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
         """special=True turns control tokens written in `text` (e.g. "<|im_start|>") into their ids;
@@ -169,6 +183,23 @@ class Tokenizer:
         ids += self.encode(text[at:], special=True, add_bos=False)
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
+    def ends_mid_character(self, ids: list[int]) -> bool:
+        """Whether the bytes `ids` spell end inside a UTF-8 character (its first bytes without the rest), which
+        `decode` shows as U+FFFD: a reply cut by its token limit there. (A token spelling U+FFFD itself does not.)"""
+        tail = b"".join(self._piece_bytes(i) for i in ids[-4:] if i not in self._special)  # a character: <= 4 bytes
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(tail, final=False)
+        return bool(decoder.getstate()[0])  # bytes held back for the rest of a character
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        piece = self.id_to_piece(token_id)
+        if self.kind == "bpe" and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if self.kind == "spm":
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+        return piece.encode()
+
     def save(self, directory: Path) -> None:
         """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json: the
         files `tokenizer_from_hf_dir` (and transformers) read back to this tokenizer."""
@@ -211,13 +242,16 @@ class StreamDecoder:
         return self._emit(final=False)
 
     def flush(self) -> str:
-        """Whatever is still held back, even an incomplete character, once generation has ended."""
+        """Whatever is still held back once generation has ended, but for the first bytes of a character whose rest
+        never came (`-n` cut it)."""
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
         decode = self._tokenizer.decode
         done = decode(self._ids[self._prefix : self._read], skip_special=self._skip_special)
         text = decode(self._ids[self._prefix :], skip_special=self._skip_special)
+        if text.endswith("\ufffd") and final and self._tokenizer.ends_mid_character(self._ids[self._prefix:]):
+            text = text[:-1]  # a character cut by the end of generation: its first bytes are not text
         if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
             return ""
         # The emitted window becomes the next one's prefix; older ids are no longer needed.

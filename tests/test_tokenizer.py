@@ -258,13 +258,23 @@ def test_stream_decoder_spm_keeps_spaces(spm):
     assert not any("\ufffd" in c for c in chunks)
 
 
-def test_stream_decoder_skips_special_and_flushes_broken_tail(smol):
+def test_stream_decoder_skips_special_and_drops_a_cut_character(smol):
     decoder = StreamDecoder(smol)  # skip_special by default
     text = "".join(decoder.push(i) for i in smol.encode("<|im_start|>ok<|im_end|>", special=True))
     assert text == "ok"
     half = smol.encode("🙂")[:-1]  # generation stopped mid-character
     assert "".join(decoder.push(i) for i in half) == ""
-    assert decoder.flush().endswith("\ufffd")
+    assert decoder.flush() == ""  # the character's first bytes are not text: no U+FFFD
+    decoder = StreamDecoder(smol)
+    ids = smol.encode("ok \ufffd")  # a reply that spells U+FFFD itself keeps it
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == "ok \ufffd"
+    assert smol.ends_mid_character(half) and not smol.ends_mid_character(ids)
+
+
+def test_spm_stream_decoder_drops_a_cut_character(spm):
+    ids = spm.encode("ab é", add_bos=False)
+    assert spm.decode(ids[:-1]).endswith("\ufffd")  # é is two byte tokens
+    assert "".join(_stream(spm, ids[:-1])) == "ab "
 
 
 # --- chat templates ---------------------------------------------------------------------------------
