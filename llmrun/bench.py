@@ -332,8 +332,10 @@ def run_figures(engine, workload, runs: list[Run], tokens_per_step: float | None
     figures = speed_figures(runs)
     prompt, new = len(workload.prompt), workload.new_tokens
     kv_per_token = engine.cache.nbytes // engine.cache.max_len
-    # Decode step i (1..new-1) attends over prompt + i positions: on average prompt + new/2.
-    read_per_token = weight_bytes_read_per_token(engine.loaded) + round(kv_per_token * (prompt + new / 2))
+    # Decode step i (1..new-1) attends over prompt + i positions (on average prompt + new/2), or over the cache's
+    # max_len where an evicting cache holds no more than its budget
+    held = [min(prompt + i, engine.cache.max_len) for i in range(1, new) or [new / 2]]
+    read_per_token = weight_bytes_read_per_token(engine.loaded) + round(kv_per_token * sum(held) / len(held))
     steps_per_s = figures["decode_tok_s"]["median"] / (tokens_per_step or 1.0)
     achieved = read_per_token * steps_per_s  # the target's reads; a draft model's are not counted
     peak = copy_bandwidth(engine.device.type)

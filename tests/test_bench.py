@@ -159,6 +159,21 @@ def test_title_names_the_kv_cache(cli, tiny_gguf):
     assert "ctx" not in title  # the budget is the cache's size
 
 
+def test_an_evicting_cache_counts_the_keys_it_holds(cli, tiny_gguf):
+    """The bytes a decode step reads: the keys and values of the positions the cache holds, at most its budget (a
+    cache of 96 with a 100-token prompt: 96 each step), not of every position fed."""
+    def run(budget):
+        return ok(cli(tiny_gguf, "--prompt-tokens", "100", "--new-tokens", "3", "--repeat", "1", "--no-warmup",
+                      "--threads", "1", "--kv-evict", "window", "--kv-budget", str(budget), "--json")).json()
+
+    held_96, held_64, whole = run(96), run(64), ok(cli(tiny_gguf, "--prompt-tokens", "100", "--new-tokens", "3",
+                                                       "--repeat", "1", "--no-warmup", "--threads", "1", "--json")).json()
+    kv = held_96["kv_bytes_per_token"]  # (with the positions an evicting cache keeps: a little more than `whole`'s)
+    assert held_64["kv_bytes_per_token"] == kv and held_96["bytes_per_token"] - held_64["bytes_per_token"] == kv * 32
+    weights = whole["bytes_per_token"] - round(whole["kv_bytes_per_token"] * (100 + 3 / 2))  # at the mean context
+    assert held_96["bytes_per_token"] == weights + kv * 96
+
+
 def test_embedded_model(cli):
     doc = ok(cli("--prompt-tokens", "16", "--new-tokens", "4", "--repeat", "1", "--json")).json()
     check_schema(doc)
