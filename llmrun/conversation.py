@@ -57,8 +57,8 @@ class Conversation:
         tokenizer = self.engine.tokenizer
         if self._held is not None and rendered.startswith(self._held[0]):
             cut = len(self._held[0])
-            rest = tokenizer.encode_rendered(rendered[cut:], [(max(a, cut) - cut, b - cut) for a, b in plain if b > cut],
-                                             add_bos=False)
+            after = [(max(a, cut) - cut, b - cut) for a, b in plain if b > cut]
+            rest = tokenizer.encode_rendered(rendered[cut:], after, add_bos=False)
             if rest and rest[0] in tokenizer.special_ids():
                 return self._held[1] + rest
         return tokenizer.encode_rendered(rendered, plain)

@@ -166,8 +166,9 @@ def test_an_evicting_cache_counts_the_keys_it_holds(cli, tiny_gguf):
         return ok(cli(tiny_gguf, "--prompt-tokens", "100", "--new-tokens", "3", "--repeat", "1", "--no-warmup",
                       "--threads", "1", "--kv-evict", "window", "--kv-budget", str(budget), "--json")).json()
 
-    held_96, held_64, whole = run(96), run(64), ok(cli(tiny_gguf, "--prompt-tokens", "100", "--new-tokens", "3",
-                                                       "--repeat", "1", "--no-warmup", "--threads", "1", "--json")).json()
+    held_96, held_64 = run(96), run(64)
+    whole = ok(cli(tiny_gguf, "--prompt-tokens", "100", "--new-tokens", "3", "--repeat", "1", "--no-warmup",
+                   "--threads", "1", "--json")).json()
     kv = held_96["kv_bytes_per_token"]  # (with the positions an evicting cache keeps: a little more than `whole`'s)
     assert held_64["kv_bytes_per_token"] == kv and held_96["bytes_per_token"] - held_64["bytes_per_token"] == kv * 32
     weights = whole["bytes_per_token"] - round(whole["kv_bytes_per_token"] * (100 + 3 / 2))  # at the mean context

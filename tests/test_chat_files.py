@@ -47,7 +47,8 @@ def test_a_save_through_a_symbolic_link_replaces_the_file_it_names(tmp_path):
     real, link = tmp_path / "chats" / "real.json", tmp_path / "link.json"
     save_conversation(real, SavedConversation("smollm2", None, []))
     link.symlink_to(real)
-    saved = SavedConversation("smollm2", None, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    saved = SavedConversation("smollm2", None, messages)
     save_conversation(link, saved)
     assert link.is_symlink() and load_conversation(real) == saved
     assert sorted(os.listdir(tmp_path / "chats")) == ["real.json"]

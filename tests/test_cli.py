@@ -506,7 +506,8 @@ def test_repl_prompt_without_colour_where_asked(terminal):
 def test_repl_messages_of_several_lines(terminal, tmp_path):
     """A line ending in a backslash goes on at the next; three double quotes open and close a block of lines;
     Ctrl-C at a continuation prompt drops the unfinished message and the chat goes on; /system takes its text
-    from the lines after it too, and from a block; a block is a message even where it begins with a slash. The saved conversation shows each message as it was meant."""
+    from the lines after it too, and from a block; a block is a message even where it begins with a slash. The
+    saved conversation shows each message as it was meant."""
     saved = tmp_path / "c.json"
     t = terminal("chat", "--temperature", "0", "-n", "4", "--ctx", "1024", "--save", str(saved))
     t.expect(PROMPT_MARK, timeout=LOAD_S)
