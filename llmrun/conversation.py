@@ -92,6 +92,8 @@ class SavedConversation:
 def save_conversation(path: str | Path, saved: SavedConversation) -> None:
     """Write `saved` as JSON, atomically: a crash or Ctrl-C leaves the previous file or the new one, never half."""
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise LlmrunError(f"cannot save the conversation to {path}: a symbolic link to a file that does not exist")
     target = Path(os.path.realpath(path))  # through a symbolic link, the file it names is the one replaced
     doc = {"format": FORMAT, "version": FORMAT_VERSION, "model": saved.model, "system": saved.system,
            "messages": saved.messages}

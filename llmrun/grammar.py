@@ -55,8 +55,8 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
     if json_schema is not None:
         if json_schema == ANY_JSON:
             return GrammarSpec("json", ANY_JSON, "any")
-        if json_schema.lstrip().startswith(("{", "[")) or (json_schema != "-" and not _is_file(json_schema)
-                                                     and _is_json(json_schema)):
+        if json_schema.lstrip().startswith("{") or (json_schema != "-" and not _is_file(json_schema) and (
+                json_schema.lstrip().startswith("[") or _is_json(json_schema))):
             text, origin = json_schema, "(inline)"
         else:
             text, origin = _read("--json-schema", json_schema), json_schema

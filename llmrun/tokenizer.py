@@ -171,25 +171,44 @@ class Tokenizer:
                         ) -> list[int]:
         """The ids of a rendered chat template: its control tokens parsed, but in the spans `plain` (message text,
         `render_chat_spans`) read as text; BOS added unless the text has it (add_bos None) or as add_bos says."""
+        plain = list(plain)
         # Many templates write {{ bos_token }} themselves; adding another would double it.
         bos_text = self._piece_or_empty(self.bos_id)
         if add_bos is None:
-            add_bos = self.add_bos and bool(bos_text) and not text.startswith(bos_text)
-        ids, at = [], 0
-        for start, end in plain:
-            ids += self.encode(text[at:start], special=True, add_bos=False)
-            ids += self.encode(text[start:end], special=False, add_bos=False)
-            at = end
-        ids += self.encode(text[at:], special=True, add_bos=False)
+            add_bos = (self.add_bos and bool(bos_text)
+                       and not (text.startswith(bos_text) and not any(a == 0 for a, _ in plain)))
+        if not plain:
+            ids = self.encode(text, special=True, add_bos=False)
+        else:  # the control tokens outside the spans as their ids; the text between them, spans and all, as text
+            # (one run encoded whole, as the tokenizer splits it at control tokens: a span encoded on its own
+            # would begin a word of its own, a SentencePiece "▁" before it)
+            ids, at = [], 0
+            for found in self._control_text.finditer(text):
+                if not any(a <= found.start() < b for a, b in plain):
+                    ids += self.encode(text[at:found.start()], special=False, add_bos=False)
+                    ids.append(self._tok.token_to_id(found.group(0)))
+                    at = found.end()
+            ids += self.encode(text[at:], special=False, add_bos=False)
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
-    def ends_mid_character(self, ids: list[int]) -> bool:
-        """Whether the bytes `ids` spell end inside a UTF-8 character (its first bytes without the rest), which
-        `decode` shows as U+FFFD: a reply cut by its token limit there. (A token spelling U+FFFD itself does not.)"""
+    def cut_bytes(self, ids: list[int]) -> int:
+        """How many bytes at the end of what `ids` spell begin a UTF-8 character without the rest of it (0 if none),
+        which `decode` shows as U+FFFD: a reply cut by its token limit there. (A token spelling U+FFFD does not.)"""
         tail = b"".join(self._piece_bytes(i) for i in ids[-4:] if i not in self._special)  # a character: <= 4 bytes
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(tail, final=False)
-        return bool(decoder.getstate()[0])  # bytes held back for the rest of a character
+        return len(decoder.getstate()[0])  # bytes held back for the rest of a character
+
+    def without_cut_character(self, ids: list[int], text: str, skip_special: bool = False) -> str:
+        """`text`, `ids` decoded (as skip_special says), less the U+FFFD of a character cut at the end (`cut_bytes`)."""
+        n = self.cut_bytes(ids)
+        if not n or not text.endswith("\ufffd"):
+            return text
+        if self.kind == "spm" and all(re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", self.id_to_piece(i)) for i in ids[-n:]):
+            # SentencePiece's byte fallback writes a U+FFFD for each byte of a run that is not UTF-8, a whole
+            # character's before it included: decoded again without the cut bytes
+            return self.decode(ids[:-n], skip_special=skip_special)
+        return text[:-1]  # byte-level BPE: the cut bytes are one U+FFFD
 
     def _piece_bytes(self, token_id: int) -> bytes:
         piece = self.id_to_piece(token_id)
@@ -250,8 +269,8 @@ class StreamDecoder:
         decode = self._tokenizer.decode
         done = decode(self._ids[self._prefix : self._read], skip_special=self._skip_special)
         text = decode(self._ids[self._prefix :], skip_special=self._skip_special)
-        if text.endswith("\ufffd") and final and self._tokenizer.ends_mid_character(self._ids[self._prefix:]):
-            text = text[:-1]  # a character cut by the end of generation: its first bytes are not text
+        if final:  # a character cut by the end of generation: its first bytes are not text
+            text = self._tokenizer.without_cut_character(self._ids[self._prefix:], text, self._skip_special)
         if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
             return ""
         # The emitted window becomes the next one's prefix; older ids are no longer needed.

@@ -378,6 +378,7 @@ def test_prompt_kinds_and_exact_lengths():
     (["--sweep", "--axis", "dtype"], ["--axis", "NAME=VALUE"], 2),
     (["--sweep", "--axis", "dtype=fp32", "--axis", "dtype=bf16"], ["--axis", "dtype is given twice"], 2),
     (["--ngram", "--temperature", "inf"], ["--temperature", "finite"], 2),
+    (["--ngram", "--temperature", "1e-40"], ["--temperature", "too small to sample with"], 2),
     (["--kv-evict", "window", "--kv-budget", "64", "--ctx", "128"], ["--ctx 128", "--kv-evict", "drop --ctx"], 2),
     (["--prompt-file", "missing.txt"], ["missing.txt", "no such file"], 1),
     (["./nope.gguf"], ["nope.gguf", "no such file"], 1),

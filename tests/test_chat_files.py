@@ -52,6 +52,11 @@ def test_a_save_through_a_symbolic_link_replaces_the_file_it_names(tmp_path):
     save_conversation(link, saved)
     assert link.is_symlink() and load_conversation(real) == saved
     assert sorted(os.listdir(tmp_path / "chats")) == ["real.json"]
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "chats" / "nowhere.json")
+    with pytest.raises(LlmrunError, match="a symbolic link to a file that does not exist"):
+        save_conversation(dangling, saved)
+    assert not (tmp_path / "chats" / "nowhere.json").exists()
 
 def test_a_failed_save_leaves_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / "c.json"

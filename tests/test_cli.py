@@ -534,7 +534,7 @@ def test_repl_messages_of_several_lines(terminal, tmp_path):
     t.expect(b"... ")
     t.send('int add(int a, int b);"""')
     assert "tok/s" in t.expect(PROMPT_MARK)
-    t.send('/system """Be')  # /system takes a block too
+    t.send('/system """  Be')  # /system takes a block too, as it is
     t.expect(b"... ")
     t.send('brief."""')
     assert "system prompt set" in t.expect(PROMPT_MARK)
@@ -555,7 +555,7 @@ def test_repl_messages_of_several_lines(terminal, tmp_path):
     assert t.wait() == 0
     assert "Traceback" not in t.text()
     doc = json.loads(saved.read_text())
-    assert doc["system"] == "Be\nbrief."
+    assert doc["system"] == "  Be\nbrief."
     assert [m["content"] for m in doc["messages"] if m["role"] == "user"] == [
         "Name a colour,\nthen a fruit.", "def f(x):\n    return x + 1  \\\n\nWhat does f do?",
         "/* C: a block is a message whatever it begins with */\nint add(int a, int b);"]

@@ -120,6 +120,15 @@ def test_message_text_spelling_a_control_token_stays_text(smol, role):
     assert smol.render_chat_spans(clean) == (smol.render_chat(clean), [])
 
 
+
+@pytest.mark.parametrize("content", ["ab</s>c", "<s>ab", "ab </s>"])
+def test_spm_message_text_spelling_a_control_token_is_one_run_of_text(content):
+    """SentencePiece: the message is encoded as `encode` encodes it as text (no word break made at the control
+    token's text), BOS still added where the message, not the template, begins with BOS's text."""
+    tok = tokenizer_from_gguf(_spm_metadata(**{"tokenizer.chat_template": "{{ messages[0]['content'] }}"}))
+    assert tok.encode_chat([{"role": "user", "content": content}]) == tok.encode(content, add_bos=True)
+    assert tok.encode(content, add_bos=True)[0] == tok.bos_id
+
 def test_a_template_that_alters_control_text_in_a_message_is_refused():
     """Where the template does more with a message than copy it (here: its last three characters), the text spelling
     a control token cannot be told apart from the markup: one clear error, not a forged turn."""
@@ -268,13 +277,16 @@ def test_stream_decoder_skips_special_and_drops_a_cut_character(smol):
     decoder = StreamDecoder(smol)
     ids = smol.encode("ok \ufffd")  # a reply that spells U+FFFD itself keeps it
     assert "".join(decoder.push(i) for i in ids) + decoder.flush() == "ok \ufffd"
-    assert smol.ends_mid_character(half) and not smol.ends_mid_character(ids)
+    assert 0 < smol.cut_bytes(half) < 4 and smol.cut_bytes(ids) == 0  # (🙂 is 4 bytes)
 
 
-def test_spm_stream_decoder_drops_a_cut_character(spm):
-    ids = spm.encode("ab é", add_bos=False)
-    assert spm.decode(ids[:-1]).endswith("\ufffd")  # é is two byte tokens
-    assert "".join(_stream(spm, ids[:-1])) == "ab "
+@pytest.mark.parametrize("text, cut, shown", [("ab é", 1, "ab "), ("ab é中", 1, "ab é"), ("ab é中", 2, "ab é")])
+def test_spm_stream_decoder_drops_a_cut_character(spm, text, cut, shown):
+    """A character cut in its byte tokens (é is two, 中 three): SentencePiece's byte fallback shows each byte of
+    the broken run as a U+FFFD, the whole character's before it too; the stream ends at the last whole one."""
+    ids = spm.encode(text, add_bos=False)[:-cut]
+    assert spm.decode(ids).endswith("\ufffd") and spm.cut_bytes(ids) == len(text[-1].encode()) - cut
+    assert "".join(_stream(spm, ids)) == shown
 
 
 # --- chat templates ---------------------------------------------------------------------------------

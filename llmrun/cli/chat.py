@@ -96,14 +96,17 @@ def _check_files(save: Path | None, load: Path | None):
             except LlmrunError:
                 raise LlmrunError(f"--save {save}: the file exists (and is not a conversation); choose another file") from None
             raise LlmrunError(f"--save {save}: the file exists; continue it with --load {save} --save {save}, or choose another file")
+        if save.is_symlink() and not save.exists():
+            raise LlmrunError(f"--save {save}: a symbolic link to a file that does not exist")
         if not save.parent.is_dir():
             raise LlmrunError(f"--save {save}: no directory {save.parent}")
+        folder = Path(os.path.realpath(save)).parent  # (through a symbolic link, the file it names is written)
         try:  # a file can be made there (not a read-only or pseudo file system), before the model loads
-            fd, probe = tempfile.mkstemp(prefix=f".{save.name}.", dir=Path(os.path.realpath(save)).parent)
+            fd, probe = tempfile.mkstemp(prefix=f".{save.name}.", dir=folder)
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise LlmrunError(f"--save {save}: cannot write in {save.parent} ({e.strerror or e})") from None
+            raise LlmrunError(f"--save {save}: cannot write in {folder} ({e.strerror or e})") from None
     return saved
 
 
@@ -179,8 +182,9 @@ def _read_line(prompt: str = ">>> ") -> str:
     return input()
 
 
-def _read_message() -> tuple[str, bool] | None:
-    """The next message typed at the prompt, and whether it is a slash command: one line, or several. A line
+def _read_message() -> tuple[str, str] | None:
+    """The next message typed at the prompt and its kind ("message", "command": a slash command, or "system": the
+    text of a `/system` block): one line, or several. A line
     ending in a backslash goes on at the next (the backslash dropped, the line break kept); a message opened with
     BLOCK (three double quotes) goes on until a line ending in BLOCK (the quotes dropped; backslashes inside are the
     text's), and is a message whatever it begins with (`/* C */`, a path); `/system` followed by BLOCK takes such a
@@ -189,22 +193,22 @@ def _read_message() -> tuple[str, bool] | None:
     drops the unfinished message (None), Ctrl-D there ends the chat."""
     line = _read_line()
     try:
-        command = ""
+        kind = "message"
         if line.startswith("/system") and line[len("/system"):].lstrip().startswith(BLOCK):
-            command, line = "/system ", line[len("/system"):].lstrip()
+            kind, line = "system", line[len("/system"):].lstrip()
         if line.startswith(BLOCK):
             lines, line = [], line[len(BLOCK):]
             while not line.endswith(BLOCK):
                 lines.append(line)
                 line = _read_line(MORE)
             lines.append(line[: -len(BLOCK)])
-            return command + "\n".join(lines).strip("\n"), bool(command)
+            return "\n".join(lines).strip("\n"), kind
         lines = []
         while line.endswith("\\"):
             lines.append(line[:-1])
             line = _read_line(MORE)
         text = "\n".join([*lines, line])
-        return text, text.startswith("/")
+        return text, "command" if text.startswith("/") else "message"
     except KeyboardInterrupt:
         err.print()
         err.print(Text("(the unfinished message was dropped)", style="dim"))
@@ -226,12 +230,14 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
         except (EOFError, KeyboardInterrupt):
             err.print()
             return
-        if message is None or not message[0].strip():
+        if message is None or (not message[0].strip() and message[1] != "system"):
             continue
-        line, command = message
-        if command:
+        line, kind = message
+        if kind != "message":
             try:
-                if _slash(line, conversation, last, saving):
+                if kind == "system":
+                    _set_system(conversation, line)
+                elif _slash(line, conversation, last, saving):
                     return
             except LlmrunError as e:
                 err.print(Text(f"error: {e}", style="bold red"))
@@ -271,9 +277,7 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
         conversation.reset()
         err.print(Text("conversation cleared", style="dim"))
     elif command == "/system":
-        check_utf8(arg)
-        conversation.system = arg or None
-        err.print(Text("system prompt " + ("set" if arg else "cleared"), style="dim"))
+        _set_system(conversation, arg)
     elif command == "/stats":
         _print_stats(conversation, last)
     elif command == "/save":
@@ -301,6 +305,12 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
     else:
         err.print(Text(f"unknown command {command}. {HELP}", style="yellow"))
     return False
+
+
+def _set_system(conversation, text: str) -> None:
+    check_utf8(text)
+    conversation.system = text if text.strip() else None
+    err.print(Text("system prompt " + ("set" if conversation.system else "cleared"), style="dim"))
 
 
 def _path(arg: str) -> Path:

@@ -5,6 +5,7 @@ import functools
 import importlib
 import io
 import os
+import stat
 import sys
 from contextlib import contextmanager, nullcontext
 
@@ -56,7 +57,11 @@ def user_errors(command):
             raise typer.Exit(130)
         except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as SIGPIPE would stop a
             # C program (128 + 13), with stdout pointed at nothing so that Python's last flush cannot fail again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            if not _stdout_is_a_pipe():
+                raise
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
             raise typer.Exit(141)
         except (MemoryError, RuntimeError) as e:
             if not _is_out_of_memory(e):
@@ -65,6 +70,14 @@ def user_errors(command):
             fail(f"out of memory ({detail}); try a smaller --ctx, --dtype bf16, or a smaller model")
 
     return wrapper
+
+
+def _stdout_is_a_pipe() -> bool:
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 def spinner(message: str):
