@@ -41,7 +41,7 @@ class Conversation:
         if len(prompt) >= self.engine.max_len:
             raise ContextOverflowError(
                 f"the conversation takes {len(prompt)} tokens and the context holds {self.engine.max_len}, leaving"
-                " no room for a reply; raise --ctx, or start over (/reset)"
+                f" no room for a reply; {self.engine.more_context()}, or start over (/reset)"
             )
         self.messages = messages
         self._asked = (rendered, prompt)
@@ -62,6 +62,12 @@ class Conversation:
             if rest and rest[0] in tokenizer.special_ids():
                 return self._held[1] + rest
         return tokenizer.encode_rendered(rendered, plain)
+
+    def take_back(self) -> None:
+        """Forget the question whose reply failed (an error part way), so the conversation stays answered turns;
+        the cache keeps what it holds, and the next turn reuses as much of it as the ids agree."""
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
 
     def finish(self, reply: Generation) -> None:
         """Record the reply (also a partial one, after Ctrl-C). A reply interrupted before its first token

@@ -257,6 +257,13 @@ class Engine:
             if spare is not None and max(len(self.tokens), self.cache.seen) > spare:
                 self.rollback(spare)
 
+    def more_context(self) -> str:
+        """What makes room when the context is full: a larger --ctx while the model's own allows, else eviction."""
+        trained = self.model.config.max_seq_len
+        if self.max_len < trained:
+            return f"raise --ctx (up to {trained})"
+        return f"bound the cache with --kv-evict (the context is the model's own {trained} positions)"
+
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Make the cache hold `prompt`, reusing the longest cached prefix; return the last logits (V,) and the
         number of reused tokens."""
@@ -264,7 +271,8 @@ class Engine:
             raise LlmrunError("the prompt is empty: there is nothing to continue")
         if len(prompt) >= self.max_len:
             raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens but the context holds {self.max_len}; shorten it or raise --ctx"
+                f"the prompt has {len(prompt)} tokens but the context holds {self.max_len}; shorten it or"
+                f" {self.more_context()}"
             )
         common = 0
         for a, b in zip(self.tokens, prompt):

@@ -69,6 +69,39 @@ def test_chat_turns_read_control_token_text_as_text(smollm2):
             chat._with_system(chat.messages[:-1]))
     assert reply.stats.reused_tokens > 0
 
+def test_the_repl_goes_on_after_a_reply_fails(smollm2, monkeypatch, capsys):
+    """An error part way through a reply (say the model's output turned NaN) is one error line; the question is
+    taken back and the chat goes on: the next turn is answered as the first of the conversation."""
+    from llmrun.cli import chat as chat_cli
+    from llmrun.errors import LlmrunError
+
+    conversation = Conversation(Engine(smollm2, max_len=256), SamplingParams(temperature=0, max_new_tokens=3))
+    typed = [("Hello", "message"), ("Hi", "message")]
+
+    def read_message():
+        if not typed:
+            raise EOFError
+        return typed.pop()
+
+    def stream(reply, failed=[]):
+        pieces = iter(reply)
+        try:
+            next(pieces)
+            if not failed:
+                failed.append(True)
+                raise LlmrunError("the model's output is not finite (NaN or inf)")
+            for _ in pieces:
+                pass
+        finally:
+            pieces.close()
+
+    monkeypatch.setattr(chat_cli, "_read_message", read_message)
+    monkeypatch.setattr(chat_cli, "stream_to_stdout", stream)
+    chat_cli._repl(conversation, quiet=True, saving=chat_cli._Saving("smollm2"))
+    assert "error: the model's output is not finite (NaN or inf)" in capsys.readouterr().err
+    assert [m["role"] for m in conversation.messages] == ["user", "assistant"]
+    assert conversation.messages[0]["content"] == "Hello"
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_new_tokens=12, seed=5),  # sampled splits need not be the tokenizer's
     SamplingParams(temperature=0, max_new_tokens=24, stop=(",", ".")),  # replies cut inside a token's text
@@ -189,8 +222,9 @@ def test_empty_prompt_is_refused(engine):
 def test_context_limits(smollm2):
     engine = Engine(smollm2, max_len=40)
     long_prompt = smollm2.tokenizer.encode("word " * 60)
-    with pytest.raises(ContextOverflowError, match="context holds 40"):
+    with pytest.raises(ContextOverflowError, match=r"context holds 40; shorten it or raise --ctx \(up to 8192\)"):
         "".join(engine.generate(long_prompt, GREEDY))
+    assert "--kv-evict" in Engine(smollm2).more_context()  # at the model's own context, --ctx goes no higher
     prompt = smollm2.tokenizer.encode("Once upon a time")
     reply = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=100, stop=()))
     "".join(reply)

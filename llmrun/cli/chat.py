@@ -251,6 +251,11 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
             stream_to_stdout(reply)
         except KeyboardInterrupt:
             sys.stdout.write("\n")
+        except LlmrunError as e:  # the reply failed part way (the model's output not finite...): the chat goes on
+            sys.stdout.write("\n")
+            err.print(Text(f"error: {e}", style="bold red"))
+            conversation.take_back()
+            continue
         except BaseException:  # SIGTERM, a closed terminal, a crash: keep and save what there is, then go
             conversation.finish(reply)
             saving.after_turn(conversation)
