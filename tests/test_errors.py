@@ -372,3 +372,19 @@ def test_in_a_real_process(bad_models, args, names, code):
         timeout=180,
     )
     assert_one_error_line(result, *names, code=code)
+
+
+def test_a_draft_with_a_shorter_context_is_named(monkeypatch, capsys):
+    """A draft model whose context is shorter than the target's stops proposing past it: said once, at load."""
+    from types import SimpleNamespace
+
+    import llmrun.speculative
+    from llmrun.cli.console import _speculator
+
+    short = SimpleNamespace(drafter=SimpleNamespace(engine=SimpleNamespace(max_len=2048)))
+    monkeypatch.setattr(llmrun.speculative, "make_speculator", lambda engine, **kwargs: short)
+    opts = SimpleNamespace(draft="small.gguf", ngram=None, draft_tokens=8, adaptive=True)
+    assert _speculator(SimpleNamespace(max_len=8192), opts) is short
+    assert "warning: draft: its context holds 2048 positions, the target's 8192" in capsys.readouterr().err
+    assert _speculator(SimpleNamespace(max_len=2048), opts) is short
+    assert capsys.readouterr().err == ""

@@ -238,8 +238,13 @@ def _speculator(engine, opts):
             err.print(Text(f"warning: draft: {warning}", style="yellow"))
         return loaded
 
-    return make_speculator(engine, draft=opts.draft, ngram=opts.ngram, draft_tokens=opts.draft_tokens,
-                           adaptive=opts.adaptive, load=load)
+    speculator = make_speculator(engine, draft=opts.draft, ngram=opts.ngram, draft_tokens=opts.draft_tokens,
+                                 adaptive=opts.adaptive, load=load)
+    drafting = getattr(speculator and speculator.drafter, "engine", None)  # a model draft's own engine
+    if drafting is not None and drafting.max_len < engine.max_len:
+        err.print(Text(f"warning: draft: its context holds {drafting.max_len} positions, the target's {engine.max_len}:"
+                       f" past {drafting.max_len} it proposes nothing, and decoding goes on plainly", style="yellow"))
+    return speculator
 
 
 def status_line(stats, memory: dict) -> Text:
