@@ -50,6 +50,7 @@ def _gpt2_byte_chars() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _gpt2_byte_chars()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece: the byte it stands for
 
 # Two Unicode noncharacters that bracket message text spelling a control token while a chat template renders
 # (`Tokenizer.render_chat_spans`): never in text people exchange
@@ -86,10 +87,11 @@ class Tokenizer:
         self.chat_template = chat_template
         self.warnings = list(warnings)
         self._template: ChatTemplate | None = None
-        texts = sorted({t.content for t in tok.get_added_tokens_decoder().values() if t.special}, key=len, reverse=True)
+        control = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self._special = frozenset(control)  # the control tokens' ids (`special_ids`)
         # matches the text of any control token, the longest first (`render_chat_spans`); None if there is none
+        texts = sorted(set(control.values()), key=len, reverse=True)
         self._control_text = re.compile("|".join(map(re.escape, texts))) if texts else None
-        self._special = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
         """special=True turns control tokens written in `text` (e.g. "<|im_start|>") into their ids;
@@ -108,7 +110,7 @@ class Tokenizer:
 
     def special_ids(self) -> list[int]:
         """The ids of control tokens (e.g. <|im_start|>): markup for the model, never text."""
-        return sorted(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
+        return sorted(self._special)
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
@@ -204,7 +206,7 @@ class Tokenizer:
         n = self.cut_bytes(ids)
         if not n or not text.endswith("\ufffd"):
             return text
-        if self.kind == "spm" and all(re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", self.id_to_piece(i)) for i in ids[-n:]):
+        if self.kind == "spm" and all(_BYTE_PIECE.fullmatch(self.id_to_piece(i)) for i in ids[-n:]):
             # SentencePiece's byte fallback writes a U+FFFD for each byte of a run that is not UTF-8, a whole
             # character's before it included: decoded again without the cut bytes
             return self.decode(ids[:-n], skip_special=skip_special)
@@ -215,7 +217,7 @@ class Tokenizer:
         if self.kind == "bpe" and all(c in _BYTE_OF_CHAR for c in piece):
             return bytes(_BYTE_OF_CHAR[c] for c in piece)
         if self.kind == "spm":
-            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            byte = _BYTE_PIECE.fullmatch(piece)
             return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
         return piece.encode()
 

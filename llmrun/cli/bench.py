@@ -19,7 +19,7 @@ from llmrun.workloads import KINDS
 
 from . import app
 from .console import err, open_files, progress_bar, user_errors
-from .options import DEFAULT_CTX_CAP, MIN_TEMPERATURE, SPECULATIVE, RunOptions, run_options
+from .options import DEFAULT_CTX_CAP, SPECULATIVE, RunOptions, check_temperature, run_options
 
 WORKLOAD = "Workload"
 MODES = "Compare and sweep"
@@ -136,9 +136,7 @@ def _drafting(opts, temperature: float, random_weights, compare: bool, sweep: bo
     the options that only make sense with, or without, a drafter."""
     if not math.isfinite(temperature):
         raise _bad("--temperature", "must be a finite number")
-    if 0 < temperature < MIN_TEMPERATURE:
-        raise _bad("--temperature", f"{temperature:g} is too small to sample with: 0 means greedy, and a sampled"
-                                    f" run takes at least {MIN_TEMPERATURE:g}")
+    check_temperature(temperature)
     if opts.draft is None and opts.ngram is None:
         for option, given in (("--temperature", temperature > 0), ("--draft-tokens", opts.draft_tokens != RunOptions.draft_tokens),
                               ("--fixed-k", opts.adaptive != RunOptions.adaptive)):

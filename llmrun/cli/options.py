@@ -29,6 +29,13 @@ MIN_TEMPERATURE = 1e-4  # below, logits / temperature can overflow fp32 (1e-38: 
 PENALTY_RANGE = 1e4  # --repetition-penalty within [1 / PENALTY_RANGE, PENALTY_RANGE], for the same reason
 
 
+def check_temperature(temperature: float) -> None:
+    """Refuse a temperature above 0 that logits cannot be divided by in fp32 (every command that samples)."""
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise typer.BadParameter(f"{temperature:g} is too small to sample with: 0 means greedy, and sampling takes at"
+                                 f" least {MIN_TEMPERATURE:g}", param_hint="'--temperature'")
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -151,9 +158,7 @@ def _build(values: dict) -> RunOptions:
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         if not math.isfinite(values[name]):
             raise typer.BadParameter("must be a finite number", param_hint=f"'--{name.replace('_', '-')}'")
-    if 0.0 < values["temperature"] < MIN_TEMPERATURE:  # logits / T would overflow fp32: inf, then NaN
-        raise typer.BadParameter(f"{values['temperature']:g} is too small to sample with: 0 means greedy, and a sampled"
-                                 f" reply takes at least {MIN_TEMPERATURE:g}", param_hint="'--temperature'")
+    check_temperature(values["temperature"])
     if not 0.0 < values["top_p"] <= 1.0:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
     if not 1 / PENALTY_RANGE <= values["repetition_penalty"] <= PENALTY_RANGE:  # beyond, logits overflow or vanish
