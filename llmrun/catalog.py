@@ -138,6 +138,13 @@ def record_quantized(out_dir: str | Path) -> None:
         _write_index([*dirs, path])
 
 
+def _field_object(config, key: str) -> dict:
+    """`config[key]` when both are JSON objects, else empty: a listing shows what a hand-edited config.json
+    still says rather than failing on it."""
+    value = config.get(key) if isinstance(config, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
 def quantized_entries() -> list[CatalogEntry]:
     """The recorded checkpoints that still exist, with method, bits and group size from their config.json; the
     ones that vanished are dropped from the index."""
@@ -149,8 +156,7 @@ def quantized_entries() -> list[CatalogEntry]:
         except (OSError, ValueError):
             continue
         kept.append(d)
-        quant = config.get("quantization_config") or {}
-        ours = config.get("llmrun") or {}
+        quant, ours = (_field_object(config, key) for key in ("quantization_config", "llmrun"))
         details = {"method": ours.get("method") or quant.get("quant_method"), "bits": quant.get("bits"),
                    "group_size": quant.get("group_size"), "quantized_from": ours.get("quantized_from")}
         size = sum(_file_size(p) for p in Path(d).iterdir() if p.is_file())

@@ -113,6 +113,16 @@ def test_quantized_index_keeps_what_exists_and_drops_what_vanished(tmp_path, ind
     assert json.loads(index.read_text()) == [str(int4), str(int8)]  # the vanished one is forgotten
 
 
+@pytest.mark.parametrize("config", ['[1, 2]', '{"quantization_config": 4, "llmrun": "awq"}'])
+def test_a_config_that_is_not_an_object_lists_without_details(tmp_path, index, config):
+    path = _quantized_dir(tmp_path / "q")
+    (path / "config.json").write_text(config)
+    catalog.record_quantized(path)
+    [entry] = catalog.quantized_entries()
+    assert entry.model == str(path)
+    assert entry.details == {"method": None, "bits": None, "group_size": None, "quantized_from": None}
+
+
 def test_a_damaged_index_is_an_empty_one(index):
     index.parent.mkdir(parents=True)
     index.write_text("{not json")
