@@ -318,7 +318,13 @@ def _iter_weights(files: ModelFiles, keep_blocks=None):
                     if ours is None:
                         raise ModelFormatError(f"{file}: unexpected tensor {name}")
                     w = f.get_tensor(name)
+                    if not w.is_floating_point():
+                        raise ModelFormatError(f"{file}: tensor {name} holds {str(w.dtype).removeprefix('torch.')}"
+                                               ", not floats")
                     if ours in keep_blocks:  # a float embedding / output head beside packed layers
+                        if tuple(w.shape) != (cfg.vocab_size, cfg.dim):
+                            raise ModelFormatError(f"{file}: tensor {name} has shape {tuple(w.shape)}, the config "
+                                                   f"implies {(cfg.vocab_size, cfg.dim)}")
                         w = (*q8_blocks(w), None, 8)
                     yield ours, w
                 for module, suffixes in quantized.items():
@@ -361,7 +367,10 @@ def _read_quantized(f, file, module: str, suffixes: set[str], quant, keep_blocks
     if ours is None or not needed <= suffixes:
         missing = ", ".join(sorted(needed - suffixes)) or "a known name"
         raise ModelFormatError(f"{file}: quantized layer {module} lacks {missing}")
-    q = quant.read(lambda suffix: f.get_tensor(f"{module}.{suffix}") if suffix in suffixes else None)
+    try:
+        q = quant.read(lambda suffix: f.get_tensor(f"{module}.{suffix}") if suffix in suffixes else None)
+    except ModelFormatError as e:
+        raise ModelFormatError(f"{file}: layer {module}: {e}") from e
     if ours not in keep_blocks:
         return ours, q.dequantize() if isinstance(q, GroupQuant) else q
     planes = q.planes() if isinstance(q, GroupQuant) else None

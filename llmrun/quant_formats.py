@@ -147,10 +147,26 @@ class CheckpointQuant:
         return ("qweight", "qzeros", "scales") + (("g_idx",) if self.method == "gptq" else ())
 
     def read(self, get) -> GroupQuant | torch.Tensor:
-        """One linear layer from its tensors (`get(suffix)` -> tensor or None)."""
+        """One linear layer from its tensors (`get(suffix)` -> tensor or None), each checked for the rank and
+        dtype its format stores it with."""
+        t = {suffix: get(suffix) for suffix in self.tensors}
+        for suffix, tensor in t.items():
+            if tensor is None:
+                continue
+            rank, kind = _STORED_AS[suffix]
+            if tensor.dim() != rank or not kind[1](tensor):
+                raise ModelFormatError(f"{suffix} is a {tensor.dim()}-D {str(tensor.dtype).removeprefix('torch.')} "
+                                       f"tensor; {self.method.upper()} stores it as a {rank}-D tensor of {kind[0]}")
         if self.method == "awq":
-            return unpack_awq(get("qweight"), get("qzeros"), get("scales"), self.group)
-        return unpack_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx"), self.bits, self.zeros_minus_one)
+            return unpack_awq(t["qweight"], t["qzeros"], t["scales"], self.group)
+        return unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], self.bits, self.zeros_minus_one)
+
+
+_WORDS = ("32-bit words (int32)", lambda t: t.dtype == torch.int32)
+_INDICES = ("integers", lambda t: t.dtype in (torch.int32, torch.int64))
+_FLOATS = ("floats", torch.Tensor.is_floating_point)
+# each tensor of a quantized layer: its rank and what its elements are
+_STORED_AS = {"qweight": (2, _WORDS), "qzeros": (2, _WORDS), "scales": (2, _FLOATS), "g_idx": (1, _INDICES)}
 
 
 def _whole(qc: dict, names: tuple[str, ...], default: int) -> int:

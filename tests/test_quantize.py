@@ -599,6 +599,57 @@ def test_a_checkpoint_whose_config_contradicts_its_packed_tensors_fails_to_load(
             load_model(str(tmp_path / "q"), device="cpu", dtype="fp32", weights=weights)
 
 
+@pytest.fixture(scope="module")
+def packed_checkpoint(tmp_path_factory):
+    """A tied-embedding RTN checkpoint whose widths are whole groups, so it loads packed on a CPU, and its source."""
+    root = tmp_path_factory.mktemp("packed")
+    cfg = replace(CONFIGS["smollm2"], n_heads=8, n_kv_heads=2, ffn_dim=128)
+    source = write_hf_dir(root / "float", random_model(cfg))
+    quantize(str(source), root / "q", QuantizeOptions("rtn"), device="cpu")
+    return source, root / "q"
+
+
+def _edit_tensor(path: Path, name: str, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    [file] = path.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors[name] = change(tensors[name]).contiguous()
+    save_file(tensors, file)
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("model.layers.0.self_attn.q_proj.qweight", lambda t: t.float(), "qweight is a 2-D float32 tensor; AWQ stores"),
+    ("model.layers.1.mlp.up_proj.qzeros", lambda t: t.to(torch.int8), "qzeros is a 2-D int8 tensor"),
+    ("model.layers.0.self_attn.o_proj.scales", lambda t: t.view(torch.int16), "scales is a 2-D int16 tensor"),
+    ("model.layers.0.self_attn.o_proj.qweight", lambda t: t.flatten(), "qweight is a 1-D int32 tensor"),
+    ("model.embed_tokens.weight", lambda t: t.flatten(), "model.embed_tokens.weight has shape"),
+    ("model.embed_tokens.weight", lambda t: t.to(torch.int32), "model.embed_tokens.weight holds int32, not floats"),
+    ("model.norm.weight", lambda t: t > 0, "model.norm.weight holds bool, not floats"),
+])
+@pytest.mark.parametrize("weights", ["auto", "dequant"])
+def test_a_checkpoint_tensor_stored_as_the_wrong_kind_is_named(packed_checkpoint, tmp_path, monkeypatch, capsys,
+                                                               name, change, message, weights):
+    import shutil
+
+    path = shutil.copytree(packed_checkpoint[1], tmp_path / "q")
+    _edit_tensor(path, name, change)
+    code, out, err = run_main(["generate", path, "hi", "-n", "2", "--device", "cpu", "--weights", weights],
+                              monkeypatch, capsys)
+    assert code == 1 and out == "" and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_quantize_refuses_a_source_tensor_that_is_not_floats(packed_checkpoint, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    source = shutil.copytree(packed_checkpoint[0], tmp_path / "float")
+    _edit_tensor(source, "model.layers.0.input_layernorm.weight", lambda t: t.to(torch.int64))
+    code, _, err = run_main(["quantize", source, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)
+    assert code == 1 and "input_layernorm.weight holds int64, not floats" in err, err
+    assert not (tmp_path / "q").exists()
+
+
 @pytest.mark.gpu
 def test_awq_on_a_gpu_and_its_checkpoint_packed_there(tiny_source, tmp_path):
     """`--device cuda`: the search runs on the GPU (each block moved there in turn) and its checkpoint is as close
