@@ -104,6 +104,37 @@ printf '%s\\n' "${{COMPREPLY[@]}}"
     assert result.stdout.split() == expected, result.stderr
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_bash_completes_a_path_with_spaces_and_quotes_escaped(llmrun_bin, model_dir):
+    """bash inserts a reply as it stands, so the reply is the path escaped as one word; and what the user typed
+    escaped so far is read unescaped. What the shell then runs names the file."""
+    (model_dir / "my model's.gguf").write_bytes(b"")
+    (model_dir / "odd\nname.gguf").write_bytes(b"")
+    for typed in ("my", "my\\ mo"):
+        script = f"""
+source {REPO / 'completions' / 'llmrun.bash'}
+COMP_WORDS=(llmrun chat '{typed}')
+COMP_CWORD=2
+_llmrun_completion {llmrun_bin}
+printf '%s\\n' "${{COMPREPLY[@]}}"
+eval "ls ${{COMPREPLY[0]}}"
+"""
+        result = subprocess.run(["bash", "--norc", "-c", script], capture_output=True, text=True, cwd=model_dir,
+                                env=_env(model_dir), timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == ["my\\ model\\'s.gguf", "my model's.gguf"], result.stdout
+    script = f"""
+source {REPO / 'completions' / 'llmrun.bash'}
+COMP_WORDS=(llmrun chat od)
+COMP_CWORD=2
+_llmrun_completion {llmrun_bin}
+eval "ls ${{COMPREPLY[0]}}"
+"""
+    result = subprocess.run(["bash", "--norc", "-c", script], capture_output=True, text=True, cwd=model_dir,
+                            env=_env(model_dir), timeout=60)
+    assert result.returncode == 0 and result.stdout == "odd\nname.gguf\n", (result.stdout, result.stderr)
+
+
 def test_zsh_and_fish_protocols(llmrun_bin, model_dir):
     """The environment the zsh and fish scripts give `llmrun` (no zsh or fish needed)."""
     zsh = subprocess.run([str(llmrun_bin)], capture_output=True, text=True, cwd=model_dir, timeout=60, env=_env(

@@ -7,6 +7,7 @@ never imported on that path; the responders below mend Typer's for bash's colons
 """
 
 import os
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -62,7 +63,16 @@ class BashResponder(typer_classes.BashComplete):
         return joined[1:-1], incomplete
 
     def format_completion(self, item) -> str:
-        return item.value.removeprefix(self.colon_prefix)
+        return _bash_escaped(item.value.removeprefix(self.colon_prefix))
+
+
+def _bash_escaped(value: str) -> str:
+    """`value` as it must stand on a bash command line: bash inserts a reply as it is, so `my model.gguf` would
+    become two words. A leading `~` stays bare for bash to expand; a newline, which would end the reply, is
+    written `$'\\n'`."""
+    head = "~" if value.startswith("~") else ""
+    escaped = re.sub(r"([^\w./:@%+,=~\n-])", r"\\\1", value.removeprefix(head))
+    return head + escaped.replace("\n", "$'\\n'")
 
 
 class ZshResponder(typer_classes.ZshComplete):
