@@ -140,6 +140,10 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
     if options.method not in METHODS:
         raise LlmrunError(f"unknown method {options.method!r}; choose one of {', '.join(METHODS)}")
     out_dir = Path(out_dir)
+    if out_dir.is_symlink():  # the checkpoint goes where the link points (made there if missing); the link names it
+        out_dir = Path(os.path.realpath(out_dir))
+        if out_dir.is_symlink():
+            raise LlmrunError(f"-o {out_dir}: its symbolic links go round in a loop")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise LlmrunError(f"{out_dir} exists and is not an empty directory; choose another -o or remove it")
     _check_writable(out_dir)  # before the work, not after it

@@ -571,6 +571,21 @@ def test_refuses_a_quantized_input_and_a_full_output_dir(tiny_source, tmp_path, 
     assert code == 1 and "not an empty directory" in err
 
 
+def test_the_output_dir_may_be_a_symlink(tiny_source, tmp_path, monkeypatch, capsys):
+    """-o through a link writes the checkpoint where it points: an empty directory, or one still to be made."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to_empty").symlink_to(tmp_path / "empty")
+    (tmp_path / "to_missing").symlink_to(tmp_path / "disk" / "q")
+    for link, target in (("to_empty", "empty"), ("to_missing", "disk/q")):
+        code, _, err = run_main(["quantize", tiny_source[0], "--int8", "-o", tmp_path / link], monkeypatch, capsys)
+        assert code == 0, err
+        assert (tmp_path / link).is_symlink() and (tmp_path / target / "model.safetensors").is_file()
+        assert run_main(["generate", tmp_path / link, "w1", "-n", "2"], monkeypatch, capsys)[0] == 0
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    code, _, err = run_main(["quantize", tiny_source[0], "--int8", "-o", tmp_path / "loop"], monkeypatch, capsys)
+    assert code == 1 and "loop" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_an_unsupported_quantization_method_fails_to_load(tiny_source, tmp_path, monkeypatch, capsys):
     import shutil
 
