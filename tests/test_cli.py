@@ -64,6 +64,31 @@ def test_a_closed_stdout_is_one_error_line():
     assert done.returncode == 2 and done.stderr.splitlines() == [
         "error: standard output is closed; redirect it (> FILE, or > /dev/null) instead"]
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["--version"], ["completion", "bash"], ["models", "--json"],
+                                  ["generate", "Hi", "-n", "3"], ["generate", "Hi", "-n", "3", "--json"]])
+def test_a_stdout_that_refuses_writes_is_one_error_line(args):
+    """`> /dev/full` (or a disk that filled up): one error line, exit 1, no traceback at the write or the exit."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([*LLMRUN, *args], stdin=subprocess.DEVNULL, stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=ENV, timeout=LOAD_S)
+    assert done.returncode == 1 and done.stderr.splitlines()[-1:] == [
+        "error: cannot write to standard output (No space left on device)"], done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_chat_whose_stdout_refuses_writes_ends_and_keeps_the_turn(tmp_path):
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([*LLMRUN, "chat", "-n", "3", "--temperature", "0", "--save", tmp_path / "c.json"],
+                              input="Hi\n", stdout=full, stderr=subprocess.PIPE, text=True, env=ENV,
+                              timeout=LOAD_S)
+    assert done.returncode == 1 and "error: cannot write to standard output" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    messages = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "Hi"
+
+
 @pytest.fixture(scope="module")
 def cli():
     """Invoke the app in-process; every command of the module shares one loaded model (each gets its own

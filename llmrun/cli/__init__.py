@@ -9,6 +9,7 @@ import sys
 import typer
 
 from llmrun import __version__
+from llmrun.errors import LlmrunError
 
 app = typer.Typer(
     name="llmrun",
@@ -23,7 +24,9 @@ app = typer.Typer(
 
 def _version(value: bool):
     if value:
-        print(f"llmrun {__version__}")
+        from .console import write_out
+
+        write_out(f"llmrun {__version__}\n")
         raise typer.Exit()
 
 
@@ -80,6 +83,9 @@ def main() -> None:
     except _click_errors.ClickException as e:
         print(f"error: {e.format_message()}", file=sys.stderr)
         code = e.exit_code
+    except LlmrunError as e:  # raised outside a command (`--version` into a full disk)
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
     except (typer.Abort, KeyboardInterrupt):
         code = 130
     except Terminated as e:

@@ -18,7 +18,7 @@ from llmrun.shapes import SHAPES
 from llmrun.workloads import KINDS
 
 from . import app
-from .console import err, open_files, progress_bar, user_errors
+from .console import err, open_files, progress_bar, user_errors, write_out
 from .options import DEFAULT_CTX_CAP, SPECULATIVE, RunOptions, check_temperature, run_options
 
 WORKLOAD = "Workload"
@@ -95,7 +95,7 @@ def bench(
         draw(doc["sweep"], doc["recommended"], plot, f"{name}: {workload.kind} prompt, {len(workload.prompt)} + {new_tokens} tokens")
     _render(doc)
     if json_out:
-        print(json.dumps(doc))
+        write_out(json.dumps(doc) + "\n")
     if plot is not None:
         err.print(Text(f"plot: {plot}", style="dim"))
 

@@ -15,7 +15,8 @@ from llmrun.errors import LlmrunError, UsageError, check_utf8
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors
+from .console import (OutputError, err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors,
+                      write_out)
 from .options import JsonFlag, ModelArg, run_options
 
 HELP = """Commands: /reset (forget the conversation), /system TEXT (set the system prompt; no TEXT clears it),
@@ -250,9 +251,13 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
         try:
             stream_to_stdout(reply)
         except KeyboardInterrupt:
-            sys.stdout.write("\n")
+            write_out("\n")
         except LlmrunError as e:  # the reply failed part way (the model's output not finite...): the chat goes on
-            sys.stdout.write("\n")
+            if isinstance(e, OutputError):  # nothing more can be shown: keep and save the reply, then go
+                conversation.finish(reply)
+                saving.after_turn(conversation)
+                raise
+            write_out("\n")
             err.print(Text(f"error: {e}", style="bold red"))
             conversation.take_back()
             continue

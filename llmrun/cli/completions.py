@@ -19,7 +19,7 @@ from typer import _completion_classes as typer_classes
 from llmrun.errors import LlmrunError, UsageError
 
 from . import app
-from .console import err, user_errors
+from .console import err, user_errors, write_out
 
 PROG = "llmrun"
 COMPLETE_VAR = "_LLMRUN_COMPLETE"  # Typer's name for it: _{PROG}_COMPLETE, upper case
@@ -122,7 +122,7 @@ def completion(
     if shell is not None and write is not None:
         raise UsageError(f"--write {write} writes all three scripts; give it without a SHELL, or SHELL alone to print one")
     if shell is not None:
-        sys.stdout.write(completion_script(shell.value))
+        write_out(completion_script(shell.value))
         return
     if not write.is_dir():
         raise LlmrunError(f"--write {write}: no such directory")

@@ -26,6 +26,29 @@ if not err.is_terminal and "COLUMNS" not in os.environ:
 LOG_EVERY_S = 30.0  # with stderr not a terminal, a long wait reports its progress on a line this often
 
 
+class OutputError(LlmrunError):
+    """Standard output refused a write (`> /dev/full`, a disk that filled up): nothing more can be shown."""
+
+
+def write_out(text: str) -> None:
+    """Write `text` to stdout now. A stdout that fails becomes OutputError (and points at nothing, so that Python's
+    last flush cannot fail again); a reader gone away stays BrokenPipeError, which `user_errors` answers."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        _silence_stdout()
+        raise OutputError(f"cannot write to standard output ({e.strerror or e})") from None
+
+
+def _silence_stdout() -> None:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+
+
 def fail(message: str, code: int = 1):
     err.print(Text(f"error: {message}", style="bold red"))
     raise typer.Exit(code)
@@ -59,9 +82,7 @@ def user_errors(command):
             # C program (128 + 13), with stdout pointed at nothing so that Python's last flush cannot fail again
             if not _stdout_is_a_pipe():
                 raise
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, sys.stdout.fileno())
-            os.close(null)
+            _silence_stdout()
             raise typer.Exit(141)
         except (MemoryError, RuntimeError) as e:
             if not _is_out_of_memory(e):
@@ -294,7 +315,7 @@ def print_json_when_done(reply, engine, **fields) -> None:
 
     def emit():
         doc = {**fields, "text": reply.text, **reply.stats.as_dict(), "memory": memory_report(engine)}
-        print(json.dumps(doc, ensure_ascii=False))
+        write_out(json.dumps(doc, ensure_ascii=False) + "\n")
 
     try:
         for _ in reply:
@@ -313,13 +334,10 @@ def stream_to_stdout(reply) -> None:
         with spinner("thinking"):
             first = next(pieces, None)
         if first is not None:
-            sys.stdout.write(first)
-            sys.stdout.flush()
+            write_out(first)
             for piece in pieces:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+                write_out(piece)
     finally:
         pieces.close()
     if reply.text and not reply.text.endswith("\n"):
-        sys.stdout.write("\n")
-    sys.stdout.flush()
+        write_out("\n")

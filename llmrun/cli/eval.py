@@ -11,7 +11,7 @@ from llmrun.errors import LlmrunError, UsageError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, open_engine, open_files, progress_bar, spinner, user_errors
+from .console import err, open_engine, open_files, progress_bar, spinner, user_errors, write_out
 from .options import Device, DType, JsonFlag, KVEvict, KVFormat, ModelArg, Weights, run_options
 
 # What --kl-vs may change besides `model`: the runtime options that decide how the same text is computed.
@@ -153,7 +153,7 @@ def eval_(
                      "ppl_reference": kl.ppl_reference}
     err.print(_table(doc))
     if json_out:
-        print(json.dumps(doc))
+        write_out(json.dumps(doc) + "\n")
 
 
 def _table(doc: dict) -> Table:

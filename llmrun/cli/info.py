@@ -7,7 +7,7 @@ from rich.table import Table
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, open_files, user_errors
+from .console import err, open_files, user_errors, write_out
 from .options import JsonFlag, ModelArg
 
 
@@ -48,7 +48,7 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         "chat_template": tok.chat_template is not None,
     }
     if json_out:
-        print(json.dumps(doc))
+        write_out(json.dumps(doc) + "\n")
         return
     table = Table(title=f"{model}", show_header=False)
     for key, value in doc.items():

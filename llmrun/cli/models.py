@@ -5,7 +5,7 @@ import json
 from rich.table import Table
 
 from . import app
-from .console import err, user_errors
+from .console import err, user_errors, write_out
 from .options import JsonFlag
 
 
@@ -28,7 +28,7 @@ def models(json_out: JsonFlag = False):
 
     entries = all_entries()
     if json_out:
-        print(json.dumps({"models": [e.to_json() for e in entries]}))
+        write_out(json.dumps({"models": [e.to_json() for e in entries]}) + "\n")
         return
     table = Table(title="llmrun models", title_justify="left")
     for column in ("MODEL", "what", "size", "path"):

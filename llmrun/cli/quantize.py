@@ -10,7 +10,7 @@ from llmrun.errors import UsageError
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, model_source, progress_bar, user_errors
+from .console import err, model_source, progress_bar, user_errors, write_out
 from .options import MAX_THREADS, Device, JsonFlag, ModelArg
 
 METHOD = "Method"
@@ -88,4 +88,4 @@ def quantize_(
         ratios = ", ".join(f"{name} {ratio:.2f}" for name, ratio in result.awq_error_vs_rtn.items())
         err.print(f"layer output error vs round-to-nearest (mean over blocks): {ratios}")
     if json_out:
-        print(json.dumps(result.to_json()))
+        write_out(json.dumps(result.to_json()) + "\n")
