@@ -519,7 +519,7 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
                 f" {tuple(expected[name].shape)}"
             )
         state[name] = w.to(device=dev, dtype=dt)
-    missing = sorted(set(expected) - set(state) - set(parts))
+    missing = _missing_tensors(sorted(set(expected) - set(state) - set(parts)))
     missing += [_part_name(name, i) for name in sorted(parts) for i, w in enumerate(parts[name]) if w is None]
     if missing:
         names = ", ".join(_file_name(files, name) for name in missing[:4])
@@ -538,6 +538,8 @@ _PLANES = {"qs": "codes", "d": "scales", "m": "offsets"}  # a packed matrix's pl
 # Checkpoints store these projections apart; the model holds each group as one matrix, rows concatenated.
 _FUSED = {"attn.q": ("attn.qkv", 0, 3), "attn.k": ("attn.qkv", 1, 3), "attn.v": ("attn.qkv", 2, 3),
           "mlp.gate": ("mlp.gate_up", 0, 2), "mlp.up": ("mlp.gate_up", 1, 2)}
+# a block's linear layers as checkpoints store them
+_LINEAR = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
 _LAYER_TENSOR = re.compile(r"(layers\.\d+)\.(\w+\.\w+)\.(weight|bias)$")
 
 
@@ -570,14 +572,34 @@ def _check_part(files: ModelFiles, cfg, fused: str, index: int, w) -> None:
                                f"{tuple(w.shape)}, the config implies {shape}")
 
 
+def _missing_tensors(names: list[str]) -> list[str]:
+    """The model's tensors no file gave -> our names of the checkpoint tensors that would have: a packed matrix's
+    planes are its weight, a fused matrix its parts."""
+    found = []
+    for name in names:
+        module, _, field = name.rpartition(".")
+        if field in _PLANES:
+            name = f"{module}.weight"
+        m = _LAYER_TENSOR.match(name)
+        for part in [f"{m.group(1)}.{p}.{m.group(3)}" for p in fused_parts(m.group(2))] if m else [name]:
+            if part not in found:
+                found.append(part)
+    return found
+
+
 def _file_name(files: ModelFiles, ours: str) -> str:
-    """Our tensor name as the checkpoint names it, for errors (an HF directory's; a GGUF's are read as ours)."""
+    """Our tensor name as the checkpoint names it, for errors (an HF directory's; a GGUF's are read as ours). An
+    AWQ/GPTQ linear layer is named by its codes (`qweight`)."""
     if files.source.format == "gguf":
         return ours
     try:
-        return hf_tensor_name(ours)
+        name = hf_tensor_name(ours)
     except (ValueError, StopIteration):
         return ours
+    if files.quant is not None and ours.startswith("layers.") and name.endswith(".weight") and \
+            _LAYER_TENSOR.match(ours).group(2) in _LINEAR:
+        return name.removesuffix("weight") + "qweight"
+    return name
 
 
 def _concat_rows(parts: list):
@@ -651,8 +673,7 @@ def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[in
     if not fits or packed_kernels(dev, dt) is not None:
         return {}
     fmt = (4, True) if quant.bits == 4 else (8, False)
-    keep = {f"layers.{i}.{part}.weight": fmt for i in range(cfg.n_layers)
-            for part in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")}
+    keep = {f"layers.{i}.{part}.weight": fmt for i in range(cfg.n_layers) for part in _LINEAR}
     keep["embed.weight" if cfg.tie_embeddings else "lm_head.weight"] = (8, False)
     return keep
 

@@ -655,6 +655,31 @@ def test_a_checkpoint_tensor_stored_as_the_wrong_kind_is_named(packed_checkpoint
     assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("weights", ["auto", "dequant"])
+def test_a_checkpoint_missing_tensors_names_them_as_its_files_would(packed_checkpoint, tmp_path, monkeypatch,
+                                                                     capsys, weights):
+    """As the checkpoint names them, not as the model's packed planes: an untied head's hint, a layer's qweight."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    untied = shutil.copytree(packed_checkpoint[1], tmp_path / "untied")
+    config = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    gaps = shutil.copytree(packed_checkpoint[1], tmp_path / "gaps")
+    [file] = gaps.glob("*.safetensors")
+    tensors = load_file(file)
+    save_file({k: v for k, v in tensors.items() if ".1.self_attn." not in k and ".0.mlp.down_proj" not in k}, file)
+    for path, message in ((untied, "missing tensors lm_head.weight (a model whose head is its embedding says so: "
+                                   "tie_word_embeddings true in config.json)"),
+                          (gaps, "missing tensors model.layers.0.mlp.down_proj.qweight, "
+                                 "model.layers.1.self_attn.o_proj.qweight, model.layers.1.self_attn.q_proj.qweight, "
+                                 "model.layers.1.self_attn.k_proj.qweight ...")):
+        code, _, err = run_main(["generate", path, "hi", "-n", "2", "--device", "cpu", "--weights", weights],
+                                monkeypatch, capsys)
+        assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_quantize_refuses_a_source_tensor_that_is_not_floats(packed_checkpoint, tmp_path, monkeypatch, capsys):
     import shutil
 
