@@ -77,7 +77,7 @@ class EvalResult:
 
 def read_text(spec: str) -> str:
     """The text of `--ppl SPEC`: `canterbury[:NAME]` (see llmrun.corpus) or a UTF-8 text file; line endings are
-    made `\\n` (the Canterbury texts have CRLF)."""
+    made `\\n` (the Canterbury texts have CRLF) and a byte-order mark, as some editors write, is dropped."""
     from llmrun import corpus
 
     path = corpus.corpus_path(spec) if corpus.is_corpus_spec(spec) else Path(spec)
@@ -90,7 +90,7 @@ def read_text(spec: str) -> str:
     except OSError as e:
         raise LlmrunError(f"cannot read {path} ({e.strerror or e})") from e
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise LlmrunError(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); give a plain text file") from None
     if "\x00" in text:

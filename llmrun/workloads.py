@@ -109,7 +109,7 @@ class Workload:
 
 def read_prompt_file(path: Path) -> str:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # (a byte-order mark is not text)
     except FileNotFoundError:
         raise LlmrunError(f"--prompt-file {path}: no such file") from None
     except IsADirectoryError:

@@ -188,7 +188,7 @@ def test_embedded_model(cli):
 
 def test_hf_directory_and_prompt_file(cli, tiny_hf, tmp_path):
     text = tmp_path / "prompt.txt"
-    text.write_text("w1 w2 w3 w4 w5 w6")
+    text.write_text("\ufeffw1 w2 w3 w4 w5 w6", encoding="utf-8")  # (a byte-order mark is not a token)
     doc = ok(cli(tiny_hf, "--prompt-file", text, "--new-tokens", "2", "--repeat", "1", "--no-warmup", "--json")).json()
     check_schema(doc)
     assert doc["workload"]["kind"] == "file" and doc["workload"]["prompt_tokens"] == 6

@@ -217,6 +217,7 @@ def test_generate_stdout_is_only_the_text_and_deterministic(cli, greedy):
 def test_generate_reads_stdin(cli, greedy):
     assert cli("generate", *GREEDY, "-", input=PROMPT).stdout == _as_printed(greedy["text"])
     assert cli("generate", *GREEDY, input=PROMPT).stdout == _as_printed(greedy["text"])  # no TEXT: stdin too
+    assert cli("generate", *GREEDY, input="\ufeff" + PROMPT).stdout == _as_printed(greedy["text"])  # a BOM is not text
 
 
 def test_generate_in_a_real_process_through_a_pipe(cli):
@@ -271,6 +272,7 @@ def test_chat_one_turn_prompt_or_stdin(cli):
 
 def test_chat_question_echoed_into_stdin_is_the_same_question(cli):
     assert cli(*CHAT, input=QUESTION + "\n").stdout == cli(*CHAT, "-p", QUESTION).stdout
+    assert cli(*CHAT, input="\ufeff" + QUESTION + "\n").stdout == cli(*CHAT, "-p", QUESTION).stdout  # a file's BOM
 
 
 def test_chat_json(cli):

@@ -360,6 +360,14 @@ def test_the_corpus_is_fetched_once_then_read_from_the_cache(offline_corpus, tmp
     assert not (tmp_path / "evil.txt").exists()
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    (tmp_path / "bom.txt").write_bytes("\ufeffOne\r\ntwo\n".encode())
+    assert read_text(str(tmp_path / "bom.txt")) == "One\ntwo\n"
+    (tmp_path / "only.txt").write_bytes("\ufeff".encode())
+    with pytest.raises(LlmrunError, match="is empty"):
+        read_text(str(tmp_path / "only.txt"))
+
+
 def test_eval_on_the_corpus(cli, tiny, offline_corpus):
     doc = cli("eval", tiny[0], *CPU, "--ppl", "canterbury", "--json").json
     assert doc["text"]["source"] == "canterbury" and doc["text"]["evaluated"] == len(ALICE.split()) - 1

@@ -44,7 +44,7 @@ def generate(
             raise UsageError("the text and the constraint (-) both come from stdin; name a file for one of them")
         if sys.stdin.isatty():
             raise LlmrunError("no TEXT given; pass it as an argument or on stdin")
-        text = sys.stdin.read()
+        text = sys.stdin.read().removeprefix("\ufeff")  # (a byte-order mark, as some editors write, is not text)
     if not text:
         raise LlmrunError("the text to continue is empty")
     engine = open_engine(model, opts)
