@@ -208,7 +208,8 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
 
         g = GGUFFile(source.path)
         config = _config(source, config_from_gguf, g.metadata, set(g.tensors))
-        _check_layer_count(source, config, g.tensors, f"{g.metadata.get('general.architecture')}.block_count")
+        _check_index(source, config, {name: t.shape for name, t in g.tensors.items()}, _GGUF_NAMES,
+                     f"{g.metadata.get('general.architecture')}.block_count")
         stored: dict[str, int] = {}
         for t in g.tensors.values():
             stored[t.type_name] = stored.get(t.type_name, 0) + t.data.nbytes
@@ -222,21 +223,29 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
     config = _config(source, config_from_hf, hf_config)
     quant = checkpoint_quant(hf_config)
     _check_weights(source.path)
-    stored, names = {}, []
+    stored, shapes = {}, {}
     for name, t in _safetensors_headers(source.path):
         kind = f"{quant.method.upper()} INT{quant.bits}" if quant and name.endswith(quant.tensors) else t["dtype"]
         stored[kind] = stored.get(kind, 0) + t["data_offsets"][1] - t["data_offsets"][0]
-        names.append(name)
-    _check_layer_count(source, config, names, "num_hidden_layers")
+        shapes[name] = t.get("shape")
+    _check_index(source, config, shapes, _HF_NAMES, "num_hidden_layers")
     return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored, quant=quant)
 
 
-def _check_layer_count(source: ModelSource, config, names, key: str) -> None:
-    """A config (`key`: its layer count's name) whose layer count is not the one the tensor `names` show is said
-    to be so, rather than left to surface as a stray or missing tensor."""
-    found = {int(m.group(1)) for name in names if (m := re.match(r"(?:model\.)?(?:layers|blk)\.(\d+)\.", name))}
+def _check_index(source: ModelSource, config, shapes: dict, names, key: str) -> None:
+    """What the tensor index (file name -> shape; `names`: the format's naming) shows without reading a weight,
+    against the config, so that `info` finds what a load would: the files hold tensors, as many layers as the
+    config (`key`: its layer count's name) says, and a token embedding of the config's vocabulary and width."""
+    if not shapes:
+        raise ModelFormatError(f"{source.path}: the weights hold no tensors")
+    found = {int(m.group(1)) for name in shapes if (m := re.match(r"(?:model\.)?(?:layers|blk)\.(\d+)\.", name))}
     if found and max(found) + 1 != config.n_layers:
         raise ModelFormatError(f"{source.path}: {key} says {config.n_layers} layers, the weights have {max(found) + 1}")
+    embed = next((name for name in shapes if _our_name(name, names) == "embed.weight"), None)
+    want = (config.vocab_size, config.dim)
+    if embed is not None and shapes[embed] is not None and tuple(shapes[embed]) != want:
+        raise ModelFormatError(f"{source.path}: tensor {embed} has shape {tuple(shapes[embed])}, the config implies "
+                               f"{want} (vocabulary, hidden size)")
 
 
 def _config(source: ModelSource, build, *args):

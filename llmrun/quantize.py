@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from llmrun.errors import LlmrunError, UsageError, parse_json
+from llmrun.errors import LlmrunError, ModelFormatError, UsageError, parse_json
 
 METHODS = ("awq", "rtn", "int8")
 GROUP_SIZES = (128, 64, 32)  # the default is the first that divides every layer's input width
@@ -178,6 +178,10 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
     reading = (lambda done, total, name: on_progress(done, total, "reading weights")) if on_progress else None
     loaded = load_weights(files, device="cpu", dtype="fp32", weights="dequant", on_progress=reading)
     model = loaded.model
+    corrupt = next((name for name, t in model.state_dict().items() if not torch.isfinite(t).all()), None)
+    if corrupt is not None:  # quantized, it would make a checkpoint that cannot answer either
+        raise ModelFormatError(f"{files.source.path}: the model's {corrupt} holds NaN or inf values: its weights are "
+                               "corrupt")
     tensors = {}
     with torch.no_grad():
         if windows is not None:

@@ -680,6 +680,27 @@ def test_a_checkpoint_missing_tensors_names_them_as_its_files_would(packed_check
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_corrupt_weights_are_one_error_line_without_warnings(tmp_path, monkeypatch, capsys):
+    """Scales of all ones bits in a Q5_1 tensor (dequantized by the gguf package, in numpy): inf and NaN.
+    Generating says the weights are corrupt, with no numpy warning first; quantize refuses them."""
+    import warnings
+
+    import gguf
+
+    path = write_gguf(tmp_path / "m.gguf", random_model(CONFIGS["llama"]), qtype="Q5_1")
+    reader = gguf.GGUFReader(str(path), "r+")
+    next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight").data[:, :4] = 0xFF  # each row's first scales
+    del reader
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (pytest would keep a warning off stderr)
+        code, out, err = run_main(["generate", path, "hi", "-n", "2", "--temperature", "0"], monkeypatch, capsys)
+    assert code == 1 and out == "" and err.strip() == "error: the model's output is not finite (NaN or inf): its " \
+        "weights are corrupt", err
+    code, _, err = run_main(["quantize", path, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)
+    assert code == 1 and "layers.0.attn.qkv.weight holds NaN or inf values" in err, err
+    assert not (tmp_path / "q").exists()
+
+
 def test_quantize_refuses_a_source_tensor_that_is_not_floats(packed_checkpoint, tmp_path, monkeypatch, capsys):
     import shutil
 
