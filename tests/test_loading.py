@@ -219,12 +219,12 @@ def test_the_index_is_checked_before_any_weight_is_read(tmp_path, monkeypatch):
 
     model = random_model(CONFIGS["llama"])  # a vocabulary of 128, width 64
     model.config = replace(model.config, vocab_size=129)  # the file lists one token more than it embeds
-    with pytest.raises(ModelFormatError, match=r"token_embd.weight has shape \(128, 64\), the config implies \(129, 64"):
+    with pytest.raises(ModelFormatError, match=r"token_embd.weight has shape \(128, 64\), the config implies \(129,"):
         open_model(str(write_gguf(tmp_path / "vocab.gguf", model)))
     path = write_hf_dir(tmp_path / "m", random_model(CONFIGS["llama"]))
     tensors = load_file(path / "model.safetensors")
     save_file({**tensors, "model.embed_tokens.weight": torch.zeros(127, 64)}, str(path / "model.safetensors"))
-    with pytest.raises(ModelFormatError, match=r"embed_tokens.weight has shape \(127, 64\), the config implies \(128, 64"):
+    with pytest.raises(ModelFormatError, match=r"embed_tokens.weight has shape \(127, 64\), the config implies \(128,"):
         open_model(str(path))
     monkeypatch.setattr(tiny, "unfused_state_dict", lambda model: {})
     with pytest.raises(ModelFormatError, match="the weights hold no tensors"):
