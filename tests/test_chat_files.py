@@ -211,6 +211,58 @@ def test_repl_saves_every_turn_and_runs_save_and_load(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["auto.json", "bad.json", "copy.json", "my chat.json"]
 
 
+def test_a_ctrl_c_as_a_turn_is_saved_loses_nothing(tmp_path, monkeypatch, smollm2):
+    """Ctrl-C landing while the turn is kept and saved (the reply just over): the one-shot chat exits 0 and the
+    interactive one goes on, the turn saved either way, no half-written file left."""
+    import llmrun.cli.chat as chat_cli
+    from llmrun import conversation
+    from llmrun.conversation import Conversation
+    from llmrun.generate import Engine
+    from llmrun.sampling import SamplingParams
+
+    real = conversation.save_conversation
+
+    def interrupted(path, saved):
+        os.kill(os.getpid(), signal.SIGINT)
+        real(path, saved)
+
+    monkeypatch.setattr(conversation, "save_conversation", interrupted)
+    result = CliRunner().invoke(app, ["chat", *SHORT, "-p", QUESTION, "--save", str(tmp_path / "one.json")])
+    assert result.exit_code == 0, result.stderr
+    assert [m["role"] for m in json.loads((tmp_path / "one.json").read_text())["messages"]] == ["user", "assistant"]
+
+    typed = iter([(QUESTION, "message"), ("And of Italy?", "message")])
+
+    def read_message():  # two questions typed, then Ctrl-D
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(chat_cli, "_read_message", read_message)
+    chat = Conversation(Engine(smollm2, max_len=256), SamplingParams(temperature=0, max_new_tokens=4))
+    chat_cli._repl(chat, True, chat_cli._Saving("smollm2", every_turn=tmp_path / "repl.json"))
+    saved = json.loads((tmp_path / "repl.json").read_text())["messages"]
+    assert [m["content"] for m in saved[::2]] == [QUESTION, "And of Italy?"]
+    assert sorted(os.listdir(tmp_path)) == ["one.json", "repl.json"]
+
+
+def test_signals_held_drop_ctrl_c_and_deliver_the_others_after():
+    from llmrun.cli.console import signals_held
+
+    got = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert got == []
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_save_and_load_without_a_file_are_errors():
     from llmrun.cli.chat import _Saving, _slash
 

@@ -15,8 +15,8 @@ from llmrun.errors import LlmrunError, UsageError, check_utf8
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import (OutputError, err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors,
-                      write_out)
+from .console import (OutputError, err, open_engine, print_json_when_done, signals_held, status_line, stream_to_stdout,
+                      user_errors, write_out)
 from .options import JsonFlag, ModelArg, run_options
 
 HELP = """Commands: /reset (forget the conversation), /system TEXT (set the system prompt; no TEXT clears it),
@@ -165,11 +165,9 @@ def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool
         else:
             stream_to_stdout(reply)
     except BaseException:  # Ctrl-C, SIGTERM, a closed terminal, a crash: keep the partial reply, as the chat does
-        conversation.finish(reply)
-        saving.after_turn(conversation)
+        _keep(conversation, reply, saving)
         raise
-    conversation.finish(reply)
-    saving.after_turn(conversation)
+    _keep(conversation, reply, saving)
     if not json_out and not quiet:
         err.print(status_line(reply.stats, memory_report(conversation.engine)))
 
@@ -254,25 +252,31 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
             write_out("\n")
         except LlmrunError as e:  # the reply failed part way (the model's output not finite...): the chat goes on
             if isinstance(e, OutputError):  # nothing more can be shown: keep and save the reply, then go
-                conversation.finish(reply)
-                saving.after_turn(conversation)
+                _keep(conversation, reply, saving)
                 raise
             write_out("\n")
             err.print(Text(f"error: {e}", style="bold red"))
             conversation.take_back()
             continue
         except BaseException:  # SIGTERM, a closed terminal, a crash: keep and save what there is, then go
-            conversation.finish(reply)
-            saving.after_turn(conversation)
+            _keep(conversation, reply, saving)
             raise
-        conversation.finish(reply)
         last = reply
-        if not quiet:
-            err.print(status_line(reply.stats, memory_report(conversation.engine)))
-        try:
-            saving.after_turn(conversation)  # so that Ctrl-C, a crash or a closed terminal lose nothing
-        except LlmrunError as e:
-            err.print(Text(f"error: {e}", style="bold red"))
+        with signals_held():  # a Ctrl-C meant for the reply that just ended does not end the chat
+            conversation.finish(reply)
+            if not quiet:
+                err.print(status_line(reply.stats, memory_report(conversation.engine)))
+            try:
+                saving.after_turn(conversation)  # so that Ctrl-C, a crash or a closed terminal lose nothing
+            except LlmrunError as e:
+                err.print(Text(f"error: {e}", style="bold red"))
+
+
+def _keep(conversation, reply, saving: _Saving) -> None:
+    """The reply into the conversation, and the conversation into its --save file, with no signal cutting it short."""
+    with signals_held():
+        conversation.finish(reply)
+        saving.after_turn(conversation)
 
 
 def _slash(line: str, conversation, last, saving: _Saving) -> bool:

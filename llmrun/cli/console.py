@@ -5,6 +5,7 @@ import functools
 import importlib
 import io
 import os
+import signal
 import stat
 import sys
 from contextlib import contextmanager, nullcontext
@@ -99,6 +100,29 @@ def _stdout_is_a_pipe() -> bool:
     except (OSError, ValueError):
         return False
     return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+@contextmanager
+def signals_held():
+    """Hold Ctrl-C, SIGTERM and SIGHUP off while a turn is kept and saved, so that none cuts the saving short (and
+    loses the turn). A Ctrl-C then is dropped: the reply it meant to stop is over. The others are delivered when
+    the block is done, to their own handlers."""
+    caught, previous = [], {}
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        number = getattr(signal, name, None)  # (no SIGHUP on Windows)
+        try:
+            if number is not None:
+                previous[number] = signal.signal(number, lambda signum, frame: caught.append(signum))
+        except ValueError:  # not the main thread, where signals are not delivered anyway
+            break
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in dict.fromkeys(caught):
+            if number != signal.SIGINT:
+                signal.raise_signal(number)
 
 
 def spinner(message: str):
