@@ -1,7 +1,9 @@
 """Render Hugging Face-style chat templates (Jinja2) in a sandbox.
 
 Templates come from model files we did not write, so they run in Jinja's immutable sandbox: no
-attribute walks to `__class__`/`__globals__`, no mutating the messages. The environment mirrors the
+attribute walks to `__class__`/`__globals__`, no mutating the messages, no `range` past 100,000, and here no
+string or list repeated, nor number raised, past a size that only exhausts memory. Whatever a template's code
+raises is one error line, never a traceback. The environment mirrors the
 one `transformers` uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
 a `tojson` that keeps non-ASCII text) so templates render byte-for-byte the same.
 """
@@ -14,7 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from llmrun.errors import LlmrunError
 
@@ -33,8 +35,27 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+MAX_SIZE = 1 << 20  # the most items (characters) a `*` may make, and bits a `**`
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `*` and `**` bounded: `"x" * 10**10` would take the memory, not render."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*":
+            count = next((n for n in (left, right) if isinstance(n, int)), 1)
+            items = next((len(x) for x in (left, right) if isinstance(x, (str, list, tuple))), 0)
+            if items * count > MAX_SIZE:
+                raise SecurityError(f"a repetition of {items * count:,} items exceeds the sandbox's {MAX_SIZE:,}")
+        elif isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > MAX_SIZE:
+            raise SecurityError(f"a power of {right:,} is too large for the sandbox")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> jinja2.Environment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -53,7 +74,7 @@ class ChatTemplate:
     def __init__(self, source: str):
         try:
             self._template = _environment().from_string(source)
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # a syntax error; a template nested past the parser's recursion
             raise LlmrunError(_one_line(exc)) from None
 
     def render(
@@ -74,7 +95,9 @@ class ChatTemplate:
                 eos_token=eos_token,
                 **extra,
             )
-        # TemplateError includes the sandbox's SecurityError; TypeError is e.g. `None + 'text'` when a
-        # message lacks the content the template expects.
-        except (jinja2.TemplateError, TypeError) as exc:
+        except LlmrunError:  # raise_exception: the template's own message
+            raise
+        # the sandbox's SecurityError; `None + 'text'` where a message lacks the content the template expects;
+        # a division by zero, a recursion without end...: the template's code failed, whatever it raised
+        except Exception as exc:
             raise LlmrunError(_one_line(exc)) from None

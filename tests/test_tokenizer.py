@@ -298,6 +298,28 @@ def test_template_sandbox_blocks_escapes_and_mutation(source):
         ChatTemplate(source).render([])
 
 
+@pytest.mark.parametrize("source, message", [
+    ("{% for i in range(100000000) %}x{% endfor %}", "Range too big"),
+    ("{{ 1 / 0 }}", "division by zero"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion"),
+    ("{{ 'x' * 10000000000 }}", "a repetition of 10,000,000,000 items exceeds"),
+    ("{{ [0] * 5 * 1000000 }}", "a repetition of 5,000,000 items exceeds"),
+    ("{{ 10 ** 10000000000 }}", "a power of 10,000,000,000 is too large"),
+    ("{{ 'abc'.index('z') }}", "substring not found"),
+])
+def test_whatever_a_template_raises_is_one_error(source, message):
+    """A template's code is someone else's: each way it can fail is a template error, not a traceback (in the
+    chat, an error line, and the chat goes on); and a repetition or power that would take the memory fails first."""
+    with pytest.raises(LlmrunError, match=f"^chat template error: .*{message}") as info:
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(info.value)
+
+
+def test_template_arithmetic_within_bounds():
+    assert ChatTemplate("{{ 2 ** 10 }} {{ 'ab' * 3 }} {{ [1] * 2 }} {{ 3 * 4 }} {{ 2.5 ** 3 }}").render([]) == \
+        "1024 ababab [1, 1] 12 15.625"
+
+
 def test_template_raise_exception_carries_message():
     template = ChatTemplate(
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"
