@@ -221,9 +221,11 @@ def test_kl_of_kv_cache_options(cli, tiny, tmp_path):
     assert 0 < doc["kl"]["mean"] < 0.01
     window = {"policy": "window", "budget": 64, "sinks": 4}
     for ctx, exact in ((64, True), (128, False)):
-        doc = cli(*base, "--ctx", ctx, "--kv-evict", "window", "--kv-budget", 64, "--kl-vs", "kv-evict=none").json
+        result = cli(*base, "--ctx", ctx, "--kv-evict", "window", "--kv-budget", 64, "--kl-vs", "kv-evict=none")
+        doc = result.json
         assert (doc["config"]["kv_eviction"], doc["kl"]["reference"]["kv_eviction"]) == (window, None)
         assert (doc["kl"]["max"] == 0.0) == exact, doc["kl"]
+        assert ("nothing is evicted" in result.stderr) == exact  # (said: the budget holds the whole window)
     doc = cli(*base, "--ctx", 128, "--kv-evict", "window", "--kv-budget", 64, "--kl-vs", "kv-evict=h2o").json
     assert doc["kl"]["reference"]["kv_eviction"] == {**window, "policy": "h2o"} and doc["kl"]["mean"] > 0
 

@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from llmrun.errors import LlmrunError, UsageError
 from llmrun.loading import DEFAULT_MODEL
@@ -120,6 +121,10 @@ def eval_(
         raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
     ctx = opts.ctx or min(DEFAULT_CTX, trained)
     stride = _check_stride(stride, ctx)
+    if opts.eviction is not None and opts.eviction.budget >= ctx:  # a window of ctx tokens fits whole
+        err.print(Text(f"note: --kv-budget {opts.eviction.budget} holds a whole window of {ctx} tokens (--ctx), so "
+                       f"nothing is evicted; a budget below {ctx}, or a --ctx above {opts.eviction.budget}, measures "
+                       "eviction", style="dim"))
     ref_engine = ref_model = None
     if reference is not None:
         ref_model = reference.pop("model", model)
