@@ -51,10 +51,15 @@ def bytes_per_token(cfg, kv_format: str) -> int:
     return elems * per_head
 
 
-def int4_ring_bytes(cfg, itemsize: int) -> int:
-    """The fixed bytes of an INT4 cache's rings (RING slots of exact keys and values, every layer) in a
-    dtype of `itemsize` bytes (the model's)."""
-    return 2 * ref.RING * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+def int4_ring_slots(max_len: int) -> int:
+    """The slots of an INT4 cache's rings for a cache of `max_len` tokens: RING, or fewer for a shorter cache."""
+    return max(1, min(ref.RING, max_len))
+
+
+def int4_ring_bytes(cfg, itemsize: int, max_len: int) -> int:
+    """The fixed bytes of the rings (exact keys and values, every layer) of an INT4 cache of `max_len` tokens,
+    in a dtype of `itemsize` bytes (the model's)."""
+    return 2 * int4_ring_slots(max_len) * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
 class _DenseStore:
@@ -182,7 +187,7 @@ class _Int4Store:
         self.v = torch.zeros(L, B, H, C, D // 2, dtype=torch.uint8, device=device)
         self.v_scale = torch.zeros(L, B, H, C, D // self.group, dtype=torch.float16, device=device)
         self.v_min = torch.zeros_like(self.v_scale)
-        self.ring = max(1, min(ref.RING, C))  # slots
+        self.ring = int4_ring_slots(C)
         self.window = ref.ring_window(self.ring)  # the positions read exact: [end - window, end), at most
         self.k_recent = torch.zeros(L, B, H, self.ring, D, dtype=dtype, device=device)
         self.v_recent = torch.zeros_like(self.k_recent)

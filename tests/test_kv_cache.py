@@ -14,7 +14,7 @@ import torch
 
 from llmrun.errors import ContextOverflowError, LlmrunError
 from llmrun.kernels import ref
-from llmrun.kv_cache import Eviction, KVCache, bytes_per_token
+from llmrun.kv_cache import Eviction, KVCache, bytes_per_token, int4_ring_bytes
 
 L, B, H, D = 2, 1, 3, 64
 
@@ -611,3 +611,13 @@ def test_kv_help_gives_the_bits_each_quantized_format_stores():
     for fmt in ("int8", "int4"):
         bits = 8 * bytes_per_token(cfg, fmt) / (2 * cfg.head_dim)  # (8.5, 5)
         assert re.search(rf"{fmt} \([^)]*\b{re.escape(f'{bits:g}')} bits", help_text), (fmt, bits, help_text)
+
+
+@pytest.mark.parametrize("max_len", [100, 608, 700])
+def test_the_int4_rings_take_what_info_says(max_len):
+    """`int4_ring_bytes`, which `llmrun info` reports for the model's context: the bytes the cache's rings take,
+    shorter rings for a cache shorter than RING."""
+    cfg = SimpleNamespace(n_layers=2, n_kv_heads=3, head_dim=32)
+    cache = KVCache(cfg.n_layers, 1, cfg.n_kv_heads, max_len, cfg.head_dim, torch.float32, "cpu", kv_format="int4")
+    rings = cache.store.k_recent.nbytes + cache.store.v_recent.nbytes
+    assert int4_ring_bytes(cfg, 4, max_len) == rings and cache.store.ring == min(max_len, ref.RING)

@@ -16,12 +16,13 @@ from .options import JsonFlag, ModelArg
 def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
     """Architecture, parameters, weight bytes by dtype, context, KV bytes per token, tokenizer and template."""
     from llmrun.kernels import ref
-    from llmrun.kv_cache import KV_FORMATS, int4_ring_bytes
+    from llmrun.kv_cache import KV_FORMATS, int4_ring_bytes, int4_ring_slots
     from llmrun.kv_cache import bytes_per_token as kv_bytes
     from llmrun.memory import human_bytes
 
     files = open_files(model)
     cfg, tok = files.config, files.tokenizer
+    ctx = cfg.max_seq_len  # an INT4 cache of the whole context: a shorter one (--ctx) may have shorter rings
     doc = {
         "model": model,
         "path": str(files.source.path),
@@ -42,8 +43,8 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         "sliding_window": cfg.sliding_window,
         "tied_embeddings": cfg.tie_embeddings,
         "kv_bytes_per_token": {fmt: kv_bytes(cfg, fmt) for fmt in KV_FORMATS},
-        "kv_int4_rings": {"positions": ref.RECENT, "slots": ref.RING, "bf16": int4_ring_bytes(cfg, 2),
-                          "fp32": int4_ring_bytes(cfg, 4)},
+        "kv_int4_rings": {"positions": ref.ring_window(int4_ring_slots(ctx)), "slots": int4_ring_slots(ctx),
+                          "bf16": int4_ring_bytes(cfg, 2, ctx), "fp32": int4_ring_bytes(cfg, 4, ctx)},
         "tokenizer": tok.kind,
         "chat_template": tok.chat_template is not None,
     }
