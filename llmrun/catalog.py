@@ -89,7 +89,7 @@ def hub_entries(with_sizes: bool = True) -> list[CatalogEntry]:
         if not name or snapshot is None:
             continue
         spec = f"{org}/{name}"
-        files = [p for p in snapshot.rglob("*") if not p.is_dir()]
+        files = [p for p in snapshot.rglob("*") if p.is_file()]  # (a link to a blob that is gone is no file)
         ggufs = sorted(p for p in files if p.suffix == ".gguf")
         if (snapshot / "config.json").is_file():
             size = sum(_file_size(p) for p in files if p.suffix != ".gguf") if with_sizes else 0

@@ -21,6 +21,7 @@ class Conversation:
         self.params = params
         self.system = system
         self.messages: list[dict] = []  # user/assistant turns, without the system message
+        self.start_over = "start over (/reset)"  # how to, where a conversation outgrows the context
         # The rendered conversation up to the end of the last reply, and the token ids that spell it as they were
         # generated (what the cache holds); the reply under way's rendered prompt and ids
         self._held: tuple[str, list[int]] | None = None
@@ -41,7 +42,8 @@ class Conversation:
         if len(prompt) >= self.engine.max_len:
             raise ContextOverflowError(
                 f"the conversation takes {len(prompt)} tokens and the context holds {self.engine.max_len}, leaving"
-                f" no room for a reply; {self.engine.more_context()}, or start over (/reset)"
+                f" no room for a reply; {self.engine.more_context()}, or "
+                f"{self.start_over if self.messages else 'shorten the message'}"
             )
         self.messages = messages
         self._asked = (rendered, prompt)
@@ -133,7 +135,8 @@ def load_conversation(path: str | Path) -> SavedConversation:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise LlmrunError(f"{path} is not an llmrun conversation (no \"format\": \"{FORMAT}\"); give a file saved with --save or /save")
     if type(doc.get("version")) is not int or doc.get("version") != FORMAT_VERSION:  # (true == 1 in Python)
-        raise LlmrunError(f"{path} has conversation format version {doc.get('version')!r}; this llmrun reads version {FORMAT_VERSION}")
+        raise LlmrunError(f"{path} has conversation format version {json.dumps(doc.get('version'))[:40]}; this llmrun "
+                          f"reads version {FORMAT_VERSION}")
     model, system, messages = doc.get("model"), doc.get("system"), doc.get("messages")
     if not isinstance(model, str) or not (system is None or isinstance(system, str)) or not isinstance(messages, list):
         raise LlmrunError(f"{path}: a conversation needs \"model\" (text), \"system\" (text or null) and \"messages\" (a list)")

@@ -271,8 +271,8 @@ class Engine:
             raise LlmrunError("the prompt is empty: there is nothing to continue")
         if len(prompt) >= self.max_len:
             raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens but the context holds {self.max_len}; shorten it or"
-                f" {self.more_context()}"
+                f"the prompt has {len(prompt)} tokens and the context holds {self.max_len}, leaving no room to "
+                f"generate; shorten it or {self.more_context()}"
             )
         common = 0
         for a, b in zip(self.tokens, prompt):

@@ -36,6 +36,8 @@ def hub(tmp_path, monkeypatch) -> Path:
     _hub_repo(hub, "acme/tiny-GGUF", {"tiny.Q4_0.gguf": 3000, "sub/tiny.Q8_0.gguf": 6000, "README.md": 10})
     (hub / "models--acme--empty" / "snapshots").mkdir(parents=True)
     (hub / "datasets--acme--text" / "snapshots" / COMMIT).mkdir(parents=True)
+    gone = _hub_repo(hub, "acme/gone-GGUF", {"gone.gguf": 10})  # its blob deleted by hand: a dangling link
+    (gone / "gone.gguf").resolve().unlink()
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     return hub
 

@@ -90,7 +90,7 @@ BAD_FILES = [
     (json.dumps(_doc([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])).encode(),
      "message 1 is the user's"),
     (json.dumps(_doc([{"role": "user", "content": "a"}])).encode(), "the last message is the user's, with no reply"),
-    (json.dumps(_doc([], version=True)).encode(), "format version True"),
+    (json.dumps(_doc([], version=True)).encode(), "format version true; this llmrun"),  # (spelt as JSON)
 ]
 
 
@@ -266,6 +266,7 @@ def test_signals_held_drop_ctrl_c_and_deliver_the_others_after():
 def test_save_and_load_without_a_file_are_errors():
     from llmrun.cli.chat import _Saving, _slash
 
-    for line, message in (("/save", "/save needs a FILE"), ("/load  ", "/load needs a FILE")):
+    for line, message in (("/save", "/save needs a FILE"), ("/load  ", "/load needs a FILE"),
+                          ('/save "my chat.json', "the quote is not closed"), ("/load '", "the quote is not closed")):
         with pytest.raises(LlmrunError, match=message):  # the chat prints it as an `error:` line and goes on
             _slash(line, None, None, _Saving("smollm2"))

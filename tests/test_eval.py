@@ -297,7 +297,7 @@ def bad_inputs(tmp_path_factory, tiny):
     (["--ppl", "{text}", "--kl-vs", "model={root}/nothing.gguf"], 1, ["nothing.gguf: no such file or directory"]),
     (["--ppl", "{text}", "--kl-vs", "model={root}/small-vocab"], 1, ["has 64 tokens in its vocabulary, this one 128"]),
     (["--ppl", "{text}", "--kl-vs", "model={root}/shuffled"], 1, ["tokenizes the text differently"]),
-    (["--ppl", "{text}", "--kl-vs", "device=cuda"], 1, ["--device cuda"]),
+    (["--ppl", "{text}", "--kl-vs", "device=cuda"], 1, ["--kl-vs device=cuda: no CUDA device"]),
 ])
 def test_bad_input_gives_one_error_line(cli, tiny, bad_inputs, args, code, fragments):
     if "device=cuda" in args and torch.cuda.is_available():

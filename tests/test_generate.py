@@ -219,10 +219,23 @@ def test_empty_prompt_is_refused(engine):
         "".join(engine.generate([], GREEDY))
 
 
+def test_a_conversation_that_outgrows_the_context_says_how_to_go_on(smollm2):
+    chat = Conversation(Engine(smollm2, max_len=64), SamplingParams(temperature=0, max_new_tokens=4))
+    with pytest.raises(ContextOverflowError, match=r"no room for a reply; raise --ctx .*, or shorten the message$"):
+        chat.send("word " * 80)
+    chat.messages = [{"role": "user", "content": "word " * 30}, {"role": "assistant", "content": "word " * 20}]
+    with pytest.raises(ContextOverflowError, match=r", or start over \(/reset\)$"):
+        chat.send("And then?")
+    chat.start_over = "start over without --load c.json"
+    with pytest.raises(ContextOverflowError, match=r", or start over without --load c.json$"):
+        chat.send("And then?")
+
+
 def test_context_limits(smollm2):
     engine = Engine(smollm2, max_len=40)
     long_prompt = smollm2.tokenizer.encode("word " * 60)
-    with pytest.raises(ContextOverflowError, match=r"context holds 40; shorten it or raise --ctx \(up to 8192\)"):
+    with pytest.raises(ContextOverflowError,
+                       match=r"context holds 40, leaving no room to generate; shorten it or raise --ctx \(up to 8192\)"):
         "".join(engine.generate(long_prompt, GREEDY))
     assert "--kv-evict" in Engine(smollm2).more_context()  # at the model's own context, --ctx goes no higher
     prompt = smollm2.tokenizer.encode("Once upon a time")
@@ -231,7 +244,7 @@ def test_context_limits(smollm2):
     if reply.stats.finish_reason != "stop":
         assert reply.stats.finish_reason == "context" and engine.cache.length == 40
     chat = Conversation(Engine(smollm2, max_len=30), GREEDY)
-    with pytest.raises(ContextOverflowError, match="/reset"):
+    with pytest.raises(ContextOverflowError, match="raise --ctx"):
         chat.send("hello")  # the default system prompt alone (31 tokens with the question) overflows 30
     assert chat.messages == []
 

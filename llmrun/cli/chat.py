@@ -76,6 +76,7 @@ def chat(
         conversation.messages = list(saved.messages)
     saving = _Saving(_portable(model), every_turn=save, last=save or load)
     if prompt is not None:
+        conversation.start_over = f"start over without --load {load}"
         _one_turn(conversation, prompt, model, json_out, quiet, saving)
     else:
         if saved is not None:
@@ -329,7 +330,9 @@ def _set_system(conversation, text: str) -> None:
 
 def _path(arg: str) -> Path:
     """A slash command's FILE, which may be quoted as a shell would need it: '/save "my chat.json"'."""
-    if len(arg) > 1 and arg[0] == arg[-1] and arg[0] in "'\"":
+    if arg[:1] in ("'", '"'):
+        if len(arg) < 2 or arg[-1] != arg[0]:
+            raise LlmrunError(f"{arg}: the quote is not closed; give the file name between two {arg[0]}")
         arg = arg[1:-1]
     return Path(arg).expanduser()
 

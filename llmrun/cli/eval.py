@@ -55,6 +55,11 @@ def _reference_options(opts, overrides: dict[str, str]):
             raise typer.BadParameter(f"kv-evict={policy} takes this run's --kv-budget; give this run --kv-evict and"
                                      " --kv-budget, or compare the other way round", param_hint="'--kl-vs'")
         overrides["eviction"] = None if policy == "none" else replace(opts.eviction, policy=policy)
+    if overrides.get("device") == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # (named as given, not as the --device option this run did not have)
+            raise LlmrunError("--kl-vs device=cuda: no CUDA device is available (torch sees none)")
     return replace(opts, **overrides)
 
 
