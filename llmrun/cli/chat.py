@@ -74,9 +74,10 @@ def chat(
     conversation = Conversation(engine, opts.params, system if system is not None or saved is None else saved.system)
     if saved is not None:
         conversation.messages = list(saved.messages)
+        if prompt is not None:  # no chat to /reset
+            conversation.start_over = f"start over without --load {load}"
     saving = _Saving(_portable(model), every_turn=save, last=save or load)
     if prompt is not None:
-        conversation.start_over = f"start over without --load {load}"
         _one_turn(conversation, prompt, model, json_out, quiet, saving)
     else:
         if saved is not None:
