@@ -2,8 +2,9 @@
 
 Templates come from model files we did not write, so they run in Jinja's immutable sandbox: no
 attribute walks to `__class__`/`__globals__`, no mutating the messages, no `range` past 100,000, and here no
-string or list repeated, nor number raised, past a size that only exhausts memory. Whatever a template's code
-raises is one error line, never a traceback. The environment mirrors the
+`*` or `**` whose result would run past MAX_SIZE items or bits (other ways to build a huge string remain, as a
+loop's time does: Ctrl-C stops a render). Whatever a template's code raises is one error line, never a
+traceback. The environment mirrors the
 one `transformers` uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
 a `tojson` that keeps non-ASCII text) so templates render byte-for-byte the same.
 """
@@ -49,7 +50,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             items = next((len(x) for x in (left, right) if isinstance(x, (str, list, tuple))), 0)
             if items * count > MAX_SIZE:
                 raise SecurityError(f"a repetition of {items * count:,} items exceeds the sandbox's {MAX_SIZE:,}")
-        elif isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > MAX_SIZE:
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
+                left.bit_length() * right > MAX_SIZE:
             raise SecurityError(f"a power of {right:,} is too large for the sandbox")
         return super().call_binop(context, operator, left, right)
 
@@ -63,7 +65,7 @@ def _environment() -> jinja2.Environment:
 
 
 def _one_line(exc: Exception) -> str:
-    text = " ".join(str(getattr(exc, "message", None) or exc).split())
+    text = " ".join(str(getattr(exc, "message", None) or exc).split()) or type(exc).__name__
     lineno = getattr(exc, "lineno", None)
     return f"chat template error: {text}" + (f" (template line {lineno})" if lineno else "")
 
@@ -97,6 +99,8 @@ class ChatTemplate:
             )
         except LlmrunError:  # raise_exception: the template's own message
             raise
+        except MemoryError:
+            raise LlmrunError("chat template error: rendering it takes more memory than there is") from None
         # the sandbox's SecurityError; `None + 'text'` where a message lacks the content the template expects;
         # a division by zero, a recursion without end...: the template's code failed, whatever it raised
         except Exception as exc:

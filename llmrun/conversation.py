@@ -43,7 +43,7 @@ class Conversation:
             raise ContextOverflowError(
                 f"the conversation takes {len(prompt)} tokens and the context holds {self.engine.max_len}, leaving"
                 f" no room for a reply; {self.engine.more_context()}, or "
-                f"{self.start_over if self.messages else 'shorten the message'}"
+                f"{self.start_over if self.messages else 'shorten the message or the system prompt'}"
             )
         self.messages = messages
         self._asked = (rendered, prompt)

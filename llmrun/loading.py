@@ -158,13 +158,18 @@ def _our_name(name: str, names) -> str | None:
 def hf_tensor_name(ours: str) -> str:
     """Our tensor name -> the HF checkpoint's (`layers.3.attn.q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
     the inverse of reading an HF directory."""
-    whole, _, parts = _HF_NAMES
+    return _their_name(ours, _HF_NAMES, "model.layers")
+
+
+def _their_name(ours: str, names, layers: str) -> str:
+    """The inverse of `_our_name` for the format of `names`, whose layers are `{layers}.N`."""
+    whole, _, parts = names
     theirs = {v: k for k, v in whole.items()}
     if ours in theirs:
         return theirs[ours]
     _, i, rest = ours.split(".", 2)
     part, kind = rest.rsplit(".", 1)
-    return f"model.layers.{i}.{next(k for k, v in parts.items() if v == part)}.{kind}"
+    return f"{layers}.{i}.{next(k for k, v in parts.items() if v == part)}.{kind}"
 
 
 def fused_parts(module: str) -> list[str]:
@@ -331,15 +336,21 @@ def _iter_weights(files: ModelFiles, keep_blocks=None):
                         raise ModelFormatError(f"{file}: tensor {name} holds {str(w.dtype).removeprefix('torch.')}"
                                                ", not floats")
                     if ours in keep_blocks:  # a float embedding / output head beside packed layers
-                        if tuple(w.shape) != (cfg.vocab_size, cfg.dim):
-                            raise ModelFormatError(f"{file}: tensor {name} has shape {tuple(w.shape)}, the config "
-                                                   f"implies {(cfg.vocab_size, cfg.dim)}")
+                        _check_blocks_of(file, name, w, (cfg.vocab_size, cfg.dim) if "layers." not in ours else None)
                         w = (*q8_blocks(w), None, 8)
                     yield ours, w
                 for module, suffixes in quantized.items():
                     yield _read_quantized(f, file, module, suffixes, quant, keep_blocks)
         except SafetensorError as e:
             raise ModelFormatError(f"{file} is not a valid safetensors file ({e})") from e
+
+
+def _check_blocks_of(file, name: str, w, want: tuple[int, int] | None) -> None:
+    """A float matrix about to become 8-bit blocks of 32 columns has the shape the config gives it (`want`, where
+    known), and whole blocks."""
+    if (want is not None and tuple(w.shape) != want) or w.dim() != 2 or w.shape[1] % 32:
+        implied = f"the config implies {want}" if want is not None else "not a matrix of whole blocks of 32 columns"
+        raise ModelFormatError(f"{file}: tensor {name} has shape {tuple(w.shape)}, {implied}")
 
 
 def _checkpoint_tensors(names, cfg, quant) -> tuple[list[str], dict[str, set[str]]]:
@@ -596,17 +607,23 @@ def _missing_tensors(names: list[str]) -> list[str]:
     return found
 
 
+def file_names(files: ModelFiles, name: str) -> list[str]:
+    """A tensor of the model (`layers.0.attn.qkv.weight`) -> the file's tensors that make it, as the file names
+    them (`blk.0.attn_q.weight`, `blk.0.attn_k.weight`, `blk.0.attn_v.weight`)."""
+    return [_file_name(files, part) for part in _missing_tensors([name])]
+
+
 def _file_name(files: ModelFiles, ours: str) -> str:
-    """Our tensor name as the checkpoint names it, for errors (an HF directory's; a GGUF's are read as ours). An
-    AWQ/GPTQ linear layer is named by its codes (`qweight`)."""
-    if files.source.format == "gguf":
-        return ours
+    """Our tensor name as the file names it, for errors. An AWQ/GPTQ linear layer is named by its codes
+    (`qweight`)."""
     try:
+        if files.source.format == "gguf":
+            return _their_name(ours, _GGUF_NAMES, "blk")
         name = hf_tensor_name(ours)
     except (ValueError, StopIteration):
         return ours
-    if files.quant is not None and ours.startswith("layers.") and name.endswith(".weight") and \
-            _LAYER_TENSOR.match(ours).group(2) in _LINEAR:
+    m = _LAYER_TENSOR.match(ours)
+    if files.quant is not None and m and m.group(2) in _LINEAR and name.endswith(".weight"):
         return name.removesuffix("weight") + "qweight"
     return name
 

@@ -157,12 +157,14 @@ class CheckpointQuant:
             if tensor.dim() != rank or not kind[1](tensor):
                 raise ModelFormatError(f"{suffix} is a {tensor.dim()}-D {str(tensor.dtype).removeprefix('torch.')} "
                                        f"tensor; {self.method.upper()} stores it as a {rank}-D tensor of {kind[0]}")
+            if tensor.dtype == torch.uint32:  # the same 32 bits, as some writers label them
+                t[suffix] = tensor.view(torch.int32)
         if self.method == "awq":
             return unpack_awq(t["qweight"], t["qzeros"], t["scales"], self.group)
         return unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], self.bits, self.zeros_minus_one)
 
 
-_WORDS = ("32-bit words (int32)", lambda t: t.dtype == torch.int32)
+_WORDS = ("32-bit words (int32)", lambda t: t.dtype in (torch.int32, torch.uint32))
 _INDICES = ("integers", lambda t: t.dtype in (torch.int32, torch.int64))
 _FLOATS = ("floats", torch.Tensor.is_floating_point)
 # each tensor of a quantized layer: its rank and what its elements are

@@ -12,6 +12,7 @@ a fixed random sample of `search_rows` token rows.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -135,15 +136,18 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
     The directory appears whole or not at all."""
     import torch
 
-    from llmrun.loading import load_weights, open_model, resolve_device
+    from llmrun.loading import file_names, load_weights, open_model, resolve_device
 
     if options.method not in METHODS:
         raise LlmrunError(f"unknown method {options.method!r}; choose one of {', '.join(METHODS)}")
     out_dir = Path(out_dir)
-    if out_dir.is_symlink():  # the checkpoint goes where the link points (made there if missing); the link names it
+    try:
+        os.stat(out_dir)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LlmrunError(f"-o {out_dir}: its symbolic links go round in a loop") from None
+    if out_dir.is_symlink():  # the checkpoint goes where the link points (made there if missing), the link leads to it
         out_dir = Path(os.path.realpath(out_dir))
-        if out_dir.is_symlink():
-            raise LlmrunError(f"-o {out_dir}: its symbolic links go round in a loop")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise LlmrunError(f"{out_dir} exists and is not an empty directory; choose another -o or remove it")
     _check_writable(out_dir)  # before the work, not after it
@@ -180,8 +184,9 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
     model = loaded.model
     corrupt = next((name for name, t in model.state_dict().items() if not torch.isfinite(t).all()), None)
     if corrupt is not None:  # quantized, it would make a checkpoint that cannot answer either
-        raise ModelFormatError(f"{files.source.path}: the model's {corrupt} holds NaN or inf values: its weights are "
-                               "corrupt")
+        names = file_names(files, corrupt)
+        raise ModelFormatError(f"{files.source.path}: {' or '.join(names)} hold{'s' * (len(names) == 1)} NaN or inf "
+                               "values: its weights are corrupt")
     tensors = {}
     with torch.no_grad():
         if windows is not None:

@@ -197,7 +197,7 @@ def test_repl_saves_every_turn_and_runs_save_and_load(tmp_path):
         assert "not this conversation's" in t.expect(PROMPT_MARK) and bad.read_text() == "not json"
         t.send(f"/save {tmp_path}")
         assert "a directory" in t.expect(PROMPT_MARK)
-        t.send(f'/save "{tmp_path / "my chat.json"}"')  # quoted as a shell would need it
+        t.send(f'/save "{tmp_path / "my"} chat".json')  # quoted as a shell would need it
         assert f"saved 2 turns to {tmp_path / 'my chat.json'}" in t.expect(PROMPT_MARK)
         t.proc.kill()  # even killed, it has lost nothing: each turn was on disk before the next prompt
         assert t.wait() == -signal.SIGKILL
@@ -267,6 +267,7 @@ def test_save_and_load_without_a_file_are_errors():
     from llmrun.cli.chat import _Saving, _slash
 
     for line, message in (("/save", "/save needs a FILE"), ("/load  ", "/load needs a FILE"),
-                          ('/save "my chat.json', "the quote is not closed"), ("/load '", "the quote is not closed")):
+                          ('/save "my chat.json', "as one word"), ("/load '", "as one word"),
+                          ('/save "a" "b"', "as one word")):
         with pytest.raises(LlmrunError, match=message):  # the chat prints it as an `error:` line and goes on
             _slash(line, None, None, _Saving("smollm2"))

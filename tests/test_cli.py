@@ -65,8 +65,9 @@ def test_a_closed_stdout_is_one_error_line():
         "error: standard output is closed; redirect it (> FILE, or > /dev/null) instead"]
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-@pytest.mark.parametrize("args", [["--version"], ["completion", "bash"], ["models", "--json"],
-                                  ["generate", "Hi", "-n", "3"], ["generate", "Hi", "-n", "3", "--json"]])
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["chat", "--help"], ["completion", "bash"],
+                                  ["models", "--json"], ["generate", "Hi", "-n", "3"],
+                                  ["generate", "Hi", "-n", "3", "--json"]])
 def test_a_stdout_that_refuses_writes_is_one_error_line(args):
     """`> /dev/full` (or a disk that filled up): one error line, exit 1, no traceback at the write or the exit."""
     with open("/dev/full", "w") as full:

@@ -621,3 +621,21 @@ def test_the_int4_rings_take_what_info_says(max_len):
     cache = KVCache(cfg.n_layers, 1, cfg.n_kv_heads, max_len, cfg.head_dim, torch.float32, "cpu", kv_format="int4")
     rings = cache.store.k_recent.nbytes + cache.store.v_recent.nbytes
     assert int4_ring_bytes(cfg, 4, max_len) == rings and cache.store.ring == min(max_len, ref.RING)
+
+
+def test_info_reports_the_rings_of_the_models_context(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from llmrun.cli import app
+
+    from .tiny import CONFIGS, random_model, write_gguf
+
+    model = random_model(CONFIGS["llama"])
+    path = write_gguf(tmp_path / "m.gguf", model)
+    doc = json.loads(CliRunner().invoke(app, ["info", str(path), "--json"]).stdout)
+    slots = min(model.config.max_seq_len, ref.RING)
+    assert slots < ref.RING  # (a context shorter than the rings')
+    assert doc["kv_int4_rings"]["slots"] == slots and doc["kv_int4_rings"]["positions"] == ref.ring_window(slots)
+    assert doc["kv_int4_rings"]["fp32"] == int4_ring_bytes(model.config, 4, model.config.max_seq_len)

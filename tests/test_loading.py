@@ -231,6 +231,19 @@ def test_the_index_is_checked_before_any_weight_is_read(tmp_path, monkeypatch):
         open_model(str(write_gguf(tmp_path / "empty.gguf", random_model(CONFIGS["llama"]))))
 
 
+def test_a_gguf_missing_tensors_names_them_as_gguf_does(tmp_path, monkeypatch):
+    from . import tiny
+
+    full = tiny.unfused_state_dict
+    monkeypatch.setattr(tiny, "unfused_state_dict", lambda model: {k: v for k, v in full(model).items()
+                                                                   if k not in ("layers.1.mlp.down.weight",
+                                                                                "layers.0.attn.k.weight")})
+    path = write_gguf(tmp_path / "m.gguf", random_model(CONFIGS["llama"]))
+    for weights in ("auto", "dequant"):
+        with pytest.raises(ModelFormatError, match="missing tensors blk.1.ffn_down.weight, blk.0.attn_k.weight$"):
+            load_model(str(path), device="cpu", dtype="fp32", weights=weights)
+
+
 def test_an_untied_config_without_a_head_says_what_ties_it(tmp_path):
     path = write_hf_dir(tmp_path / "m", random_model(CONFIGS["smollm2"]))  # tied: no lm_head.weight in the file
     config = json.loads((path / "config.json").read_text())

@@ -582,8 +582,10 @@ def test_the_output_dir_may_be_a_symlink(tiny_source, tmp_path, monkeypatch, cap
         assert (tmp_path / link).is_symlink() and (tmp_path / target / "model.safetensors").is_file()
         assert run_main(["generate", tmp_path / link, "w1", "-n", "2"], monkeypatch, capsys)[0] == 0
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    code, _, err = run_main(["quantize", tiny_source[0], "--int8", "-o", tmp_path / "loop"], monkeypatch, capsys)
-    assert code == 1 and "loop" in err and len(err.strip().splitlines()) == 1, err
+    (tmp_path / "via").symlink_to(tmp_path / "loop" / "sub")
+    for out in ("loop", "via", "loop/sub"):
+        code, _, err = run_main(["quantize", tiny_source[0], "--int8", "-o", tmp_path / out], monkeypatch, capsys)
+        assert code == 1 and "go round in a loop" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_an_unsupported_quantization_method_fails_to_load(tiny_source, tmp_path, monkeypatch, capsys):
@@ -641,6 +643,7 @@ def _edit_tensor(path: Path, name: str, change) -> None:
     ("model.embed_tokens.weight", lambda t: t.flatten(), "model.embed_tokens.weight has shape"),
     ("model.embed_tokens.weight", lambda t: t.to(torch.int32), "model.embed_tokens.weight holds int32, not floats"),
     ("model.norm.weight", lambda t: t > 0, "model.norm.weight holds bool, not floats"),
+    ("model.layers.0.input_layernorm.weight", lambda t: t[:-1], "input_layernorm.weight has shape (63,), the config"),
 ])
 @pytest.mark.parametrize("weights", ["auto", "dequant"])
 def test_a_checkpoint_tensor_stored_as_the_wrong_kind_is_named(packed_checkpoint, tmp_path, monkeypatch, capsys,
@@ -670,11 +673,15 @@ def test_a_checkpoint_missing_tensors_names_them_as_its_files_would(packed_check
     [file] = gaps.glob("*.safetensors")
     tensors = load_file(file)
     save_file({k: v for k, v in tensors.items() if ".1.self_attn." not in k and ".0.mlp.down_proj" not in k}, file)
+    norm = shutil.copytree(packed_checkpoint[1], tmp_path / "norm")  # a float tensor of a block
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.0.input_layernorm.weight"},
+              next(norm.glob("*.safetensors")))
     for path, message in ((untied, "missing tensors lm_head.weight (a model whose head is its embedding says so: "
                                    "tie_word_embeddings true in config.json)"),
                           (gaps, "missing tensors model.layers.0.mlp.down_proj.qweight, "
                                  "model.layers.1.self_attn.o_proj.qweight, model.layers.1.self_attn.q_proj.qweight, "
-                                 "model.layers.1.self_attn.k_proj.qweight ...")):
+                                 "model.layers.1.self_attn.k_proj.qweight ..."),
+                          (norm, "missing tensors model.layers.0.input_layernorm.weight")):
         code, _, err = run_main(["generate", path, "hi", "-n", "2", "--device", "cpu", "--weights", weights],
                                 monkeypatch, capsys)
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
@@ -697,8 +704,21 @@ def test_corrupt_weights_are_one_error_line_without_warnings(tmp_path, monkeypat
     assert code == 1 and out == "" and err.strip() == "error: the model's output is not finite (NaN or inf): its " \
         "weights are corrupt", err
     code, _, err = run_main(["quantize", path, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)
-    assert code == 1 and "layers.0.attn.qkv.weight holds NaN or inf values" in err, err
+    assert code == 1 and "blk.0.attn_q.weight or blk.0.attn_k.weight or blk.0.attn_v.weight hold NaN or inf" in err, err
     assert not (tmp_path / "q").exists()
+
+
+def test_codes_labelled_unsigned_read_the_same(packed_checkpoint, tmp_path, monkeypatch, capsys):
+    """qweight and qzeros as U32 (the same bits, as some writers label them) load as the int32 ones do."""
+    import shutil
+
+    path = shutil.copytree(packed_checkpoint[1], tmp_path / "q")
+    for name in ("model.layers.0.self_attn.q_proj.qweight", "model.layers.0.self_attn.q_proj.qzeros"):
+        _edit_tensor(path, name, lambda t: t.view(torch.uint32))
+    args = ["generate", "w1 w2", "-n", "4", "--temperature", "0", "--device", "cpu", "--json"]
+    signed, unsigned = (run_main([args[0], p, *args[1:]], monkeypatch, capsys) for p in (packed_checkpoint[1], path))
+    assert signed[0] == unsigned[0] == 0, unsigned[2]
+    assert json.loads(signed[1])["text"] == json.loads(unsigned[1])["text"]
 
 
 def test_quantize_refuses_a_source_tensor_that_is_not_floats(packed_checkpoint, tmp_path, monkeypatch, capsys):

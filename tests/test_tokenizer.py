@@ -315,9 +315,20 @@ def test_whatever_a_template_raises_is_one_error(source, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_template_out_of_memory_says_so(monkeypatch):
+    template = ChatTemplate("{{ messages }}")
+
+    def render(**variables):
+        raise MemoryError  # (no message of its own)
+
+    monkeypatch.setattr(template._template, "render", render)
+    with pytest.raises(LlmrunError, match="^chat template error: rendering it takes more memory than there is$"):
+        template.render([])
+
+
 def test_template_arithmetic_within_bounds():
-    assert ChatTemplate("{{ 2 ** 10 }} {{ 'ab' * 3 }} {{ [1] * 2 }} {{ 3 * 4 }} {{ 2.5 ** 3 }}").render([]) == \
-        "1024 ababab [1, 1] 12 15.625"
+    assert ChatTemplate("{{ 2 ** 10 }} {{ 'ab' * 3 }} {{ [1] * 2 }} {{ 3 * 4 }} {{ 2.5 ** 3 }} {{ 1 ** 10000000 }}"
+                        ).render([]) == "1024 ababab [1, 1] 12 15.625 1"
 
 
 def test_template_raise_exception_carries_message():

@@ -3,6 +3,7 @@ commands so `llmrun --help` stays instant."""
 
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 
@@ -56,6 +57,10 @@ class Terminated(BaseException):
         self.signum = signum
 
 
+# what a write to stdout fails with where the fault is stdout's: a disk full or failing
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
 def _terminate(signum, frame):
     raise Terminated(signum)
 
@@ -85,6 +90,14 @@ def main() -> None:
         code = e.exit_code
     except LlmrunError as e:  # raised outside a command (`--version` into a full disk)
         print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except OSError as e:  # the help, written before any command runs, into a full disk (a pipe gone away: click)
+        if e.filename is not None or e.errno not in _WRITE_ERRORS:
+            raise
+        from .console import _silence_stdout
+
+        _silence_stdout()
+        print(f"error: cannot write to standard output ({e.strerror})", file=sys.stderr)
         code = 1
     except (typer.Abort, KeyboardInterrupt):
         code = 130

@@ -1,6 +1,7 @@
 """`llmrun chat`: interactive multi-turn chat, or one turn with -p / piped stdin."""
 
 import os
+import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -248,17 +249,18 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
         except LlmrunError as e:
             err.print(Text(f"error: {e}", style="bold red"))
             continue
+        interrupted = False
         try:
             stream_to_stdout(reply)
-        except KeyboardInterrupt:
-            write_out("\n")
+        except KeyboardInterrupt:  # the reply stops there, and is kept as a whole one is
+            interrupted = True
         except LlmrunError as e:  # the reply failed part way (the model's output not finite...): the chat goes on
             if isinstance(e, OutputError):  # nothing more can be shown: keep and save the reply, then go
                 _keep(conversation, reply, saving)
                 raise
+            conversation.take_back()
             write_out("\n")
             err.print(Text(f"error: {e}", style="bold red"))
-            conversation.take_back()
             continue
         except BaseException:  # SIGTERM, a closed terminal, a crash: keep and save what there is, then go
             _keep(conversation, reply, saving)
@@ -266,12 +268,17 @@ def _repl(conversation, quiet: bool, saving: _Saving) -> None:
         last = reply
         with signals_held():  # a Ctrl-C meant for the reply that just ended does not end the chat
             conversation.finish(reply)
-            if not quiet:
-                err.print(status_line(reply.stats, memory_report(conversation.engine)))
             try:
                 saving.after_turn(conversation)  # so that Ctrl-C, a crash or a closed terminal lose nothing
+                failed = None
             except LlmrunError as e:
-                err.print(Text(f"error: {e}", style="bold red"))
+                failed = e
+            if interrupted:
+                write_out("\n")  # (the reply's own line break)
+            if not quiet:
+                err.print(status_line(reply.stats, memory_report(conversation.engine)))
+            if failed is not None:
+                err.print(Text(f"error: {failed}", style="bold red"))
 
 
 def _keep(conversation, reply, saving: _Saving) -> None:
@@ -331,10 +338,14 @@ def _set_system(conversation, text: str) -> None:
 
 def _path(arg: str) -> Path:
     """A slash command's FILE, which may be quoted as a shell would need it: '/save "my chat.json"'."""
-    if arg[:1] in ("'", '"'):
-        if len(arg) < 2 or arg[-1] != arg[0]:
-            raise LlmrunError(f"{arg}: the quote is not closed; give the file name between two {arg[0]}")
-        arg = arg[1:-1]
+    if arg[:1] in ("'", '"'):  # read as a shell reads a word; unquoted, the whole line is the name
+        try:
+            words = shlex.split(arg)
+        except ValueError:  # a quote left open
+            words = []
+        if len(words) != 1:
+            raise LlmrunError(f"{arg}: quote the file name as one word, as a shell would: {arg[0]}my chat.json{arg[0]}")
+        arg = words[0]
     return Path(arg).expanduser()
 
 

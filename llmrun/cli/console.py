@@ -118,8 +118,8 @@ def signals_held():
     try:
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        for number, handler in previous.items():  # (None: a handler set outside Python, which cannot be put back)
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
         for number in dict.fromkeys(caught):
             if number != signal.SIGINT:
                 signal.raise_signal(number)

@@ -126,10 +126,11 @@ def eval_(
         raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
     ctx = opts.ctx or min(DEFAULT_CTX, trained)
     stride = _check_stride(stride, ctx)
-    if opts.eviction is not None and opts.eviction.budget >= ctx:  # a window of ctx tokens fits whole
-        err.print(Text(f"note: --kv-budget {opts.eviction.budget} holds a whole window of {ctx} tokens (--ctx), so "
-                       f"nothing is evicted; a budget below {ctx}, or a --ctx above {opts.eviction.budget}, measures "
-                       "eviction", style="dim"))
+    budget = opts.eviction.budget if opts.eviction is not None else None
+    if budget is not None and budget >= ctx:  # a window of ctx tokens fits whole
+        wider = f", or a --ctx above {budget}," if budget < trained else ""
+        err.print(Text(f"note: --kv-budget {budget} holds a whole window of {ctx} tokens (--ctx), so nothing is "
+                       f"evicted; a budget below {ctx}{wider} measures eviction", style="dim"))
     ref_engine = ref_model = None
     if reference is not None:
         ref_model = reference.pop("model", model)
