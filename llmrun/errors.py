@@ -26,6 +26,10 @@ class ContextOverflowError(LlmrunError):
     pass
 
 
+class OutsideVocabularyError(LlmrunError):
+    """A token id past the model's embedding: its tokenizer has more tokens than its weights have rows."""
+
+
 def check_utf8(text: str) -> None:
     """Text from argv or a pipe that was not UTF-8 reaches us with its bad bytes as lone surrogates (Python's
     surrogateescape); say so rather than let the tokenizer fail on them."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrun import cuda_graphs, threads
-from llmrun.errors import ContextOverflowError, LlmrunError, UsageError, not_finite
+from llmrun.errors import ContextOverflowError, LlmrunError, OutsideVocabularyError, UsageError, not_finite
 from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
 from llmrun.sampling import Ahead, Randomness, SamplingParams, sample
@@ -280,6 +280,10 @@ class Engine:
                 break
             common += 1
         common = min(common, len(prompt) - 1)  # always run at least one token to get its logits
+        top, rows = max(prompt[common:]), self.model.config.vocab_size
+        if top >= rows:  # (before the embedding reads past its table)
+            raise OutsideVocabularyError(f"token id {top} is past the model's embedding of {rows} tokens: its "
+                                         "tokenizer has more tokens than its weights")
         self.rollback(common)
         common = len(self.tokens)  # 0 if an evicting cache had to start over
         for i in range(common, len(prompt), self.prefill_chunk):

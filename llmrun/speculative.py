@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmrun.errors import OutsideVocabularyError
 from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, drawn_rows, fetch, not_finite, pick,
                              sample, sample_probs, survivors, to_device, token_probs, uniforms)
 
@@ -164,7 +165,7 @@ def fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
     if q.shape[-1] == vocab:
         return q
     if q.shape[-1] > vocab:
-        return q[:vocab]
+        return q[..., :vocab]
     return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
 
 
@@ -229,13 +230,26 @@ class ModelDrafter:
     the same settings as the target. Its cache follows the verified context by prefix reuse: tokens the target
     rejected are simply overwritten on the next proposal."""
 
-    def __init__(self, engine, name: str):
+    def __init__(self, engine, name: str, vocab: int | None = None):
         self.engine = engine
         self.name = name
+        # the target's embedding rows: a draft whose table is wider (padded otherwise) proposes none past them
+        self.vocab = vocab
+
+    def _within(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.vocab is None or logits.shape[-1] <= self.vocab else logits[..., : self.vocab]
+
+    def _prefill(self, context: list[int]):
+        """The draft's logits after `context`; None where the context holds a token past the draft's embedding
+        (its table narrower than the target's): it proposes nothing then."""
+        try:
+            return self._within(self.engine.prefill(context)[0])
+        except OutsideVocabularyError:
+            return None
 
     def start(self, context: list[int]) -> None:
         if len(context) < self.engine.max_len:  # a draft with a shorter context just proposes nothing
-            self.engine.prefill(context)
+            self._prefill(context)
 
     def would_propose(self, context: list[int]) -> bool:
         """A model always drafts (as far as its context reaches: `propose` knows)."""
@@ -254,7 +268,9 @@ class ModelDrafter:
         # rollback after verification from reaching back, and the draft would start over.
         if engine.eviction is not None:
             engine.cache.make_room(int(min(max(behind, 0) + k, engine.max_block)))
-        logits, _ = engine.prefill(context)  # one or two new tokens; after a pause in drafting, every one since
+        logits = self._prefill(context)  # one or two new tokens; after a pause in drafting, every one since
+        if logits is None:
+            return Proposal()
         setup_s = time.perf_counter() - t0 if behind > 2 else 0.0
         penalize = params.repetition_penalty != 1.0
         if engine.pipeline and constraint is None and not penalize:
@@ -276,7 +292,7 @@ class ModelDrafter:
                 if constraint.finished:  # the draft ended the grammar: nothing may follow
                     break
             if i + 1 < k:
-                logits = engine.decode(token)
+                logits = self._within(engine.decode(token))
         if constraint is not None:
             constraint.rollback(len(tokens))
         return Proposal(tokens, torch.stack(probs) if probs else None, setup_s)
@@ -294,7 +310,7 @@ class ModelDrafter:
             aheads.append(Ahead(logits, params, generator, dense=True))
             if i + 1 < k:
                 fed.append(len(engine.tokens))
-                logits = engine.forward(aheads[-1].token)
+                logits = self._within(engine.forward(aheads[-1].token))
         tokens = []
         for i, ahead in enumerate(aheads):
             token, fed_right = ahead.read()
@@ -505,7 +521,7 @@ def _model_speculator(target, draft, name: str, length: DraftLength) -> Speculat
     """A model drafter; its cost relative to the target, until measured, is its share of the weight bytes (what
     a memory-bound decode step reads)."""
     length.draft_cost = _weight_bytes(draft.model) / _weight_bytes(target.model)
-    return Speculator(ModelDrafter(draft, name), length)
+    return Speculator(ModelDrafter(draft, name, target.model.config.vocab_size), length)
 
 
 def _weight_bytes(model) -> int:

@@ -354,6 +354,51 @@ def test_a_draft_with_a_shorter_context_falls_back_to_plain_steps(tiny_pair):
     assert reply.stats.new_tokens == 6 and reply.stats.drafted == 0
 
 
+@pytest.fixture(scope="module")
+def other_widths(tiny_pair):
+    """Drafts for tiny_pair's target (128 tokens) whose embedding tables are wider (160, its head favouring the
+    rows past the target's) and narrower (100)."""
+    import dataclasses
+
+    from .tiny import random_model
+
+    cfg = tiny_pair[0].model.config
+    wide, narrow = (random_model(dataclasses.replace(cfg, n_layers=1, vocab_size=v), seed=7) for v in (160, 100))
+    with torch.no_grad():
+        wide.lm_head.weight[cfg.vocab_size:] *= 50
+    return wide, narrow
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, top_k=0, seed=3, max_new_tokens=24,
+                                                   ignore_eos=True)])
+def test_a_draft_of_another_vocabulary_size_proposes_only_the_targets_tokens(tiny_pair, other_widths, params):
+    """A wider draft never proposes an id past the target's embedding (the target would read past its table); a
+    narrower one proposes nothing once the context holds an id past its own. The reply is the plain one."""
+    target = tiny_pair[0]
+    prompt = [5, 99, 120, 7]  # (120: past the narrow draft's table)
+    plain = Engine(target, 64)
+    expected = plain.generate(prompt, params)
+    list(expected)
+    for draft, drafts in zip(other_widths, (True, False)):
+        engine = Engine(target, 64)
+        drafter = ModelDrafter(engine.sibling(model=draft), "other", vocab=target.model.config.vocab_size)
+        engine.speculator = Speculator(drafter, DraftLength(4, adaptive=False))
+        reply = engine.generate(prompt, params)
+        list(reply)
+        assert (reply.stats.drafted > 0) == drafts
+        if params.greedy:
+            assert reply.token_ids == expected.token_ids
+        assert max(reply.token_ids) < target.model.config.vocab_size
+
+
+def test_an_id_past_the_embedding_is_one_error(tiny_pair):
+    from llmrun.errors import OutsideVocabularyError
+
+    with pytest.raises(OutsideVocabularyError, match="token id 130 is past the model's embedding of 128 tokens"):
+        Engine(tiny_pair[0], 64).prefill([1, 2, 130])
+
+
 def test_sampled_lookup_speculation_draws_the_plain_samplers_tokens(engine, smollm2):
     """Each position draws from a stream of its own and a lookup's draft is checked by drawing that position's
     token: for a seed, sampled speculation gives exactly the plain sampled reply, whatever K, fixed or adaptive
