@@ -158,6 +158,10 @@ class Engine:
 
     def sibling(self, loaded: LoadedModel | None = None, model=None) -> Engine:
         """An engine with this one's context and KV-cache settings, for another model (a speculative draft)."""
+        cfg = (model or (loaded or self.loaded).model).config
+        if self.eviction is not None and self.eviction.budget > cfg.max_seq_len:
+            raise UsageError(f"--kv-budget {self.eviction.budget} is more than the draft's context "
+                             f"({cfg.max_seq_len})")
         return Engine(loaded or self.loaded, self.max_len, model=model, kv_format=self.kv_format,
                       eviction=self.eviction)
 

@@ -392,6 +392,21 @@ def test_a_draft_of_another_vocabulary_size_proposes_only_the_targets_tokens(tin
         assert max(reply.token_ids) < target.model.config.vocab_size
 
 
+def test_a_budget_past_the_drafts_context_names_the_draft(tiny_pair):
+    import dataclasses
+
+    from llmrun.errors import UsageError
+    from llmrun.kv_cache import Eviction
+
+    from .tiny import random_model
+
+    target = tiny_pair[0]
+    short = random_model(dataclasses.replace(target.model.config, n_layers=1, max_seq_len=64))
+    engine = Engine(target, eviction=Eviction("window", 128))
+    with pytest.raises(UsageError, match=r"^--kv-budget 128 is more than the draft's context \(64\)$"):
+        engine.sibling(model=short)
+
+
 def test_an_id_past_the_embedding_is_one_error(tiny_pair):
     from llmrun.errors import OutsideVocabularyError
 
