@@ -12,11 +12,12 @@ independent and the policy's cold start is part of the figure.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass
 
 from llmrun import bench
-from llmrun.speculative import DraftLength
+from llmrun.speculative import DraftLength, short_draft_note
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,11 @@ class RecordingLength(DraftLength):
 
     settled_k: int | None = None
 
+    cap: float = math.inf  # the most draft tokens a step may verify whatever the budget (an evicting cache's)
+
     def choose(self, room: int) -> int:
         k = super().choose(room)
-        if room >= self.max_k:
+        if room >= min(self.max_k, self.cap):
             self.settled_k = k
         return k
 
@@ -83,6 +86,7 @@ def time_generation(engine, prompt: list[int], params, speculator=None, decide=N
         if draft_engine is not None:
             draft_engine.reset()
         length = RecordingLength(speculator.length.max_k, speculator.length.adaptive, speculator.length.draft_cost)
+        length.cap = engine.max_block - 1
         speculator = dataclasses.replace(speculator, length=length, decide=decide)
     engine.speculator = speculator
     try:
@@ -93,8 +97,9 @@ def time_generation(engine, prompt: list[int], params, speculator=None, decide=N
         engine.speculator = None
     s = reply.stats
     final_k = None
-    if speculator is not None:
+    if speculator is not None:  # (nothing drafted: a drafter that proposed nothing, whatever K was chosen)
         final_k = s.draft_k if speculator.length.settled_k is None else speculator.length.settled_k
+        final_k = final_k if s.drafted else 0
     return GenerationRun(bench.Run(s.prefill_s, s.ttft_s, s.decode_s, len(prompt), s.new_tokens), s,
                          reply.token_ids, final_k)
 
@@ -158,6 +163,9 @@ def measure_speculative(engine, speculator, workload, drafting: Drafting, replay
         "draft_weight_bytes": memory.get("draft_weights"),  # None: no draft model (n-gram lookup)
         "draft_kv_bytes": memory.get("draft_kv_allocated"),
     }
+    note = short_draft_note(engine, speculator)
+    if note is not None:
+        figures["notes"].append(note)
     if figures["speculative"]["same_output"] is False:
         figures["notes"].append("greedy speculative decoding gave different tokens from plain greedy decoding")
     return figures

@@ -517,6 +517,15 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
     return _model_speculator(engine, engine.sibling(loaded), draft, length)
 
 
+def short_draft_note(engine, speculator) -> str | None:
+    """What to say of a model draft whose context is shorter than the target's; None for any other drafter."""
+    drafting = getattr(speculator and speculator.drafter, "engine", None)  # a model draft's own engine
+    if drafting is None or drafting.max_len >= engine.max_len:
+        return None
+    return (f"draft: its context holds {drafting.max_len} positions, the target's {engine.max_len}: past "
+            f"{drafting.max_len} it proposes nothing, and decoding goes on plainly")
+
+
 def _model_speculator(target, draft, name: str, length: DraftLength) -> Speculator:
     """A model drafter; its cost relative to the target, until measured, is its share of the weight bytes (what
     a memory-bound decode step reads)."""

@@ -275,7 +275,7 @@ def open_engine(model: str, opts):
 
 
 def _speculator(engine, opts):
-    from llmrun.speculative import make_speculator
+    from llmrun.speculative import make_speculator, short_draft_note
 
     def load(spec):
         loaded = load_with_progress(spec, opts, f"loading draft {spec}")
@@ -285,10 +285,9 @@ def _speculator(engine, opts):
 
     speculator = make_speculator(engine, draft=opts.draft, ngram=opts.ngram, draft_tokens=opts.draft_tokens,
                                  adaptive=opts.adaptive, load=load)
-    drafting = getattr(speculator and speculator.drafter, "engine", None)  # a model draft's own engine
-    if drafting is not None and drafting.max_len < engine.max_len:
-        err.print(Text(f"warning: draft: its context holds {drafting.max_len} positions, the target's {engine.max_len}:"
-                       f" past {drafting.max_len} it proposes nothing, and decoding goes on plainly", style="yellow"))
+    note = short_draft_note(engine, speculator)
+    if note is not None:
+        err.print(Text(f"warning: {note}", style="yellow"))
     return speculator
 
 
