@@ -377,7 +377,10 @@ class Generation:
                     yield tail
         finally:
             if spec is not None:  # accepted draft tokens past the end of the reply: not part of the conversation
-                engine.rollback(min(len(engine.tokens), len(self.prompt) + len(self.token_ids)))
+                # nor its last token where plain decoding would not have fed it: one taken at the token budget or
+                # completing a stop string (an end token is no reply token: the one before it was fed)
+                unfed = stats.finish_reason == "length" or (stats.finish_reason == "stop" and self._stops.stopped)
+                engine.rollback(min(len(engine.tokens), len(self.prompt) + len(self.token_ids) - unfed))
             stats.context_used = engine.cache.length
             if self._constraint is not None:
                 stats.grammar_s = self._constraint.seconds

@@ -112,6 +112,7 @@ def test_greedy_identity_holds_across_stop_strings_and_the_token_budget(engine, 
         s = spec.stats
         # (a step gives its accepted drafts and the target's token; a last step cut short, only drafts)
         assert s.decode_tokens == plain.stats.decode_tokens
+        assert s.context_used == plain.stats.context_used  # the cache holds what plain decoding's would
         assert s.decode_tokens - s.decode_steps <= s.accepted <= s.decode_tokens - s.decode_steps + 1 <= s.drafted + 1
     engine.speculator = None
 
