@@ -94,9 +94,9 @@ def main() -> None:
     except OSError as e:  # the help, written before any command runs, into a full disk (a pipe gone away: click)
         if e.filename is not None or e.errno not in _WRITE_ERRORS:
             raise
-        from .console import _silence_stdout
+        from .console import silence_stdout
 
-        _silence_stdout()
+        silence_stdout()
         print(f"error: cannot write to standard output ({e.strerror})", file=sys.stderr)
         code = 1
     except (typer.Abort, KeyboardInterrupt):

@@ -40,11 +40,12 @@ def write_out(text: str) -> None:
     except BrokenPipeError:
         raise
     except OSError as e:
-        _silence_stdout()
+        silence_stdout()
         raise OutputError(f"cannot write to standard output ({e.strerror or e})") from None
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
+    """Point stdout at nothing, so that what is still buffered, and Python's last flush, cannot fail again."""
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, sys.stdout.fileno())
     os.close(null)
@@ -83,7 +84,7 @@ def user_errors(command):
             # C program (128 + 13), with stdout pointed at nothing so that Python's last flush cannot fail again
             if not _stdout_is_a_pipe():
                 raise
-            _silence_stdout()
+            silence_stdout()
             raise typer.Exit(141)
         except (MemoryError, RuntimeError) as e:
             if not _is_out_of_memory(e):
