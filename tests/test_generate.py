@@ -235,8 +235,8 @@ def test_a_conversation_that_outgrows_the_context_says_how_to_go_on(smollm2):
 def test_context_limits(smollm2):
     engine = Engine(smollm2, max_len=40)
     long_prompt = smollm2.tokenizer.encode("word " * 60)
-    with pytest.raises(ContextOverflowError,
-                       match=r"context holds 40, leaving no room to generate; shorten it or raise --ctx \(up to 8192\)"):
+    overflow = r"context holds 40, leaving no room to generate; shorten it or raise --ctx \(up to 8192\)"
+    with pytest.raises(ContextOverflowError, match=overflow):
         "".join(engine.generate(long_prompt, GREEDY))
     assert "--kv-evict" in Engine(smollm2).more_context()  # at the model's own context, --ctx goes no higher
     prompt = smollm2.tokenizer.encode("Once upon a time")
