@@ -30,6 +30,13 @@ class OutsideVocabularyError(LlmrunError):
     """A token id past the model's embedding: its tokenizer has more tokens than its weights have rows."""
 
 
+def read_stdin() -> str:
+    """The text on stdin, less the byte-order mark some editors write (it is not text)."""
+    import sys
+
+    return sys.stdin.read().removeprefix("\ufeff")
+
+
 def check_utf8(text: str) -> None:
     """Text from argv or a pipe that was not UTF-8 reaches us with its bad bytes as lone surrogates (Python's
     surrogateescape); say so rather than let the tokenizer fail on them."""

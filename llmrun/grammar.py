@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmrun.errors import LlmrunError, UsageError, parse_json
+from llmrun.errors import LlmrunError, UsageError, parse_json, read_stdin
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +93,7 @@ def _read(option: str, name: str) -> str:
     if name == "-":
         if sys.stdin.isatty():
             raise LlmrunError(f"{option} - reads stdin, but stdin is a terminal; pipe the text in or name a file")
-        return sys.stdin.read().removeprefix("\ufeff")
+        return read_stdin()
     path = Path(name)
     if not _is_file(name):
         raise LlmrunError(f"{option} {name}: no such file")

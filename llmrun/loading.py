@@ -539,7 +539,7 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
                 f" {tuple(expected[name].shape)}"
             )
         state[name] = w.to(device=dev, dtype=dt)
-    missing = _missing_tensors(sorted(set(expected) - set(state) - set(parts)))
+    missing = _checkpoint_parts(sorted(set(expected) - set(state) - set(parts)))
     missing += [_part_name(name, i) for name in sorted(parts) for i, w in enumerate(parts[name]) if w is None]
     if missing:
         names = ", ".join(_file_name(files, name) for name in missing[:4])
@@ -592,9 +592,9 @@ def _check_part(files: ModelFiles, cfg, fused: str, index: int, w) -> None:
                                f"{tuple(w.shape)}, the config implies {shape}")
 
 
-def _missing_tensors(names: list[str]) -> list[str]:
-    """The model's tensors no file gave -> our names of the checkpoint tensors that would have: a packed matrix's
-    planes are its weight, a fused matrix its parts."""
+def _checkpoint_parts(names: list[str]) -> list[str]:
+    """Tensors of the model -> our names of the checkpoint tensors that make them: a packed matrix's planes are its
+    weight, a fused matrix its parts."""
     found = []
     for name in names:
         module, _, field = name.rpartition(".")
@@ -610,7 +610,7 @@ def _missing_tensors(names: list[str]) -> list[str]:
 def file_names(files: ModelFiles, name: str) -> list[str]:
     """A tensor of the model (`layers.0.attn.qkv.weight`) -> the file's tensors that make it, as the file names
     them (`blk.0.attn_q.weight`, `blk.0.attn_k.weight`, `blk.0.attn_v.weight`)."""
-    return [_file_name(files, part) for part in _missing_tensors([name])]
+    return [_file_name(files, part) for part in _checkpoint_parts([name])]
 
 
 def _file_name(files: ModelFiles, ours: str) -> str:

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.errors import LlmrunError, UsageError, check_utf8
+from llmrun.errors import LlmrunError, UsageError, check_utf8, read_stdin
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
@@ -55,7 +55,7 @@ def chat(
     if prompt is None and not sys.stdin.isatty():
         if opts.grammar is not None and opts.grammar.origin == "-":
             raise UsageError("the prompt and the constraint (-) both come from stdin; give the prompt with -p")
-        prompt = sys.stdin.read().removeprefix("\ufeff").strip()  # (`echo Q |` adds a newline -p Q does not have)
+        prompt = read_stdin().strip()  # `echo Q |` adds a newline that -p Q does not have
         if not prompt:
             raise LlmrunError("stdin was empty; give a prompt with -p or type one interactively")
     if prompt is not None and not prompt.strip():

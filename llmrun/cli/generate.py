@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from llmrun.errors import LlmrunError, UsageError
+from llmrun.errors import LlmrunError, UsageError, read_stdin
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
@@ -44,7 +44,7 @@ def generate(
             raise UsageError("the text and the constraint (-) both come from stdin; name a file for one of them")
         if sys.stdin.isatty():
             raise LlmrunError("no TEXT given; pass it as an argument or on stdin")
-        text = sys.stdin.read().removeprefix("\ufeff")  # (a byte-order mark, as some editors write, is not text)
+        text = read_stdin()
     if not text:
         raise LlmrunError("the text to continue is empty")
     engine = open_engine(model, opts)
