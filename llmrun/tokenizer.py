@@ -206,14 +206,16 @@ class Tokenizer:
         n = self.cut_bytes(ids)
         if not n or not text.endswith("\ufffd"):
             return text
-        if self.kind == "spm" and all(_BYTE_PIECE.fullmatch(self.id_to_piece(i)) for i in ids[-n:]):
+        if self.kind == "spm" and all(_BYTE_PIECE.fullmatch(self._tok.id_to_token(i) or "") for i in ids[-n:]):
             # SentencePiece's byte fallback writes a U+FFFD for each byte of a run that is not UTF-8, a whole
             # character's before it included: decoded again without the cut bytes
             return self.decode(ids[:-n], skip_special=skip_special)
         return text[:-1]  # byte-level BPE: the cut bytes are one U+FFFD
 
     def _piece_bytes(self, token_id: int) -> bytes:
-        piece = self.id_to_piece(token_id)
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:  # past the vocabulary (a model's padded embedding rows): spells nothing, as in `decode`
+            return b""
         if self.kind == "bpe" and all(c in _BYTE_OF_CHAR for c in piece):
             return bytes(_BYTE_OF_CHAR[c] for c in piece)
         if self.kind == "spm":

@@ -280,6 +280,17 @@ def test_stream_decoder_skips_special_and_drops_a_cut_character(smol):
     assert 0 < smol.cut_bytes(half) < 4 and smol.cut_bytes(ids) == 0  # (🙂 is 4 bytes)
 
 
+def test_an_id_past_the_vocabulary_spells_nothing(smol):
+    """A model's embedding may have more rows than its tokenizer has tokens (Qwen2.5 pads 151665 to 151936; random
+    weights of a shape take the embedded tokenizer): a reply that draws such an id decodes and streams without it,
+    its cut character at the end found as before."""
+    past = smol.vocab_size + 5
+    half = smol.encode("🙂")[:-1]
+    assert smol.decode([past]) == "" and smol.cut_bytes([past]) == 0
+    assert smol.cut_bytes([*half, past]) == smol.cut_bytes(half) > 0
+    assert "".join(_stream(smol, [*smol.encode("ok"), past, *smol.encode(" go")])) == "ok go"
+
+
 @pytest.mark.parametrize("text, cut, shown", [("ab é", 1, "ab "), ("ab é中", 1, "ab é"), ("ab é中", 2, "ab é")])
 def test_spm_stream_decoder_drops_a_cut_character(spm, text, cut, shown):
     """A character cut in its byte tokens (é is two, 中 three): SentencePiece's byte fallback shows each byte of
