@@ -77,10 +77,10 @@ if ! python3 -c "import gguf, llmrun.kernels" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
 fi
 # random weights take the embedded model's tokenizer: from its metadata alone where the model is not installed
-if [ -f .gpu-model/tokenizer.gguf ] && ! python3 -c "from llmrun.loading import embedded_model_path
-embedded_model_path()" 2>/dev/null; then
-    export LLMRUN_RANDOM_TOKENIZER=$PWD/.gpu-model/tokenizer.gguf
-fi
+have_embedded=1
+python3 -c "from llmrun.loading import embedded_model_path; embedded_model_path()" 2>/dev/null || have_embedded=0
+[ $have_embedded = 1 ] || [ ! -f .gpu-model/tokenizer.gguf ] \
+    || export LLMRUN_RANDOM_TOKENIZER=$PWD/.gpu-model/tokenizer.gguf
 # the kernels earlier leases compiled, carried as .gpu-cache/compiled.tgz (bench/gpu_cache.sh)
 source bench/gpu_cache.sh && compiled_restore
 shapes=("$@")
@@ -165,14 +165,17 @@ if [[ $steps == *" tests "* ]]; then
     # run to their end in a lease, through the autotuners 14 of 73 tests in 120 s), then the kernels' hundreds of
     # shapes; each on one fixed config a kernel (every config checked by tests of its own, marked autotune; the
     # autotuner keys a step's launches share are tested on their own)
-    LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-gpu tests/test_triton_model.py tests/test_cuda_graphs.py \
-        tests/test_compiled.py tests/test_sampling.py \
+    # (the tests of the embedded model, marked `embedded`, run in the embedded step where it is not installed)
+    LLMRUN_TEST_ONE_CONFIG=1 run_tests tests-gpu -m "$([ $have_embedded = 1 ] || echo not embedded)" \
+        tests/test_triton_model.py tests/test_cuda_graphs.py tests/test_compiled.py tests/test_sampling.py \
         tests/test_quantize.py::test_awq_on_a_gpu_and_its_checkpoint_packed_there tests/test_triton_ops.py \
         tests/test_triton_attention.py tests/test_triton_quant_matmul.py tests/test_triton_kv_write.py
 fi
 if [[ $steps == *" embedded "* ]] && embedded; then
     # correctness, then issue 6's n-gram and self-draft speedups on the GPU (written row by row), then the rest
     LLMRUN_TEST_ONE_CONFIG=1 run_tests embedded-tests -s -m gpu tests/test_reference.py tests/test_speculative.py
+    # and the CUDA-graph tests of the embedded model, which the tests step leaves here where it is not installed
+    [ $have_embedded = 1 ] || LLMRUN_TEST_ONE_CONFIG=1 run_tests embedded-graphs -m embedded tests/test_cuda_graphs.py
     # its step, and its decode loop greedy and at T 0.8 (the H100 ran T 0.8's plain rows 0.25-0.91 ms a token
     # behind greedy: the draw's launches, or draws run twice?), and speculative steps that take every draft against
     # their forwards (its n-gram steps of 2.15 tokens took 1.7 plain tokens' time: the host's round trip?)

@@ -37,7 +37,13 @@ if not _cuda:
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
+_EMBEDDED_FIXTURES = {"embedded_path", "smollm2", "smollm2_dequant"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # bench/gpu.sh selects by it: a lent GPU has the embedded model in one call of two
+        if _EMBEDDED_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.embedded)
     if _cuda:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -107,6 +107,7 @@ def test_decode_steps_and_verification_blocks_match_llama_cpp(smollm2, block):
 
 
 @pytest.mark.gpu
+@pytest.mark.embedded
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_gpu_path_matches_llama_cpp(dtype):

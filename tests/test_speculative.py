@@ -189,6 +189,7 @@ def test_greedy_identity_on_the_plain_pytorch_path(smollm2_dequant):
 
 
 @pytest.mark.gpu
+@pytest.mark.embedded
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_greedy_speculation_on_a_gpu_emits_the_plain_greedy_tokens(dtype, monkeypatch):
