@@ -162,9 +162,13 @@ def fit_groups(w: torch.Tensor, energy: torch.Tensor, bits: int, group: int, rou
 
 
 def _grid_error(wg, e, scale, zero, top):
-    """(out, G) weighted rounding error of the groups wg (out, G, g) on the grids scale, zero (out, G, 1)."""
-    codes = ((wg / scale).round() + zero).clamp(0, top)
-    return ((scale * (codes - zero) - wg).pow(2) * e).sum(-1)
+    """(out, G) weighted rounding error of the groups wg (out, G, g) on the grids scale, zero (out, G, 1).
+
+    The search's inner loop (about half of `llmrun quantize --awq`'s time), in place in one buffer: codes - zero
+    is round(w / scale) clamped to [-zero, top - zero], the same integers as clamping codes to [0, top]."""
+    q = torch.div(wg, scale).round_()
+    q = torch.clamp(q, min=-zero, max=top - zero, out=q).mul_(scale).sub_(wg)
+    return q.mul_(q).mul_(e).sum(-1)
 
 
 def _clip_search(wg, e, bits):
