@@ -115,11 +115,34 @@ def timed_speculation(engine, positions: int, tokens: int, steps: int, runs: int
             stats = generation.stats
             engine.prefill(prompt)
             device = timed_steps(engine, prompt[-1], steps, block=k + 1)
+            length = len(engine.tokens)  # the block's own kernels, as its graph replays them
+            table, launches = profiled(engine, lambda n=k + 1: forward([prompt[-1]] * n, last_only=False))
+            engine.rollback(length)
             figures[k] = {"block_s": statistics.median(block_s), "device_s": statistics.median(device),
-                          "tokens_per_step": stats.decode_tokens / stats.decode_steps}
+                          "tokens_per_step": stats.decode_tokens / stats.decode_steps, "kernels": table,
+                          "launches": launches}
     finally:
         del engine.forward
     return figures
+
+
+def block_kernel_lines(table: list[dict], launches: int, speculation: dict, top: int) -> list[str]:
+    """A markdown table of the one-token step's kernels beside each speculative block's (`timed_speculation`'s
+    "kernels"): microseconds and calls of each kernel name, the step's slowest first, then the blocks' others."""
+    blocks = [(k, {r["kernel"]: r for r in v["kernels"]}) for k, v in speculation.items()]
+    names = list(dict.fromkeys([r["kernel"] for r in table] + [r["kernel"] for _, rows in blocks
+                                                                for r in sorted(rows.values(), key=lambda r: -r["us"])]))
+    cell = lambda r: "-" if r is None else f"{r['us']:.1f} ({r['calls']})"  # noqa: E731
+    step = {r["kernel"]: r for r in table}
+    total = lambda rows, n: f"{sum(r['us'] for r in rows.values()):.1f} ({n})"  # noqa: E731
+    return [
+        "| kernel: us (calls) | a step (1 token) | " + " | ".join(f"K = {k} ({k + 1} tokens)" for k, _ in blocks) + " |",
+        "|---|---|" + "---|" * len(blocks),
+        f"| all | {total(step, launches)} | "
+        + " | ".join(total(rows, speculation[k]["launches"]) for k, rows in blocks) + " |",
+        *(f"| `{name[:90]}` | {cell(step.get(name))} | " + " | ".join(cell(rows.get(name)) for _, rows in blocks)
+          + " |" for name in names[:top]),
+    ]
 
 
 def timed_loops(engine, token: int, steps: int, runs: int = 3) -> dict[str, float]:
@@ -370,7 +393,7 @@ def main() -> int:
           for k, v in speculation.items() for plain in [figures["loop_pipelined_step_s"]]),
         "",
         "(a step: a full block's, from its forward's start to the next's; speedup: its K + 1 tokens against the"
-        " pipelined loop's)", ""]),
+        " pipelined loop's)", "", *block_kernel_lines(table, launches, speculation, args.top), ""]),
         "| kernel | calls | us / step | share |",
         "|---|---|---|---|",
         *(f"| `{r['kernel'][:90]}` | {r['calls']} | {r['us']:.1f} | "

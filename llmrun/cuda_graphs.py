@@ -30,7 +30,12 @@ from llmrun.kv_cache import DeviceStep, KVCache
 from llmrun.sampling import drawn_rows
 
 MAX_TOKENS = 16  # forwards of up to this many tokens (decode steps, verification blocks) are graphed
-MIN_SPAN = 1024  # a graph's attention spans a power of two of slots, at least this many, covering the keys in use
+# A graph's attention spans a power of two of slots, at least this many, covering the keys in use. One attention
+# split's worth (`decode_attention.SPLIT_LEN`): up to 256 keys the split kernel then writes its rows itself, where
+# a span of 4 splits (3 of them empty) had the last program combine them row after row (T x G rows, serially, in
+# every layer: the suspect in a short block's forward costing 1.5-1.9 steps on the H100, 2026-11-28). The same
+# bits either way: one split's combine weighs it exp2(0) = 1 and the empty ones 0.
+MIN_SPAN = 256
 _captures = 0  # graphs captured in this process: a step that captured one took far longer than a replay will
 
 
