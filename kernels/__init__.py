@@ -4,6 +4,7 @@ Triton still runs), the C kernels of `kernels.cpu` for fp32 tensors on the CPU w
 the reference ops elsewhere."""
 
 import dataclasses
+import functools
 import os
 import warnings
 from contextlib import contextmanager
@@ -225,21 +226,14 @@ def int4_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None)
     the window): each row attends to the reference's keys and values, in position order. mass: as `attention`'s,
     the two copies of a position summed into it."""
     B, T, Hq, D = q.shape
-    S, dtype, device = kv.length, q.dtype, q.device
+    S, dtype = kv.length, q.dtype
     nq = kv.row_quantized(T)
     first, last = (nq[0], nq[-1]) if T else (kv.n_quantized, kv.n_quantized)
-    ring = torch.arange(first, S, device=device) % kv.k_recent.shape[2]
+    ring, mask = _int4_chunk_layout(S, T, tuple(nq), first, last, kv.k_recent.shape[2], window, q.device)
     k_codes = ref.dequantize_int4_channels(kv.k[:, :, :last], kv.k_scale, kv.k_min)
     v_codes = ref.dequantize_int4_tokens(kv.v[:, :, :last], kv.v_scale[:, :, :last], kv.v_min[:, :, :last])
     k = torch.cat((k_codes.to(dtype), kv.k_recent[:, :, ring].to(dtype)), dim=2)
     v = torch.cat((v_codes.to(dtype), kv.v_recent[:, :, ring].to(dtype)), dim=2)
-    position = torch.cat((torch.arange(last, device=device), torch.arange(first, S, device=device)))
-    as_code = torch.arange(position.numel(), device=device) < last
-    row = S - T + torch.arange(T, device=device)[:, None]  # (T, 1) each query's position
-    cut = torch.tensor(nq, device=device, dtype=torch.long)[:, None]
-    mask = (position <= row) & torch.where(as_code, position < cut, position >= cut)
-    if window is not None:
-        mask &= row - position < window
     k_heads, v_heads, gqa = k, v, Hq != k.shape[1]
     if gqa and q.is_cuda:  # of CUDA's fused SDPA kernels flash takes no mask, the memory-efficient one no GQA: with
         # both, SDPA would fall back to its math kernel (the (Hq, T, S) scores in memory, several passes over them);
@@ -252,6 +246,23 @@ def int4_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None)
         mass[:, :, :last] += weights[:, :, :last]
         mass[:, :, first:S] += weights[:, :, last:]
     return y.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=1)
+def _int4_chunk_layout(S: int, T: int, nq: tuple[int, ...], first: int, last: int, R: int, window: int | None,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_attention`'s ring slots (S - first,) of the exact keys [first, S), and its (T, last + S - first) bool
+    mask: the same for every layer of a prompt chunk (their caches hold the same positions), so made once a chunk
+    rather than a layer (some fifteen small launches and a copy from the host each)."""
+    ring = torch.arange(first, S, device=device) % R
+    position = torch.cat((torch.arange(last, device=device), torch.arange(first, S, device=device)))
+    as_code = torch.arange(position.numel(), device=device) < last
+    row = S - T + torch.arange(T, device=device)[:, None]  # (T, 1) each query's position
+    cut = torch.tensor(nq, device=device, dtype=torch.long)[:, None]
+    mask = (position <= row) & torch.where(as_code, position < cut, position >= cut)
+    if window is not None:
+        mask &= row - position < window
+    return ring, mask
 
 
 def _in_use(kv: ref.QuantizedKV, n: int) -> ref.QuantizedKV:
@@ -339,8 +350,9 @@ def _index_copy(k, v, k_out, v_out, slots) -> None:
 
 
 def write_int4(k, v, *cache, slots) -> None:
-    """A decode step's INT4 write (`ref.write_int4`; cache = k_codes, v_codes, k_scale, k_min, v_scale, v_min,
-    k_recent, v_recent): on CUDA two Triton launches, values and keys, the quantization fused with the stores."""
+    """An INT4 write of consecutive slots (`ref.write_int4`: a decode step's, a prompt chunk's; cache = k_codes,
+    v_codes, k_scale, k_min, v_scale, v_min, k_recent, v_recent): on CUDA two Triton launches, values and keys, the
+    quantization fused with the stores."""
     if _use_triton(k):
         from .kv_write import write_int4 as triton_write
 

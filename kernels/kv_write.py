@@ -9,11 +9,11 @@ codes rounded half to even as torch.round.
 
 The T new tokens sit at consecutive slots [s, s + T) (s = slots[0], read on the device: one launch serves a CUDA
 graph at any position). INT8 and INT4 values: one program per (token, batch x head), a row quantized per group of
-channels. INT4 keys (`_int4_keys_kernel`): one program per (batch x head, key group), for the groups of the first
-and the last slot (T <= KEY_GROUP + 1 touches at most two): the new keys go into the ring, and the group's
-KEY_GROUP positions, the new ones from the input and the others from the ring, are quantized per channel into its
-codes, scale and minimum. A group is so quantized at every write until the one that fills it; before then its
-codes are not read (attention reads a partial group exact from the rings), nor are the positions past the buffer
+channels. INT4 keys (`_int4_keys_kernel`): one program per (batch x head, key group), for every group the new slots
+touch (a decode step's one or two, a prompt chunk's 512 / KEY_GROUP and one): the new keys go into the ring, and the
+group's KEY_GROUP positions, the new ones from the input and the others from the ring, are quantized per channel
+into its codes, scale and minimum. A group is so quantized at every write until the one that fills it; before then
+its codes are not read (attention reads a partial group exact from the rings), nor are the positions past the buffer
 of a last group that cannot fill (not stored).
 """
 
@@ -178,7 +178,7 @@ def _group_keys(x_at, ring_at, new, ok):
 def _int4_keys_kernel(X, Codes, Scales, Mins, Ring, Slots, stride_xb, stride_xh, stride_xt, stride_cb, stride_ch,
                       stride_cs, stride_sb, stride_sh, stride_sg, stride_rb, stride_rh, stride_rs, H, T, D, C, ring,
                       BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    """Program (bh, i): the key group of the first (i 0) or the last (i 1) new slot, skipped when they are one. Its
+    """Program (bh, i): the i-th key group from the first new slot's, skipped when it is past the last slot's. Its
     KEY_GROUP positions' keys, the new ones from x (written to the ring too) and the older ones from the ring, are
     quantized per channel: packed codes at the positions below C, fp16 scale and minimum (D,) at the group."""
     common.pdl_wait(PDL)
@@ -186,8 +186,8 @@ def _int4_keys_kernel(X, Codes, Scales, Mins, Ring, Slots, stride_xb, stride_xh,
     i = tl.program_id(1)
     b, h = bh // H, bh % H
     first = tl.load(Slots)
-    group = (first + i * (T - 1)) // _KEY_GROUP
-    if (i == 0) | (group != first // _KEY_GROUP):
+    group = first // _KEY_GROUP + i
+    if group <= (first + T - 1) // _KEY_GROUP:
         pos = group * _KEY_GROUP + tl.arange(0, _KEY_GROUP)  # (KEY_GROUP,) the group's positions
         new = (pos >= first) & (pos < first + T)
         pair = tl.arange(0, BLOCK_P)  # byte i holds channels 2i and 2i + 1
@@ -273,16 +273,17 @@ def write_dense(k: torch.Tensor, v: torch.Tensor, k_out: torch.Tensor, v_out: to
 
 def write_int4(k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, k_min, v_scale, v_min, k_recent, v_recent,
                slots: torch.Tensor) -> None:
-    """`ref.write_int4`: k, v (B, H, T, D), T <= KEY_GROUP + 1, into an INT4 cache's layer (`ref.QuantizedKV`'s
-    tensors over the whole buffer: k_codes, v_codes (B, H, C, D/2), k_scale, k_min (B, H, ceil(C / KEY_GROUP), D),
-    v_scale, v_min (B, H, C, D / group), rings (B, H, R, D)) at the consecutive slots from slots[0]."""
+    """`ref.write_int4`: k, v (B, H, T, D), T <= R - slots[0] % KEY_GROUP, into an INT4 cache's layer
+    (`ref.QuantizedKV`'s tensors over the whole buffer: k_codes, v_codes (B, H, C, D/2), k_scale, k_min (B, H,
+    ceil(C / KEY_GROUP), D), v_scale, v_min (B, H, C, D / group), rings (B, H, R, D)) at the consecutive slots from
+    slots[0]: two launches whatever T (a prompt chunk's too)."""
     B, H, T, D = k.shape
-    assert T <= ref.KEY_GROUP + 1 and v.shape == k.shape, (k.shape, v.shape)
+    assert v.shape == k.shape, (k.shape, v.shape)
     group, ring = D // v_scale.shape[-1], k_recent.shape[2]
     assert v_min.stride() == v_scale.stride() and k_min.stride() == k_scale.stride(), "minimums as their scales"
     _int4_values_kernel[(T, B * H)](v, v_codes, v_scale, v_min, v_recent, slots, *_rows(v), *_rows(v_codes),
                                     *_rows(v_scale), *_rows(v_recent), H, D, ring,
                                     GROUP=group, BLOCK_G=triton.next_power_of_2(D // group), **common.pdl_options(v))
-    _int4_keys_kernel[(B * H, 2)](k, k_codes, k_scale, k_min, k_recent, slots, *_rows(k), *_rows(k_codes),
-                                  *_rows(k_scale), *_rows(k_recent), H, T, D, k_codes.shape[2], ring,
-                                  BLOCK_P=triton.next_power_of_2(D // 2), **common.pdl_options(k))
+    _int4_keys_kernel[(B * H, ref.int4_write_groups(T))](
+        k, k_codes, k_scale, k_min, k_recent, slots, *_rows(k), *_rows(k_codes), *_rows(k_scale), *_rows(k_recent), H,
+        T, D, k_codes.shape[2], ring, BLOCK_P=triton.next_power_of_2(D // 2), **common.pdl_options(k))

@@ -208,10 +208,11 @@ def write_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots
 
 def write_int4(k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, k_min, v_scale, v_min, k_recent, v_recent,
                slots: torch.Tensor) -> None:
-    """A decode step's INT4 write (`QuantizedKV`'s layout, each tensor over the whole buffer of C positions, rings of
-    R): k, v (B, H, T, D) of T <= KEY_GROUP + 1 tokens at the consecutive slots (T,) int64 on the device, right after
-    the positions in use, with no host value read. The values' codes per token; keys and values into the rings at
-    slot % R; then the key groups of the first and the last slot quantized per channel from the ring. A group is
+    """An INT4 write (`QuantizedKV`'s layout, each tensor over the whole buffer of C positions, rings of R): k, v
+    (B, H, T, D) of T <= R - slots[0] % KEY_GROUP tokens (a decode step's, a prompt chunk's) at the consecutive slots
+    (T,) int64 on the device, right after the positions in use, with no host value read. The values' codes per token;
+    keys and values into the rings at slot % R (the new keys overwrite no older key of the first group); then every
+    key group from the first slot's to the last slot's quantized per channel from the ring. A group is
     quantized so at every write until the one that fills it, whose codes are final; before then they are not read
     (a partial group is read exact from the rings). Positions past the buffer, in a last group that cannot fill,
     are clamped to its last slot (they are never read either)."""
@@ -222,12 +223,19 @@ def write_int4(k: torch.Tensor, v: torch.Tensor, k_codes, v_codes, k_scale, k_mi
     v_min.index_copy_(2, slots, lo)
     k_recent.index_copy_(2, slots % R, k.to(k_recent.dtype))
     v_recent.index_copy_(2, slots % R, v.to(v_recent.dtype))
-    groups = torch.stack((slots[0], slots[-1])) // KEY_GROUP  # (2,): T <= KEY_GROUP + 1 tokens touch at most two
-    positions = (groups[:, None] * KEY_GROUP + torch.arange(KEY_GROUP, device=slots.device)).flatten()  # (2G,)
+    # (n,): the groups from the first slot's on, those past the last slot's clamped to it (written twice, alike)
+    first = slots[0] // KEY_GROUP + torch.arange(int4_write_groups(slots.numel()), device=slots.device)
+    groups = torch.minimum(first, slots[-1] // KEY_GROUP)
+    positions = (groups[:, None] * KEY_GROUP + torch.arange(KEY_GROUP, device=slots.device)).flatten()  # (nG,)
     codes, scale, lo = quantize_int4_channels(k_recent[:, :, positions % R])
     k_codes.index_copy_(2, positions.clamp(max=C - 1), codes)
     k_scale.index_copy_(2, groups, scale)
     k_min.index_copy_(2, groups, lo)
+
+
+def int4_write_groups(T: int) -> int:
+    """The most key groups T >= 1 consecutive positions touch (wherever the first sits in its group)."""
+    return (T + KEY_GROUP - 2) // KEY_GROUP + 1
 
 
 @dataclass

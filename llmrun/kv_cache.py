@@ -254,8 +254,10 @@ class _Int4Store:
         if self._c_layers is not None and kernels.cpu_kernels_serve(k):
             kernels.cpu.int4_write(self._c_layers[layer], self.state[layer], slot, k, v)
             return
-        if kernels.triton_serves(k) and k.shape[2] <= ref.KEY_GROUP + 1 and slot == self._state(layer)[2]:
-            # the fused kernels, as a CUDA graph's step writes (decode steps and verification blocks): the same bits
+        if kernels.triton_serves(k) and slot % ref.KEY_GROUP + k.shape[2] <= self.ring \
+                and slot == self._state(layer)[2]:
+            # the fused kernels, as a CUDA graph's step writes (decode steps, verification blocks, and prompt chunks,
+            # whose torch path below launched ~55 kernels a layer): the same bits
             self.write_at(layer, torch.arange(slot, slot + k.shape[2], device=k.device), k, v)
             self.wrote(slot, k.shape[2], layer)
             return

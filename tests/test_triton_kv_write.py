@@ -132,11 +132,14 @@ def int4_layer(B, H, C, D, R, dtype):
     (1, 8, 16, 1000, 1100, 576, 256),  # far into a long cache: rings wrapped, the first group filled mid-block
     (1, 2, 33, 95, 200, 96, 64),  # the longest block: 33 tokens fill the group of the first and start the next
     (1, 3, 7, 54, 61, 61, 80),  # the last slots of a buffer that ends within a group
+    (1, 2, 100, 45, 200, 200, 64),  # a prompt chunk: every group it touches, the first one partial
+    (1, 1, 512, 1024, 1600, 608, 64),  # a prompt chunk of PREFILL_ROWS far into a long cache: rings wrapped
 ])
 def test_int4_write_is_the_reference_bit_for_bit(dtype, B, H, T, slot, C, R, D):
-    """Values per token, both rings, the key groups of the first and last slot. The codes of a partial group's
-    positions past the new tokens come from stale ring slots in both (never read); past a buffer that ends within a
-    group the reference clamps its writes to the last slot, so the codes compared stop at the last whole group."""
+    """Values per token, both rings, every key group from the first slot's to the last slot's. The codes of a partial
+    group's positions past the new tokens come from stale ring slots in both (never read); past a buffer that ends
+    within a group the reference clamps its writes to the last slot, so the codes compared stop at the last whole
+    group."""
     k, v = new_tokens(B, H, T, D, dtype, seed=D + T), new_tokens(B, H, T, D, dtype, seed=D + T + 1)
     got = int4_layer(B, H, C, D, R, dtype)
     want = [t.clone() for t in got]
