@@ -35,6 +35,21 @@ if not _cuda:
 
 # Tests never reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Nor does the thread governor (llmrun/threads.py) run in them: it judges the CPU busy by the forwards it times, and
+# a count it lowered would stay PyTorch's for the tests after. Its tests build governors of their own.
+os.environ.setdefault("LLMRUN_ADAPT_THREADS", "0")
+
+
+@pytest.fixture(autouse=True)
+def _threads_given_back():
+    """PyTorch's thread count as each test found it: an in-process `--threads 1` (the CLI's, for its process) left
+    the rest of a session on one thread, AWQ's fixture at 163 s where it takes 87."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 _EMBEDDED_FIXTURES = {"embedded_path", "smollm2", "smollm2_dequant"}
