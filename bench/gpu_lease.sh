@@ -10,34 +10,28 @@
 #            bash bench/gpu_lease.sh; tar czf $OUT/r.tgz -C /tmp/r .
 #   2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"], timeout_s 250:
 #        export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=... RESULTS=/tmp/r GPU_STEPS=embedded GPU_RESUME=1 \
-#            GPU_RERUN=smollm2-speculative timeout 235 bash bench/gpu.sh; bash bench/gpu_cache.sh save \
-#            $OUT/compiled.tgz; tar czf $OUT/r2.tgz -C /tmp/r .
+#            GPU_RERUN="profile-smollm2-p128 smollm2-speculative" timeout 235 bash bench/gpu.sh;
+#            bash bench/gpu_cache.sh save $OUT/compiled.tgz; tar czf $OUT/r2.tgz -C /tmp/r .
 #
 # (bench/gpu_prepare.sh writes .whl/ and .gpu-model/; .gpu-cache/compiled.tgz is the last lease's compiled kernels,
 # bench/gpu_cache.sh, where there is one: carried, call 1 compiles only what changed. The 64 MiB a call carries:
 # the tree ~4, half the model 47, the cache what is left: drop it from call 1 before `a`.) Then give the machine
 # back, unpack both .tgz into bench/results/, keep compiled.tgz as .gpu-cache/compiled.tgz, and commit the results.
 #
-# Correctness first. The H100's second lease (2026-11-27) ran the model test files to their end, the sweep, the three
-# step profiles and the embedded model's tests and speculative rows; what is left, by GPU_RESUME=1:
-#   tests    the tests that failed there (30: H2O's mass, the row tests, the INT8 RoPE write's test, RoPE's fmas:
-#            all fixed; each failure now prints its traceback as it ends) or were not reached, and again those of
-#            the mass kernel, RoPE, the captured draws and the INT4 attention (its nibbles now unpacked by inline
-#            PTX: GPU_RETEST); 12 pytest-xdist workers, one config a kernel.
-#   replay   first (new) prompt lookup replayed for Qwen2.5-Coder-1.5B, 4-bit weights, on the copy-heavy and open
-#            prompts (bench/traces/qwen-lookup.json; issue 6 asks copy-heavy >= 2.5x, open-ended >= 0.95x:
-#            predicted code-edit 2.6-3.1x, open and summarize 1.0-1.2x greedy); then the Qwen pair's replayed
-#            acceptance, the first HumanEval prompt (60 s were not enough: its load, compile and runs): plain rows
-#            pipelined, T 0.8 rows one wait a draw, blocks on the tensor-core GEMV (the H100's first lease: greedy
-#            1.16x; predicted ~1.3x).
-#   profile  the shapes' remaining profiles (first the 8B at 128 positions in W4A16, issue 4's never-measured
-#            headline, predicted ~50-67% of its floor against the 75% asked; then the 1B's 8000-token prefills into
-#            INT4 and bf16 caches, the 8B at 8000 positions), each with the decode loop greedy and at T 0.8.
-# Call 2, `embedded`: the real embedded model joined from the halves the two calls carried: its step and decode loops
-# profiled, greedy and at T 0.8 (the H100 ran its plain T 0.8 rows 0.25-0.91 ms a token behind greedy), and its
-# speculative steps at K = 1, 3, 7 against their forwards (new: where its n-gram steps' 1.7 plain tokens go); then
-# bench/speculative.py's n-gram and self rows again (GPU_RERUN: the lookup's unmatched steps now pipelined, predicted
-# open-ended and summarize >= 0.97x at T 0, issue 6 asks >= 0.95x), `--compare` and the sweep.
+# Correctness first. The H100's third lease (2026-11-28) passed every test it reran (175) and measured the 8B in
+# W4A16, INT4's 8k prefill and the embedded model's steps and speculation; what is left, by GPU_RESUME=1:
+#   tests    the kernel files it did not reach (test_triton_quant_matmul, test_triton_kv_write), and again the
+#            CUDA-graph file (a graph's span now starts at 256 keys) and the INT4 writes and prompt-chunk attention
+#            (a chunk's write now the two fused launches, its mask made once a chunk): GPU_RETEST; 12 workers.
+#   replay   the Qwen lookup replay (it failed at its first reply's cut character: fixed), predicted code-edit
+#            2.6-3.1x greedy (issue 6 asks >= 2.5x), open and summarize 1.0-1.2x; then the Qwen pair's first prompt.
+#   profile  INT4's 8000-token prefill again (774 ms, ~110 launches a layer and chunk; predicted 420-480 ms), the 1B
+#            W4A16 step again (MIN_SPAN 256: predicted below its 0.996 ms), then the shapes' remaining profiles.
+# Call 2, `embedded`: the real embedded model joined from the halves the two calls carried: its tests (the CUDA-graph
+# ones too, left there by call 1), its step profiled again with each speculative block's kernels beside the step's
+# (the block forwards of 2/4/8 tokens took 1.415/1.708/1.808 ms against the step's 0.958; predicted with MIN_SPAN
+# 256: the step ~0.85-0.90, the blocks ~1.25-1.3/1.35-1.5/1.35-1.55), and bench/speculative.py's rows again
+# (GPU_RERUN), `--compare` and the sweep.
 # Left for a later lease (gpu.sh runs them by GPU_STEPS): the kv step again at 8k and 32k, the gemv step.
 # Steps' limits: 150 + 150 + 110 = 410 s, plus installing gguf and llmrun: give the call 480.
 set -uo pipefail
@@ -57,12 +51,12 @@ step() {  # step SECONDS GPU_STEPS [SHAPE...]: gpu.sh for those steps, stopped a
 }
 
 export GPU_RESUME=1
-# the tests not yet passed on this GPU, and again those of the kernels changed since they passed (H2O's mass, RoPE,
-# the INT4 attention's nibbles)
-export GPU_RETEST="tests/test_cuda_graphs.py mass rope sampled_token_waits quantized_cache int4_rows exact_halves"
+# the tests not yet passed on this GPU, and again those of the code changed since they passed (the graphs' span,
+# INT4's writes of any length, its prompt chunk's attention)
+export GPU_RETEST="tests/test_cuda_graphs.py tests/test_triton_kv_write.py int4_prompt_chunk"
 PYTEST_ADDOPTS="-n 12" step 150 tests
 GPU_RERUN="qwen-pair-replay-int4" GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 150 replay
-step 110 profile
+GPU_RERUN="profile-llama3.2-1b-p8000-kv-int4-prefill profile-llama3.2-1b-p128-weights-int4" step 110 profile
 # a run cut off by its step's limit leaves its JSON empty or half-written
 find "$RESULTS" -name '*.json' -size 0 -delete
 cat "$RESULTS/lease.log" >&2

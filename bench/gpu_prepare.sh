@@ -44,7 +44,8 @@ then give the machine back.
      tar czf \$OUT/r.tgz -C /tmp/r .
   2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"], timeout_s 250:
      export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=$commit RESULTS=/tmp/r GPU_STEPS=embedded GPU_RESUME=1
-     GPU_RERUN=smollm2-speculative timeout 235 bash bench/gpu.sh; bash bench/gpu_cache.sh save \$OUT/compiled.tgz; tar czf \$OUT/r2.tgz -C /tmp/r .
+     GPU_RERUN="profile-smollm2-p128 smollm2-speculative" timeout 235 bash bench/gpu.sh;
+     bash bench/gpu_cache.sh save \$OUT/compiled.tgz; tar czf \$OUT/r2.tgz -C /tmp/r .
 (Lower both limits when less is left. Keep the compiled.tgz that comes back as .gpu-cache/compiled.tgz.)
 A longer one: these calls, in this order, each within 30 s of the last (the machine stays warm and keeps what came
 before; a cold one starts bare, so every call carries .whl):
