@@ -97,6 +97,7 @@ def _lib():
     lib.int4_write.argtypes = [p, p, i, i, i, i, p, p, L]
     lib.quantize_int8.argtypes = [p, i, i, i, p, p]
     lib.decode_layers.argtypes = [p, p, i, i, p, p]
+    lib.grid_error.argtypes = [p, p, p, p, L, i, i, ctypes.c_float, p]
     return lib
 
 
@@ -281,6 +282,18 @@ def quantize_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     _check(_lib().quantize_int8(x2.data_ptr(), x2.shape[0], D, group, codes.data_ptr(), scales.data_ptr()),
            "quantize_int8")
     return codes, scales
+
+
+def grid_error(wg: torch.Tensor, e: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, top: int) -> torch.Tensor:
+    """AWQ's weighted rounding error of the groups wg (out, G, g) fp32 on the grids scale, zero (out, G, 1), the
+    channels' energies e (1, G, g) -> (out, G): `llmrun.awq._grid_error` in one pass (each operation rounded as
+    there; the sum over a group in another order)."""
+    out_rows, G, g = wg.shape
+    wg, e, scale, zero = (t.contiguous() for t in (wg, e, scale, zero))
+    err = torch.empty(out_rows, G, dtype=torch.float32)
+    _check(_lib().grid_error(wg.data_ptr(), e.data_ptr(), scale.data_ptr(), zero.data_ptr(), out_rows * G, G, g,
+                             float(top), err.data_ptr()), "grid_error")
+    return err
 
 
 class _QLinear(ctypes.Structure):

@@ -1433,3 +1433,27 @@ int decode_layers(const stack_params *p, float *x, int T, int pos, const float *
     free(xn), free(qkv), free(att), free(gu), free(h);
     return rc;
 }
+
+/* AWQ's grid search (llmrun/awq.py: _grid_error): for each of R groups of g weights w (row r at w + r * g, its
+ * channels' energies at e + (r % G) * g) on the grid (scale[r], zero[r]), the weighted rounding error
+ * sum_i e_i * (scale * clamp(round(w_i / scale), -zero, top - zero) - w_i)^2, each operation rounded as torch rounds
+ * it (rounding ties to even; no fma), summed in eight lanes i % 8 added pairwise. g a multiple of 8, else -1. */
+int grid_error(const float *w, const float *e, const float *scale, const float *zero, long R, int G, int g, float top,
+               float *out) {
+    if (g <= 0 || g % 8 || G <= 0) return -1;
+#pragma omp parallel for schedule(static) if (R > 512)
+    for (long r = 0; r < R; r++) {
+        const float *wr = w + r * g, *er = e + (r % G) * (long)g;
+        const float s = scale[r], lo = -zero[r], hi = top - zero[r];
+        float acc[8] = {0};
+        for (int i = 0; i < g; i += 8)
+            for (int j = 0; j < 8; j++) {
+                float q = nearbyintf(wr[i + j] / s);
+                q = q < lo ? lo : q > hi ? hi : q;
+                float d = s * q - wr[i + j];
+                acc[j] += d * d * er[i + j];
+            }
+        out[r] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+    return 0;
+}

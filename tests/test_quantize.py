@@ -198,6 +198,33 @@ def weighted_group_error(q: GroupQuant, w, energy):
     return ((q.dequantize() - w).pow(2) * energy).view(out, inp // q.group, q.group).sum(-1)
 
 
+@pytest.mark.parametrize("group, bits", [(32, 4), (64, 4), (128, 8)])
+def test_the_c_grid_error_is_the_torch_one(group, bits, monkeypatch):
+    """AWQ's inner loop in C (`kernels.cpu.grid_error`) against its torch form: every group's weighted rounding error
+    to float32 rounding (a group's sum runs in another order), on grids that clip (codes at both ends), with zero
+    energies, a zero weight and a group whose scale is the smallest."""
+    from llmrun.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    g = torch.Generator().manual_seed(group)
+    top = 2**bits - 1
+    wg = torch.randn(37, 5, group, generator=g) * 0.05
+    wg[0, 0] = 0.0
+    e = torch.exp(torch.randn(1, 5, group, generator=g) * 2)
+    e[0, 1, :3] = 0.0
+    hi, lo = wg.amax(-1, keepdim=True).clamp(min=0), wg.amin(-1, keepdim=True).clamp(max=0)
+    for r_lo, r_hi in ((1.0, 1.0), (0.6, 0.8), (0.55, 1.0)):
+        scale = ((hi * r_hi - lo * r_lo).clamp(min=1e-5) / top).half().float()
+        zero = (-lo * r_lo / scale).round().clamp(0, top)
+        got = awq._grid_error(wg, e, scale, zero, top)
+        with monkeypatch.context() as m:
+            m.setattr(awq, "_c_kernels", lambda: False)
+            want = awq._grid_error(wg, e, scale, zero, top)
+        assert got.shape == (37, 5) and not torch.equal(want, torch.zeros_like(want))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_the_grid_fit_never_loses_to_min_max_and_usually_wins(group):
     """Random weights (some rows all of one sign, so the zero point sits at an end), energies spread over four
