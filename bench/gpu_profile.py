@@ -74,7 +74,7 @@ def timed_steps(engine, token: int, steps: int, block: int = 1) -> list[float]:
 SPECULATION_K = (1, 3, 7)  # draft tokens a block: blocks of 2, 4 and 8 tokens
 
 
-def timed_speculation(engine, positions: int, tokens: int, steps: int, runs: int = 3) -> dict[int, dict[str, float]]:
+def timed_speculation(engine, positions: int, tokens: int, steps: int, runs: int = 3) -> dict[int, dict]:
     """What a speculative step costs beyond its forward: for each K of SPECULATION_K, `runs` replies of `tokens`
     tokens decoded with prompt lookup at that K (fixed), after a prompt of `positions` distinct tokens, every lookup
     right (the reply copies the prompt, replayed: `llmrun.replay.ReplayedLookup`, whatever the weights say), so each
@@ -83,7 +83,7 @@ def timed_speculation(engine, positions: int, tokens: int, steps: int, runs: int
     before the lookup matches, nor the last, cut short by the reply's end), "device_s": the block's forward alone
     (device events, as `timed_steps`, median of `steps`), "tokens_per_step": the reply's, every step counted};
     block_s - device_s is the step's time outside its forward: its verification, the host's lookup and launch,
-    the device idle."""
+    the device idle; "kernels" and "launches": the block's forward's kernels as its graph replays them (`profiled`)."""
     from llmrun.replay import Reply, ReplayedLookup
     from llmrun.sampling import SamplingParams
     from llmrun.speculative import DraftLength, Speculator
@@ -130,13 +130,19 @@ def block_kernel_lines(table: list[dict], launches: int, speculation: dict, top:
     """A markdown table of the one-token step's kernels beside each speculative block's (`timed_speculation`'s
     "kernels"): microseconds and calls of each kernel name, the step's slowest first, then the blocks' others."""
     blocks = [(k, {r["kernel"]: r for r in v["kernels"]}) for k, v in speculation.items()]
-    names = list(dict.fromkeys([r["kernel"] for r in table] + [r["kernel"] for _, rows in blocks
-                                                                for r in sorted(rows.values(), key=lambda r: -r["us"])]))
-    cell = lambda r: "-" if r is None else f"{r['us']:.1f} ({r['calls']})"  # noqa: E731
+    by_time = [r["kernel"] for _, rows in blocks for r in sorted(rows.values(), key=lambda r: -r["us"])]
+    names = list(dict.fromkeys([r["kernel"] for r in table] + by_time))
     step = {r["kernel"]: r for r in table}
-    total = lambda rows, n: f"{sum(r['us'] for r in rows.values()):.1f} ({n})"  # noqa: E731
+
+    def cell(r):
+        return "-" if r is None else f"{r['us']:.1f} ({r['calls']})"
+
+    def total(rows, n):
+        return f"{sum(r['us'] for r in rows.values()):.1f} ({n})"
+
+    heads = " | ".join(f"K = {k} ({k + 1} tokens)" for k, _ in blocks)
     return [
-        "| kernel: us (calls) | a step (1 token) | " + " | ".join(f"K = {k} ({k + 1} tokens)" for k, _ in blocks) + " |",
+        f"| kernel: us (calls) | a step (1 token) | {heads} |",
         "|---|---|" + "---|" * len(blocks),
         f"| all | {total(step, launches)} | "
         + " | ".join(total(rows, speculation[k]["launches"]) for k, rows in blocks) + " |",

@@ -373,6 +373,16 @@ def cpu_kernels_serve(x: torch.Tensor) -> bool:
     return _use_cpu_kernels(x)
 
 
+def grid_error(wg, e, scale, zero, top: int) -> torch.Tensor:
+    """`ref.grid_error`: in C where the C kernels serve wg (`cpu.grid_error`: the same roundings, a group's sum in
+    another order, so to float32 rounding), else the reference."""
+    if _use_cpu_kernels(wg) and wg.shape[-1] % 8 == 0:
+        from . import cpu
+
+        return cpu.grid_error(wg, e.expand(1, *wg.shape[1:]), scale, zero, top)
+    return ref.grid_error(wg, e, scale, zero, top)
+
+
 def linear(x, weight, bias=None, gated: bool = False):
     """x (..., K) @ weight^T (+ bias) -> (..., N): a float linear layer; gated (weight's rows [gate; up], a SwiGLU
     MLP's fused projection): silu_mul of the two halves, (..., N / 2), in one launch on the GEMV. On CUDA, a decode

@@ -289,6 +289,8 @@ def grid_error(wg: torch.Tensor, e: torch.Tensor, scale: torch.Tensor, zero: tor
     channels' energies e (1, G, g) -> (out, G): `llmrun.awq._grid_error` in one pass (each operation rounded as
     there; the sum over a group in another order)."""
     out_rows, G, g = wg.shape
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (wg, e, scale, zero)), "fp32 on the CPU"
+    assert e.shape == (1, G, g) and scale.shape == zero.shape == (out_rows, G, 1), (e.shape, scale.shape, zero.shape)
     wg, e, scale, zero = (t.contiguous() for t in (wg, e, scale, zero))
     err = torch.empty(out_rows, G, dtype=torch.float32)
     _check(_lib().grid_error(wg.data_ptr(), e.data_ptr(), scale.data_ptr(), zero.data_ptr(), out_rows * G, G, g,

@@ -60,6 +60,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | N
     return y.transpose(1, 2)
 
 
+def grid_error(wg: torch.Tensor, e: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, top: int) -> torch.Tensor:
+    """AWQ's weighted rounding error (`llmrun.awq`'s grid search) of the groups wg (out, G, g) on the grids scale,
+    zero (out, G, 1), the channels' energies e (1, G, g) -> (out, G): sum over each group of e * (scale * (codes -
+    zero) - w)^2, codes = clamp(round(w / scale) + zero, 0, top). In place in one buffer: codes - zero is round(w /
+    scale) clamped to [-zero, top - zero], the same integers."""
+    q = torch.div(wg, scale).round_()
+    q = torch.clamp(q, min=-zero, max=top - zero, out=q).mul_(scale).sub_(wg)
+    return q.mul_(q).mul_(e).sum(-1)
+
+
 def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int,
                       group: int = 32) -> torch.Tensor:
     """Weights stored in blocks of 32 along K, with a scale (and offset) per group of G columns -> W (N, K) fp32.

@@ -162,25 +162,11 @@ def fit_groups(w: torch.Tensor, energy: torch.Tensor, bits: int, group: int, rou
 
 
 def _grid_error(wg, e, scale, zero, top):
-    """(out, G) weighted rounding error of the groups wg (out, G, g) on the grids scale, zero (out, G, 1).
+    """(out, G) weighted rounding error of the groups wg (out, G, g) on the grids scale, zero (out, G, 1): the grid
+    search's inner loop (`kernels.grid_error`: in C on a CPU that has the C kernels)."""
+    from llmrun import kernels
 
-    The search's inner loop, about half of `llmrun quantize --awq`'s time: on a CPU with the C kernels one pass
-    over the groups (`kernels.cpu.grid_error`: the same roundings, a group's sum in another order), else in place
-    in one buffer: codes - zero is round(w / scale) clamped to [-zero, top - zero], the same integers as clamping
-    codes to [0, top]."""
-    if wg.device.type == "cpu" and wg.shape[-1] % 8 == 0 and _c_kernels():
-        from llmrun.kernels import cpu
-
-        return cpu.grid_error(wg, e.expand(1, *wg.shape[1:]), scale, zero, top)
-    q = torch.div(wg, scale).round_()
-    q = torch.clamp(q, min=-zero, max=top - zero, out=q).mul_(scale).sub_(wg)
-    return q.mul_(q).mul_(e).sum(-1)
-
-
-def _c_kernels() -> bool:
-    from llmrun.kernels import cpu
-
-    return cpu.available()
+    return kernels.grid_error(wg, e, scale, zero, top)
 
 
 def _clip_search(wg, e, bits):

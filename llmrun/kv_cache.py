@@ -268,9 +268,10 @@ class _Int4Store:
         self._write_exact(layer, slot, k, v)
 
     def write_at(self, layer, slots, k, v):
-        """A device step's write (`DeviceStep`: T <= MAX_TOKENS new tokens at consecutive slots (T,) on the device,
-        right after the tokens in use), with no host value read (`kernels.write_int4`: a key group is quantized from
-        the rings at each write until the one that fills it). The host's `state` is for `wrote` to bring up to date."""
+        """A write of T new tokens at consecutive slots (T,) on the device, right after the tokens in use (a device
+        step's, `DeviceStep`, or a prompt chunk's through `write`), with no host value read (`kernels.write_int4`:
+        a key group is quantized from the rings at each write until the one that fills it). The host's `state` is
+        for `wrote` to bring up to date."""
         kernels.write_int4(k, v, *(b[layer] for b in self.buffers), slots=slots)
 
     def wrote(self, slot, n, layer=slice(None)):

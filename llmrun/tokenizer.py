@@ -196,7 +196,7 @@ class Tokenizer:
     def cut_bytes(self, ids: list[int]) -> int:
         """How many bytes at the end of what `ids` spell begin a UTF-8 character without the rest of it (0 if none),
         which `decode` shows as U+FFFD: a reply cut by its token limit there. (A token spelling U+FFFD does not.)"""
-        tail = b"".join(self._piece_bytes(i) for i in ids[-4:] if i not in self._special)  # a character: <= 4 bytes
+        tail = b"".join(self._piece_bytes(ids[k]) for k in self._spelling_tail(ids))
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(tail, final=False)
         return len(decoder.getstate()[0])  # bytes held back for the rest of a character
@@ -206,11 +206,19 @@ class Tokenizer:
         n = self.cut_bytes(ids)
         if not n or not text.endswith("\ufffd"):
             return text
-        if self.kind == "spm" and all(_BYTE_PIECE.fullmatch(self._tok.id_to_token(i) or "") for i in ids[-n:]):
+        cut = self._spelling_tail(ids)[-n:]
+        if self.kind == "spm" and all(_BYTE_PIECE.fullmatch(self.id_to_piece(ids[k])) for k in cut):
             # SentencePiece's byte fallback writes a U+FFFD for each byte of a run that is not UTF-8, a whole
             # character's before it included: decoded again without the cut bytes
-            return self.decode(ids[:-n], skip_special=skip_special)
+            return self.decode([i for k, i in enumerate(ids) if k not in cut], skip_special=skip_special)
         return text[:-1]  # byte-level BPE: the cut bytes are one U+FFFD
+
+    def _spelling_tail(self, ids: list[int]) -> list[int]:
+        """The places in `ids` of its last (at most) 4 ids that spell bytes, in order: a character is at most 4, and
+        control tokens and ids past the vocabulary spell none (looked for among the last 16)."""
+        at = [k for k in range(len(ids) - 1, max(len(ids) - 16, 0) - 1, -1)
+              if ids[k] not in self._special and self._piece_bytes(ids[k])]
+        return at[:4][::-1]
 
     def _piece_bytes(self, token_id: int) -> bytes:
         piece = self._tok.id_to_token(token_id)

@@ -289,6 +289,14 @@ def test_an_id_past_the_vocabulary_spells_nothing(smol):
     assert smol.decode([past]) == "" and smol.cut_bytes([past]) == 0
     assert smol.cut_bytes([*half, past]) == smol.cut_bytes(half) > 0
     assert "".join(_stream(smol, [*smol.encode("ok"), past, *smol.encode(" go")])) == "ok go"
+    assert smol.cut_bytes([*half, past, past, past, past]) == smol.cut_bytes(half)  # four ids spelling nothing after
+
+
+def test_an_id_past_the_vocabulary_after_cut_byte_pieces(spm):
+    """SentencePiece's byte pieces of a cut character, then an id past the vocabulary: the stream ends at the last
+    whole character, as without that id."""
+    ids = spm.encode("ab é中", add_bos=False)[:-1]  # 中's first two bytes
+    assert "".join(_stream(spm, [*ids, spm.vocab_size + 3])) == "ab é"
 
 
 @pytest.mark.parametrize("text, cut, shown", [("ab é", 1, "ab "), ("ab é中", 1, "ab é"), ("ab é中", 2, "ab é")])

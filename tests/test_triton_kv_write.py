@@ -134,6 +134,7 @@ def int4_layer(B, H, C, D, R, dtype):
     (1, 3, 7, 54, 61, 61, 80),  # the last slots of a buffer that ends within a group
     (1, 2, 100, 45, 200, 200, 64),  # a prompt chunk: every group it touches, the first one partial
     (1, 1, 512, 1024, 1600, 608, 64),  # a prompt chunk of PREFILL_ROWS far into a long cache: rings wrapped
+    (1, 2, 65, 31, 200, 96, 64),  # at the edge the cache allows (slot % 32 + T = the ring): three groups, none lost
 ])
 def test_int4_write_is_the_reference_bit_for_bit(dtype, B, H, T, slot, C, R, D):
     """Values per token, both rings, every key group from the first slot's to the last slot's. The codes of a partial
