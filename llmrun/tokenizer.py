@@ -196,17 +196,21 @@ class Tokenizer:
     def cut_bytes(self, ids: list[int]) -> int:
         """How many bytes at the end of what `ids` spell begin a UTF-8 character without the rest of it (0 if none),
         which `decode` shows as U+FFFD: a reply cut by its token limit there. (A token spelling U+FFFD does not.)"""
-        tail = b"".join(self._piece_bytes(ids[k]) for k in self._spelling_tail(ids))
+        return self._cut(ids)[0]
+
+    def _cut(self, ids: list[int]) -> tuple[int, list[int]]:
+        """(`cut_bytes`, the places in `ids` of its last ids that spell bytes: `_spelling_tail`)."""
+        tail = self._spelling_tail(ids)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(tail, final=False)
-        return len(decoder.getstate()[0])  # bytes held back for the rest of a character
+        decoder.decode(b"".join(self._piece_bytes(ids[k]) for k in tail), final=False)
+        return len(decoder.getstate()[0]), tail  # bytes held back for the rest of a character
 
     def without_cut_character(self, ids: list[int], text: str, skip_special: bool = False) -> str:
         """`text`, `ids` decoded (as skip_special says), less the U+FFFD of a character cut at the end (`cut_bytes`)."""
-        n = self.cut_bytes(ids)
+        n, tail = self._cut(ids)
         if not n or not text.endswith("\ufffd"):
             return text
-        cut = self._spelling_tail(ids)[-n:]
+        cut = tail[-n:]
         if self.kind == "spm" and all(_BYTE_PIECE.fullmatch(self.id_to_piece(ids[k])) for k in cut):
             # SentencePiece's byte fallback writes a U+FFFD for each byte of a run that is not UTF-8, a whole
             # character's before it included: decoded again without the cut bytes
