@@ -688,7 +688,10 @@ def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[in
     """`_packed_weights` of an AWQ/GPTQ checkpoint: where the kernels run (`packed_kernels`), every linear layer of
     the blocks keeps its codes (AWQ: 4-bit with offsets; symmetric 8-bit GPTQ: 8-bit), and the float embedding and
     output head become 8-bit blocks of 32 (GGUF's Q8_0), so no float matrix is read per token. Group sizes that are
-    not whole blocks of 32, act-order GPTQ and asymmetric 8-bit run dequantized."""
+    not whole blocks of 32, act-order GPTQ and asymmetric 8-bit run dequantized. A layer the checkpoint stores in
+    floats (AutoAWQ's modules_to_not_convert) stays a float matrix, and so does the fused matrix it is a part of
+    (q/k/v, gate/up: its quantized parts are dequantized to join it); a layer stored in neither form is reported
+    missing by its codes' name."""
     quant, cfg = files.quant, files.config
     widths = [width for width, _ in cfg.linear_widths().values()]  # the layers' input widths
     if quant.group == -1:
@@ -699,7 +702,14 @@ def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[in
     if not fits or packed_kernels(dev, dt) is not None:
         return {}
     fmt = (4, True) if quant.bits == 4 else (8, False)
-    keep = {f"layers.{i}.{part}.weight": fmt for i in range(cfg.n_layers) for part in _LINEAR}
+    names = [name for name, _ in _safetensors_headers(files.source.path)]
+    floats = {name.removesuffix(".weight") for name in names if name.endswith(".weight")}
+    keep = {}
+    for i in range(cfg.n_layers):
+        for module in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
+            parts = [f"layers.{i}.{part}.weight" for part in fused_parts(module)]
+            if not any(hf_tensor_name(part).removesuffix(".weight") in floats for part in parts):
+                keep.update(dict.fromkeys(parts, fmt))
     keep["embed.weight" if cfg.tie_embeddings else "lm_head.weight"] = (8, False)
     return keep
 

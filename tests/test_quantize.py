@@ -715,6 +715,52 @@ def test_a_checkpoint_missing_tensors_names_them_as_its_files_would(packed_check
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_layers_left_in_floats_load_packed_beside_the_codes(packed_checkpoint, tmp_path):
+    """AutoAWQ's modules_to_not_convert: a layer stored as a float weight stays a float matrix in the packed model,
+    and a fused matrix with such a part (here k of layer 1's q/k/v) is made float whole; the other layers keep
+    their codes, and the model computes what the dequantized path computes, as closely as the all-packed model."""
+    import shutil
+
+    import torch.nn as nn
+    from safetensors.torch import load_file, save_file
+
+    from llmrun.loading import load_model
+    from llmrun.models.quant import QuantLinear
+
+    path = shutil.copytree(packed_checkpoint[1], tmp_path / "q")
+    plain = load_model(str(path), device="cpu", dtype="fp32", weights="dequant").model
+    cfg = plain.config
+    q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    floats = {"model.layers.0.mlp.down_proj": plain.layers[0].mlp.down.weight,
+              "model.layers.1.self_attn.k_proj": plain.layers[1].attn.qkv.weight[q_rows:q_rows + kv_rows]}
+    [file] = path.glob("*.safetensors")
+    tensors = load_file(file)
+    for module, w in floats.items():
+        for suffix in ("qweight", "qzeros", "scales"):
+            del tensors[f"{module}.{suffix}"]
+        tensors[f"{module}.weight"] = w.contiguous()  # the dequantized codes, in fp32
+    save_file(tensors, file)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["layers.0.mlp.down_proj", "layers.1.self_attn.k_proj"]
+    (path / "config.json").write_text(json.dumps(config))
+
+    packed = load_model(str(path), device="cpu", dtype="fp32")
+    assert packed.weights == "packed"
+    layers = packed.model.layers
+    for float_layer in (layers[0].mlp.down, layers[1].attn.qkv):
+        assert isinstance(float_layer, nn.Linear) and not isinstance(float_layer, QuantLinear)
+    assert isinstance(layers[0].attn.qkv, QuantLinear) and isinstance(layers[1].mlp.down, QuantLinear)
+    assert torch.equal(layers[0].mlp.down.weight, plain.layers[0].mlp.down.weight)
+    assert torch.equal(layers[1].attn.qkv.weight, plain.layers[1].attn.qkv.weight)
+    all_packed = load_model(str(packed_checkpoint[1]), device="cpu", dtype="fp32").model
+    ids = torch.tensor([[3, 17, 99, 5, 64, 2, 88, 41]])
+    with torch.no_grad():
+        got, want, packed_all = packed.model(ids), plain(ids), all_packed(ids)
+    # the packed path's distance from the dequantized one (its 8-bit head, the C kernels' rounding), no further
+    error, packed_error = ((got - want).norm() / want.norm()).item(), ((packed_all - want).norm() / want.norm()).item()
+    assert error < 0.06 and error <= 1.1 * packed_error, (error, packed_error)
+
+
 def test_corrupt_weights_are_one_error_line_without_warnings(tmp_path, monkeypatch, capsys):
     """Scales of all ones bits in a Q5_1 tensor (dequantized by the gguf package, in numpy): inf and NaN.
     Generating says the weights are corrupt, with no numpy warning first; quantize refuses them."""
