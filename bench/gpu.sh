@@ -183,6 +183,13 @@ if [[ $steps == *" embedded "* ]] && embedded; then
         --speculation \
         --out "$results/$stamp-$gpu-profile-smollm2-p128.json" \
         || { echo "gpu.sh: profile-smollm2-p128 FAILED (above); going on" >&2; failed+=(profile-smollm2-p128); }
+    # the same at 600 positions, where a graph's span holds 1024 keys, 4 splits of the attention, whose combine a
+    # step's and a block's rows wait on (all of a program's rows at once since 2026-11-28; at 128 positions a span
+    # of 256 keys is one split, no combine)
+    done_before profile-smollm2-p600 || python3 bench/gpu_profile.py smollm2 --device cuda --prompt-tokens 600 \
+        --speculation \
+        --out "$results/$stamp-$gpu-profile-smollm2-p600.json" \
+        || { echo "gpu.sh: profile-smollm2-p600 FAILED (above); going on" >&2; failed+=(profile-smollm2-p600); }
     done_before smollm2-speculative || python3 bench/speculative.py --device cuda --rows ngram,self \
         --out "$results/$stamp-$gpu-smollm2-speculative.json" \
         || { echo "gpu.sh: smollm2-speculative FAILED (above); going on" >&2; failed+=(smollm2-speculative); }

@@ -21,8 +21,9 @@
 # Correctness first. The H100's third lease (2026-11-28) passed every test it reran (175) and measured the 8B in
 # W4A16, INT4's 8k prefill and the embedded model's steps and speculation; what is left, by GPU_RESUME=1:
 #   tests    the kernel files it did not reach (test_triton_quant_matmul, test_triton_kv_write), and again the
-#            CUDA-graph file (a graph's span now starts at 256 keys) and the INT4 writes and prompt-chunk attention
-#            (a chunk's write now the two fused launches, its mask made once a chunk): GPU_RETEST; 12 workers.
+#            CUDA-graph file (a graph's span now starts at 256 keys), the INT4 writes and prompt-chunk attention
+#            (a chunk's write now the two fused launches, its mask made once a chunk) and the decode attention's
+#            file (its combine takes all of a program's rows at once): GPU_RETEST; 12 workers.
 #   replay   the Qwen lookup replay (it failed at its first reply's cut character: fixed), predicted code-edit
 #            2.6-3.1x greedy (issue 6 asks >= 2.5x), open and summarize 1.0-1.2x; then the Qwen pair's first prompt.
 #   profile  INT4's 8000-token prefill again (774 ms, ~110 launches a layer and chunk; predicted 420-480 ms), the 1B
@@ -30,8 +31,9 @@
 # Call 2, `embedded`: the real embedded model joined from the halves the two calls carried: its tests (the CUDA-graph
 # ones too, left there by call 1), its step profiled again with each speculative block's kernels beside the step's
 # (the block forwards of 2/4/8 tokens took 1.415/1.708/1.808 ms against the step's 0.958; predicted with MIN_SPAN
-# 256: the step ~0.85-0.90, the blocks ~1.25-1.3/1.35-1.5/1.35-1.55), and bench/speculative.py's rows again
-# (GPU_RERUN), `--compare` and the sweep.
+# 256: the step ~0.85-0.90, the blocks ~1.25-1.3/1.35-1.5/1.35-1.55), the same at 600 positions (4 splits: the
+# combine of all rows at once; predicted each block within 0.1 ms of its p128 time), and bench/speculative.py's rows
+# again (GPU_RERUN), `--compare` and the sweep.
 # Left for a later lease (gpu.sh runs them by GPU_STEPS): the kv step again at 8k and 32k, the gemv step.
 # Steps' limits: 150 + 150 + 110 = 410 s, plus installing gguf and llmrun: give the call 480.
 set -uo pipefail
@@ -54,6 +56,7 @@ export GPU_RESUME=1
 # the tests not yet passed on this GPU, and again those of the code changed since they passed (the graphs' span,
 # INT4's writes of any length, its prompt chunk's attention)
 export GPU_RETEST="tests/test_cuda_graphs.py tests/test_triton_kv_write.py int4_prompt_chunk"
+GPU_RETEST+=" tests/test_triton_attention.py"
 PYTEST_ADDOPTS="-n 12" step 150 tests
 GPU_RERUN="qwen-pair-replay-int4" GPU_REPLAY_WEIGHTS=int4 GPU_REPLAY_PROMPTS=1 step 150 replay
 GPU_RERUN="profile-llama3.2-1b-p8000-kv-int4-prefill profile-llama3.2-1b-p128-weights-int4" step 110 profile

@@ -4,7 +4,7 @@ verification), against the S cached positions. `kernels.ref.attention` is the sp
 FlashDecoding: the keys a step can see are cut into splits along S; one program per (batch, kv head, split,
 row block) runs an online softmax over its keys and writes a partial result (its output normalised by its own
 sum, and the log2-sum-exp of its scores), and the split of a (batch, kv head, row block) that finishes last, as
-a device counter tells, merges them for each of its rows (`_combine_row`): one launch a step. With one split the
+a device counter tells, merges them for all of its rows at once (`_combine_rows`): one launch a step. With one split the
 program writes the output directly.
 
 GQA: the G = Hq / Hkv query heads that share a kv head, times the T tokens, are the T * G rows of the score tiles
@@ -15,8 +15,8 @@ A row's result does not depend on the rows beside it, nor on how many keys follo
 decoding needs a verification block's rows to round exactly as one-token steps do. So nothing about the tiling
 follows T or S: the splits are cut at multiples of a fixed length (SPLIT_LEN keys), tiles start at multiples of
 BLOCK_N within a split, every program has BLOCK_M rows, the autotuner's key holds nothing that T or S changes,
-and the combine sums fixed chunks of splits, numbered from the first key, in a fixed order. Keys past a row's own
-(or before its window) only ever add exact zeros: a masked tile leaves a row's running sums as they were, and a
+and the combine sums a row's splits in fixed runs numbered from the first key. Keys past a row's own (or before
+its window) only ever add exact zeros: a masked tile leaves a row's running sums as they were, and a
 split it cannot see weighs 0.
 
 A quantized cache (`ref.QuantizedKV`, INT8 or INT4, `quantized_decode_attention`) is read as codes and scales, and
@@ -58,7 +58,7 @@ from . import common, ref
 
 SPLIT_LEN = 256  # keys per split: splits start at its multiples (every BLOCK_N divides it)
 BLOCK_M = 16  # query rows (tokens x grouped heads) per program, the least tl.dot takes; more rows, more programs
-COMBINE_CHUNK = tl.constexpr(16)  # splits the combine sums in one fixed-shape reduction
+COMBINE_LSE = tl.constexpr(16)  # splits' lse a step of the combine's first pass (their largest) loads
 
 
 _KEY_GROUP = tl.constexpr(ref.KEY_GROUP)  # positions per INT4 key scale
@@ -348,21 +348,18 @@ def _split_kernel(
         # MidO (B, T, Hq, n_splits, BLOCK_D) and MidLse (B, T, Hq, n_splits), both contiguous fp32, split i there
         # being split first_split + i of the keys
         n_splits = tl.num_programs(1)
-        mid = ((b * T + t) * Hq + h) * n_splits + split  # (BLOCK_M,)
+        row_base = ((b * T + t) * Hq + h) * n_splits  # (BLOCK_M,): each row's entry of split first_split
+        mid = row_base + split
         tl.store(MidO + mid[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
         tl.store(MidLse + mid, lse, mask=row_ok)
-        # The split of this (batch, kv head, row block) that finishes last combines them all, row by row: no launch
-        # of its own. Every thread's stores, then one release; the last split's acquire sees every split's results
+        # The split of this (batch, kv head, row block) that finishes last combines them all, every row at once: no
+        # launch of its own. Every thread's stores, then one release; the last split's acquire sees every split's
+        # results
         tl.debug_barrier()
         counter = Count + pid_bh * tl.num_programs(2) + pid_m  # 0 before the launch, and after it
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            top = tl.zeros([BLOCK_M], tl.float32)  # each row's largest split lse, and its weights' sum
-            total = tl.full([BLOCK_M], 1.0, tl.float32)
-            for r in range(pid_m * BLOCK_M, tl.minimum(pid_m * BLOCK_M + BLOCK_M, T * G)):  # row = t * G + g
-                top_r, total_r = _combine_row(MidO, MidLse, Out, b, r // G, kvh * G + r % G, stride_ob, stride_ot,
-                                              stride_oh, T, Hq, n_splits, first_split, D, COMBINE_CHUNK, BLOCK_D)
-                top = tl.where(rows == r, top_r, top)
-                total = tl.where(rows == r, total_r, total)
+            top, total = _combine_rows(MidO, MidLse, Out, row_base, b, t, h, row_ok, stride_ob, stride_ot,
+                                       stride_oh, n_splits, first_split, D, BLOCK_M, BLOCK_D)
             if SCORES:  # Lse (B, T, Hq) fp32 contiguous: each row's log2-sum-exp over all its keys (the log2 out of
                 # the loop: libdevice's takes the exponent apart with an I2F)
                 tl.store(Lse + (b * T + t) * Hq + h, top + tl.math.log2(total), mask=row_ok)
@@ -370,41 +367,58 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_row(MidO, MidLse, Out, b, t, h, stride_ob, stride_ot, stride_oh, T, Hq, n_splits, first_split, D,
-                 CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The output of one (b, t, h): the splits' outputs weighted by exp2(their lse - the largest) -> (the largest lse,
-    the weights' sum), of which the row's lse over all its keys is largest + log2(sum). Split j of the
-    keys adds into slot j % CHUNK of a (CHUNK, BLOCK_D) accumulator, chunk after chunk from the one holding the first
-    split, then one reduction of fixed shape sums the slots: a split that exists for some rows of a block and not
-    for others (or not in a one-token step) adds exact zeros and moves nothing else. The splits' results come from
-    other programs: read from L2 (.cg), after the last split's acquire (`_split_kernel`)."""
-    row = (b * T + t) * Hq + h
-    offs_c = tl.arange(0, CHUNK)
+def _weighted_split(MidO, MidLse, base, i, n_splits, row_ok, top, offs_d, BLOCK_D: tl.constexpr):
+    """Split i of the launch for each row: (its output x its weight exp2(lse - top), the weight); 0 and 0 outside
+    the launch or where a row has no keys."""
+    ok = row_ok & (i >= 0) & (i < n_splits)
+    w = tl.math.exp2(tl.load(MidLse + base + i, mask=ok, other=float("-inf"), cache_modifier=".cg") - top)
+    o = tl.load(MidO + (base + i)[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0,
+                cache_modifier=".cg")  # an empty split: w 0
+    return o * w[:, None], w
+
+
+@triton.jit
+def _combine_rows(MidO, MidLse, Out, base, b, t, h, row_ok, stride_ob, stride_ot, stride_oh, n_splits, first_split,
+                  D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The outputs of a program's rows (b, t, h), all at once: the splits' outputs weighted by exp2(their lse - the
+    row's largest) -> (the largest lse, the weights' sum) a row, of which the row's lse over all its keys is
+    largest + log2(sum). base (BLOCK_M,): each row's MidLse / MidO entry of its first split (split first_split of
+    the keys). A step loads 4 splits of every row, four (BLOCK_M, BLOCK_D) tiles in the accumulator's layout, in
+    one go, and sums them in a fixed tree within each thread. The steps hold runs of 4 splits numbered from the
+    first key, not from the launch's first split, and add up in the keys' order, so a row sums what it sums in any
+    launch: the splits it cannot see (before its window, past its own key, past the keys in use, or outside the
+    launch) weigh 0 and add exact zeros in the same places.
+
+    Why all rows at once: the combine of 2026-11-27 took a row at a time, each waiting on its loads in turn. On an
+    H100 the split kernel with it took 8.6-12.5 us a launch with 3 or 4 rows and 4 splits, where the split kernel
+    and a combine launch of its own had taken 6.3-7.3 together; and, by the slope of the embedded model's block
+    forwards (2, 4 and 8 tokens), a verification block cost ~1-1.6 us a layer more for each row it added. sm_90
+    SASS here (Triton 3.8, bf16, head_dim 128, 4 warps): a step's 4 splits' loads issued before their first use,
+    263 instructions a step for all 16 rows. The splits' results come from other programs: read from L2 (.cg),
+    after the last split's acquire (`_split_kernel`)."""
+    offs_l = tl.arange(0, COMBINE_LSE)
+    m = tl.full([BLOCK_M, COMBINE_LSE], float("-inf"), tl.float32)
+    for c in range(0, n_splits, COMBINE_LSE):
+        i = c + offs_l
+        m = tl.maximum(m, tl.load(MidLse + base[:, None] + i[None, :], mask=row_ok[:, None] & (i < n_splits)[None, :],
+                                  other=float("-inf"), cache_modifier=".cg"))
+    top = tl.max(m, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)
     offs_d = tl.arange(0, BLOCK_D)
-    base = row * n_splits  # MidLse / MidO entry of split first_split
-    c0 = first_split // CHUNK * CHUNK
-    m = tl.full([CHUNK], float("-inf"), tl.float32)
-    for c in range(c0, first_split + n_splits, CHUNK):
-        i = c + offs_c - first_split
-        m = tl.maximum(m, tl.load(MidLse + base + i, mask=(i >= 0) & (i < n_splits), other=float("-inf"),
-                                  cache_modifier=".cg"))
-    m_all = tl.max(m, 0)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    acc = tl.zeros([CHUNK, BLOCK_D], tl.float32)
-    den = tl.zeros([CHUNK], tl.float32)
-    for c in range(c0, first_split + n_splits, CHUNK):
-        i = c + offs_c - first_split
-        ok = (i >= 0) & (i < n_splits)
-        w = tl.math.exp2(tl.load(MidLse + base + i, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_all)
-        o = tl.load(MidO + (base + i)[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0,
-                    cache_modifier=".cg")  # an empty split: w 0
-        acc += o * w[:, None]
-        den += w
-    total = tl.sum(den, 0)
-    out = tl.sum(acc, 0) / total
-    tl.store(Out + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=offs_d < D)
-    return m_all, total
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for c in range(first_split // 4 * 4, first_split + n_splits, 4):  # i: the launch's splits, some maybe outside it
+        i = c - first_split
+        o0, w0 = _weighted_split(MidO, MidLse, base, i, n_splits, row_ok, top, offs_d, BLOCK_D)
+        o1, w1 = _weighted_split(MidO, MidLse, base, i + 1, n_splits, row_ok, top, offs_d, BLOCK_D)
+        o2, w2 = _weighted_split(MidO, MidLse, base, i + 2, n_splits, row_ok, top, offs_d, BLOCK_D)
+        o3, w3 = _weighted_split(MidO, MidLse, base, i + 3, n_splits, row_ok, top, offs_d, BLOCK_D)
+        acc += (o0 + o1) + (o2 + o3)
+        total += (w0 + w1) + (w2 + w3)
+    out = acc / tl.where(row_ok, total, 1.0)[:, None]
+    tl.store(Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
+    return top, total
 
 
 @triton.jit
