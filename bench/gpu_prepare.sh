@@ -39,7 +39,7 @@ cat <<CALLS
 A 15-minute lease (the machine's start included): two calls, the second at once on the warm machine (it keeps
 the first's files), going on where bench/results/ stops (bench/gpu_lease.sh's header says what each step runs);
 then give the machine back.
-  1. carry [".whl", ".gpu-model/tokenizer.gguf", ".gpu-model/a"$cache], timeout_s 480:
+  1. carry [".whl", ".gpu-model/tokenizer.gguf", ".gpu-model/a"$cache], timeout_s 500:
      export PYTHONUNBUFFERED=1; LLMRUN_COMMIT=$commit RESULTS=/tmp/r bash bench/gpu_lease.sh;
      tar czf \$OUT/r.tgz -C /tmp/r .
   2. carry [".whl", ".gpu-model/b", ".gpu-model/SHA256SUM"], timeout_s 250:
