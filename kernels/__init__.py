@@ -230,19 +230,29 @@ def int4_attention(q, kv: ref.QuantizedKV, window: int | None = None, mass=None)
     nq = kv.row_quantized(T)
     first, last = (nq[0], nq[-1]) if T else (kv.n_quantized, kv.n_quantized)
     ring, mask = _int4_chunk_layout(S, T, tuple(nq), first, last, kv.k_recent.shape[2], window, q.device)
-    k_codes = ref.dequantize_int4_channels(kv.k[:, :, :last], kv.k_scale, kv.k_min)
-    v_codes = ref.dequantize_int4_tokens(kv.v[:, :, :last], kv.v_scale[:, :, :last], kv.v_min[:, :, :last])
-    k = torch.cat((k_codes.to(dtype), kv.k_recent[:, :, ring].to(dtype)), dim=2)
-    v = torch.cat((v_codes.to(dtype), kv.v_recent[:, :, ring].to(dtype)), dim=2)
-    k_heads, v_heads, gqa = k, v, Hq != k.shape[1]
-    if gqa and q.is_cuda:  # of CUDA's fused SDPA kernels flash takes no mask, the memory-efficient one no GQA: with
-        # both, SDPA would fall back to its math kernel (the (Hq, T, S) scores in memory, several passes over them);
-        # the kv heads repeated for their query heads instead, which the memory-efficient kernel takes with the mask
-        G = Hq // k.shape[1]
-        k_heads, v_heads, gqa = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), False
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k_heads, v_heads, attn_mask=mask, enable_gqa=gqa)
+    Hkv = kv.k.shape[1]
+    # of CUDA's fused SDPA kernels flash takes no mask, the memory-efficient one no GQA: with both, SDPA would fall
+    # back to its math kernel (the (Hq, T, S) scores in memory, several passes over them); there the kv heads are
+    # repeated for their query heads instead, which the memory-efficient kernel takes with the mask
+    G = Hq // Hkv if q.is_cuda else 1
+
+    def keys_values():
+        k_codes = ref.dequantize_int4_channels(kv.k[:, :, :last], kv.k_scale, kv.k_min)
+        v_codes = ref.dequantize_int4_tokens(kv.v[:, :, :last], kv.v_scale[:, :, :last], kv.v_min[:, :, :last])
+        k = torch.cat((k_codes.to(dtype), kv.k_recent[:, :, ring].to(dtype)), dim=2)
+        v = torch.cat((v_codes.to(dtype), kv.v_recent[:, :, ring].to(dtype)), dim=2)
+        return (k, v) if G == 1 else (k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
+
+    if _use_triton(q):  # the same keys and values in one launch (some twenty torch launches a layer and chunk)
+        from .kv_dequantize import int4_pair
+
+        k_heads, v_heads = _triton("kv_dequantize_int4", lambda: int4_pair(kv, first, last, dtype, G), keys_values)
+    else:
+        k_heads, v_heads = keys_values()
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k_heads, v_heads, attn_mask=mask,
+                                       enable_gqa=Hq != k_heads.shape[1])
     if mass is not None:
-        weights = ref.attention_mass(q, k, mask=mask)
+        weights = ref.attention_mass(q, k_heads[:, ::G], mask=mask)  # each kv head's keys (its first copy)
         mass[:, :, :last] += weights[:, :, :last]
         mass[:, :, first:S] += weights[:, :, last:]
     return y.transpose(1, 2)

@@ -227,7 +227,7 @@ def _attention(shape, dtype):
             # first ends, which these two lengths leave aligned to 16 bytes or not
             max_len = 4208 if h2o else 4203
             cache = KVCache(2, 1, Hkv, max_len, D, dtype, "cpu", kv_format, Eviction("h2o", max_len) if h2o else None)
-            prompt = [(600, 17)] if kv_format == "int8" else []  # a prompt chunk: INT8 dequantized in one launch
+            prompt = [(600, 17)] if kv_format else []  # a prompt chunk: the cache dequantized in one launch
             for S, T in ATTENTION_STATES + prompt:
                 q, k, v = qkv(T)
                 k, v, mass = cache.update(1, S - T, k, v)

@@ -209,3 +209,61 @@ def test_a_prompt_over_an_int8_cache_reads_it_dequantized_in_one_launch(monkeypa
     monkeypatch.setattr(kernels, "_cpu_reads", lambda q, kv, mass: False)  # the C kernels would read the codes
     got = kernels.quantized_attention(q, kv)
     assert calls == [1] and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _int4_keys_values_by_torch(kv, first, last, dtype, repeat):
+    """What `kernels.int4_attention`'s torch ops hand SDPA: the codes' values, then the rings' [first, S)."""
+    S, R = kv.length, kv.k_recent.shape[2]
+    ring = torch.arange(first, S, device=kv.k.device) % R
+    k = ref.dequantize_int4_channels(kv.k[:, :, :last], kv.k_scale, kv.k_min).to(dtype)
+    v = ref.dequantize_int4_tokens(kv.v[:, :, :last], kv.v_scale[:, :, :last], kv.v_min[:, :, :last]).to(dtype)
+    k, v = torch.cat((k, kv.k_recent[:, :, ring].to(dtype)), 2), torch.cat((v, kv.v_recent[:, :, ring].to(dtype)), 2)
+    return k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, Hkv, S, D, n_quantized, first_exact, first, last, ring, repeat", [
+    (1, 2, 100, 64, 96, 64, 64, 96, 64, 1),  # a chunk's rows straddling a group: both copies of [64, 96)
+    (1, 3, 700, 128, 672, 96, 160, 672, 608, 3),  # the ring wrapped (slots of [160, 700) past 608), GQA 3
+    (2, 1, 45, 80, 32, 0, 0, 32, 64, 7),  # head_dim 80 (padded to 128), GQA 7, two sequences
+    (1, 2, 20, 64, 0, 0, 0, 0, 32, 4),  # no codes yet: the rings alone
+    (1, 8, 300, 96, 288, 288, 288, 288, 64, 1),  # every row reads [0, 288) as codes, the rest exact
+])
+def test_int4_dequantized_whole_is_the_torch_ops_bit_for_bit(dtype, B, Hkv, S, D, n_quantized, first_exact, first,
+                                                              last, ring, repeat):
+    """kv_dequantize.int4_pair: an INT4 layer's keys and values as `kernels.int4_attention` attends over them
+    (positions [0, last) from their codes, then [first, S) from the rings, every kv head repeated for its query
+    heads), in one launch and bit for bit what its torch ops give; the rings' other slots are NaN, never read."""
+    from llmrun.kernels import kv_dequantize
+
+    from .kv_views import quantized_cache
+
+    torch.manual_seed(S + D)
+    kv = quantized_cache(4, B, Hkv, S, D, n_quantized, dtype, first_exact, device=DEVICE, ring=ring)
+    got_k, got_v = kv_dequantize.int4_pair(kv, first, last, dtype, repeat)
+    want_k, want_v = _int4_keys_values_by_torch(kv, first, last, dtype, repeat)
+    assert got_k.is_contiguous() and got_k.dtype == dtype and got_k.shape == (B, Hkv * repeat, last + S - first, D)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_an_int4_prompt_chunk_reads_the_cache_dequantized_in_one_launch(monkeypatch):
+    """`kernels.quantized_attention` for a prompt chunk over an INT4 cache on CUDA (faked here) attends over the
+    one-launch dequantization (H2O's mass too), and gives what it gives over the torch ops' copy, bit for bit."""
+    from llmrun import kernels
+    from llmrun.kernels import kv_dequantize
+
+    from .kv_views import mass_buffer, quantized_cache
+
+    B, Hkv, S, T, D = 1, 2, 150, 40, 64
+    kv = quantized_cache(4, B, Hkv, S, D, 128, torch.float32, 96, device=DEVICE, ring=64)
+    q = torch.randn(B, T, 6, D, device=DEVICE)
+    want_mass = mass_buffer(B, Hkv, S, DEVICE)
+    got_mass = want_mass.clone()
+    monkeypatch.setattr(kernels, "_cpu_reads", lambda q, kv, mass: False)  # the C kernels would read the codes
+    want = kernels.quantized_attention(q, kv, 100, mass=want_mass)
+    calls = []
+    real = kv_dequantize.int4_pair
+    monkeypatch.setattr(kv_dequantize, "int4_pair", lambda *a: calls.append(a[1:3]) or real(*a))
+    monkeypatch.setattr(kernels, "_use_triton", lambda x: True)
+    got = kernels.quantized_attention(q, kv, 100, mass=got_mass)
+    assert len(calls) == 1 and torch.equal(got, want) and torch.equal(got_mass, want_mass)
