@@ -71,8 +71,8 @@ def int8_pair(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: 
 
 @triton.jit
 def _int4_kernel(K, V, KScale, KMin, VScale, VMin, KRing, VRing, KOut, VOut,
-                 stride_cb, stride_ch, stride_cs, stride_kgb, stride_kgh, stride_kgs, stride_vsb, stride_vsh, stride_vss,
-                 stride_rb, stride_rh, stride_rs, H, G, P, last, first, R, D,
+                 stride_cb, stride_ch, stride_cs, stride_kgb, stride_kgh, stride_kgs,
+                 stride_vsb, stride_vsh, stride_vss, stride_rb, stride_rh, stride_rs, H, G, P, last, first, R, D,
                  KEY_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                  PDL: tl.constexpr):
     """Positions [p0, p0 + BLOCK_S) of the output's P = last + S - first for (batch x output head) bh, of K (program
