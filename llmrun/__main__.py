@@ -1,3 +1,3 @@
-from llmrun.cli import main
+from llmrun.entry import main
 
 main()

@@ -320,6 +320,44 @@ def test_ctrl_c_in_one_turn_mode_exits_130():
     assert b"interrupted" in err
 
 
+_CTRL_C_IN_AN_IMPORT = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "held":
+    from llmrun.entry import hold_during_imports
+
+    hold_during_imports()
+try:
+    import slow_module
+    print("imported", slow_module.DONE, flush=True)
+    time.sleep(10)
+    print("not interrupted", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", "slow_module" in sys.modules, flush=True)
+"""
+
+_SLOW_MODULE = """
+import os, signal, time
+os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the import, the rest of it still to run
+end = time.monotonic() + 0.3
+while time.monotonic() < end:  # bytecode, where Python runs signal handlers
+    pass
+DONE = True
+"""
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_ctrl_c_during_an_import_is_raised_once_the_import_is_done(tmp_path, held):
+    """llmrun's entry point holds a Ctrl-C that comes during an import (torch's, numpy's: a module half made
+    breaks what imports it next) until the import ends, then raises it; without it, the import is cut short."""
+    (tmp_path / "slow_module.py").write_text(_SLOW_MODULE)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_AN_IMPORT, str(tmp_path), "held" if held else "plain"],
+                          capture_output=True, text=True, timeout=60, preexec_fn=_default_sigint)
+    assert proc.stdout.split("\n")[:-1] == (["imported True", "interrupted True"] if held else ["interrupted False"])
+    assert time.monotonic() - start < 8  # the sleep after the import was cut short
+
+
 def test_sigterm_in_one_turn_mode_keeps_and_saves_the_partial_reply(tmp_path):
     saved = tmp_path / "c.json"
     code, out, err = _signal_one_turn(signal.SIGTERM, "--save", str(saved))

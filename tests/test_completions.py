@@ -44,12 +44,12 @@ def test_completion_command_prints_a_script_or_writes_all_three(tmp_path):
 
 @pytest.fixture(scope="module")
 def llmrun_bin(tmp_path_factory) -> Path:
-    """The installed `llmrun` entry point, or a stand-in calling `llmrun.cli:main` as it does."""
+    """The installed `llmrun` entry point, or a stand-in calling `llmrun.entry:main` as it does."""
     if _installed.is_file():
         return _installed
     path = tmp_path_factory.mktemp("bin") / "llmrun"
     path.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import sys; sys.argv[0] = \"llmrun\"; "
-                    f"from llmrun.cli import main; main()' \"$@\"\n")
+                    f"from llmrun.entry import main; main()' \"$@\"\n")
     path.chmod(0o755)
     return path
 
