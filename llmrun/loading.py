@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -70,15 +71,30 @@ def _check_weights(path: Path) -> None:
                 f"{path} holds only pickle checkpoints (*.bin/*.pt), which llmrun never loads; use a safetensors copy"
             )
         raise ModelFormatError(f"{path}: no *.safetensors weights")
+    _weight_files(path)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files that hold the model, as transformers picks them: the shards
+    model.safetensors.index.json lists, else model.safetensors, else every *.safetensors (one file of another
+    name). Files beside them are not read: a stale copy, or Mistral's consolidated.safetensors (the same weights
+    under other names)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = set(parse_json(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelFormatError(f"{index}: cannot read its weight_map ({e})") from e
-        absent = sorted(str(name) for name in shards if not (path / str(name)).is_file())
+        odd = sorted(str(name) for name in shards if not isinstance(name, str) or Path(name).name != name)
+        if odd:
+            raise ModelFormatError(f"{index}: shard {odd[0]} is not a file name of this directory")
+        absent = sorted(name for name in shards if not (path / name).is_file())
         if absent:
             raise ModelFormatError(f"{path}: missing shard {', '.join(absent)} (listed in {index.name})")
+        return [path / name for name in sorted(shards)]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
 
 
 def _resolve_hub(spec: str, bars: dict) -> ModelSource:
@@ -262,10 +278,12 @@ def _config(source: ModelSource, build, *args):
 
 
 def _safetensors_headers(path: Path):
-    """(name, header entry) for every tensor of the directory's safetensors files, validating the headers."""
+    """(name, header entry) for every tensor of the model's safetensors files (`_weight_files`), validating the
+    headers; a tensor in two files is an error."""
     import struct
 
-    for file in sorted(path.glob("*.safetensors")):
+    seen = {}
+    for file in _weight_files(path):
         try:
             size = file.stat().st_size
             with open(file, "rb") as f:
@@ -285,6 +303,9 @@ def _safetensors_headers(path: Path):
         for name, entry in entries:
             if 8 + n + entry["data_offsets"][1] > size:
                 raise ModelFormatError(f"{file} is truncated: tensor {name} runs past the end of the file")
+            if name in seen:
+                raise ModelFormatError(f"{path}: tensor {name} is in both {seen[name].name} and {file.name}")
+            seen[name] = file
             yield name, entry
 
 
@@ -322,25 +343,31 @@ def _iter_weights(files: ModelFiles, keep_blocks=None):
 
     from llmrun.models.quant import q8_blocks
 
-    quant = files.quant
-    for file in sorted(files.source.path.glob("*.safetensors")):
+    quant, file = files.quant, files.source.path
+    with ExitStack() as stack:
         try:
-            with safe_open(str(file), framework="pt") as f:
-                floats, quantized = _checkpoint_tensors(f.keys(), cfg, quant)
-                for name in floats:
-                    ours = _our_name(name, _HF_NAMES)
-                    if ours is None:
-                        raise ModelFormatError(f"{file}: unexpected tensor {name}")
-                    w = f.get_tensor(name)
-                    if not w.is_floating_point():
-                        raise ModelFormatError(f"{file}: tensor {name} holds {str(w.dtype).removeprefix('torch.')}"
-                                               ", not floats")
-                    if ours in keep_blocks:  # a float embedding / output head beside packed layers
-                        _check_blocks_of(file, name, w, (cfg.vocab_size, cfg.dim) if "layers." not in ours else None)
-                        w = (*q8_blocks(w), None, 8)
-                    yield ours, w
-                for module, suffixes in quantized.items():
-                    yield _read_quantized(f, file, module, suffixes, quant, keep_blocks)
+            where, opened = {}, {}  # tensor name -> its file; file -> its open handle
+            for file in _weight_files(files.source.path):
+                opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                where.update(dict.fromkeys(opened[file].keys(), file))
+            floats, quantized = _checkpoint_tensors(where, cfg, quant)
+            for name in floats:
+                file = where[name]
+                ours = _our_name(name, _HF_NAMES)
+                if ours is None:
+                    raise ModelFormatError(f"{file}: unexpected tensor {name}")
+                w = opened[file].get_tensor(name)
+                if not w.is_floating_point():
+                    raise ModelFormatError(f"{file}: tensor {name} holds {str(w.dtype).removeprefix('torch.')}"
+                                           ", not floats")
+                if ours in keep_blocks:  # a float embedding / output head beside packed layers
+                    _check_blocks_of(file, name, w, (cfg.vocab_size, cfg.dim) if "layers." not in ours else None)
+                    w = (*q8_blocks(w), None, 8)
+                yield ours, w
+            for module, suffixes in quantized.items():  # a layer's tensors may lie in different shards
+                file = where[f"{module}.{min(suffixes)}"]
+                yield _read_quantized(lambda name: opened[where[name]].get_tensor(name), file, module, suffixes,
+                                      quant, keep_blocks)
         except SafetensorError as e:
             raise ModelFormatError(f"{file} is not a valid safetensors file ({e})") from e
 
@@ -372,14 +399,14 @@ def _weight_count(files: ModelFiles) -> int:
     """How many (name, tensor) pairs `_iter_weights` gives: the steps `load_weights` reports."""
     if files.gguf is not None:
         return len(files.gguf.tensors)
-    # grouped over all files, not per file: a layer split across shards fails to load anyway
     floats, quantized = _checkpoint_tensors([name for name, _ in _safetensors_headers(files.source.path)],
                                             files.config, files.quant)
     return len(floats) + len(quantized)
 
 
-def _read_quantized(f, file, module: str, suffixes: set[str], quant, keep_blocks):
-    """(our name, planes or float tensor) of one AWQ/GPTQ linear layer of the open safetensors file `f`."""
+def _read_quantized(get, file, module: str, suffixes: set[str], quant, keep_blocks):
+    """(our name, planes or float tensor) of one AWQ/GPTQ linear layer, its tensors read by `get(name)` (`file`:
+    where the layer's first tensor lies, for errors)."""
     from llmrun.quant_formats import GroupQuant
 
     ours = _our_name(f"{module}.weight", _HF_NAMES)
@@ -388,7 +415,7 @@ def _read_quantized(f, file, module: str, suffixes: set[str], quant, keep_blocks
         missing = ", ".join(sorted(needed - suffixes)) or "a known name"
         raise ModelFormatError(f"{file}: quantized layer {module} lacks {missing}")
     try:
-        q = quant.read(lambda suffix: f.get_tensor(f"{module}.{suffix}") if suffix in suffixes else None)
+        q = quant.read(lambda suffix: get(f"{module}.{suffix}") if suffix in suffixes else None)
     except ModelFormatError as e:
         raise ModelFormatError(f"{file}: layer {module}: {e}") from e
     if ours not in keep_blocks:

@@ -261,6 +261,45 @@ def test_missing_shard(tmp_path):
         open_model(str(path))
 
 
+def test_a_sharded_directory_reads_the_files_its_index_lists(tmp_path):
+    """The shards model.safetensors.index.json lists, and nothing beside them: a stale copy of the weights or
+    Mistral's consolidated.safetensors would otherwise override or clash with them. Without an index,
+    model.safetensors alone where it is, else every file; a tensor in two of them is an error."""
+    from safetensors.torch import load_file, save_file
+
+    from .tiny import shard_hf_dir
+
+    model = random_model(CONFIGS["llama"])
+    path = write_hf_dir(tmp_path / "m", model)
+    tensors = load_file(path / "model.safetensors")
+    stale = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    save_file(stale, str(path / "consolidated.safetensors"))
+    _same_logits(model, load_model(str(path), device="cpu", dtype="fp32"))  # model.safetensors, not the other
+    shard_hf_dir(path, 3)
+    save_file(stale, str(path / "model-00001-of-00002.safetensors"))  # an older save's shard left behind
+    _same_logits(model, load_model(str(path), device="cpu", dtype="fp32"))
+    assert open_model(str(path)).stored_bytes == {"F32": sum(v.numel() * 4 for v in tensors.values())}
+
+    for file in path.glob("*.safetensors"):  # no index, no model.safetensors: every file, each tensor in one
+        file.unlink()
+    (path / "model.safetensors.index.json").unlink()
+    names = sorted(tensors)
+    save_file({k: tensors[k] for k in names[::2]}, str(path / "a.safetensors"))
+    save_file({k: tensors[k] for k in names[1::2]}, str(path / "b.safetensors"))
+    _same_logits(model, load_model(str(path), device="cpu", dtype="fp32"))
+    save_file({names[0]: tensors[names[0]]}, str(path / "c.safetensors"))
+    with pytest.raises(ModelFormatError, match=f"tensor {names[0]} is in both a.safetensors and c.safetensors$"):
+        open_model(str(path))
+
+
+def test_an_index_naming_a_file_elsewhere_is_refused(tmp_path):
+    path = write_hf_dir(tmp_path / "m", random_model(CONFIGS["llama"]))
+    weight_map = {"model.norm.weight": "../other/model.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelFormatError, match="shard ../other/model.safetensors is not a file name of this dir"):
+        open_model(str(path))
+
+
 def test_shape_mismatch(tmp_path):
     model = random_model(CONFIGS["llama"])
     path = write_hf_dir(tmp_path / "m", model)

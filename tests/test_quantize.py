@@ -761,6 +761,24 @@ def test_layers_left_in_floats_load_packed_beside_the_codes(packed_checkpoint, t
     assert error < 0.06 and error <= 1.1 * packed_error, (error, packed_error)
 
 
+def test_a_sharded_checkpoint_loads_layers_whose_tensors_lie_in_different_shards(packed_checkpoint, tmp_path):
+    """A large AWQ/GPTQ checkpoint comes in shards, and a layer's qweight, qzeros and scales need not share one."""
+    import shutil
+
+    from llmrun.loading import load_model
+
+    from .tiny import shard_hf_dir
+
+    path = shard_hf_dir(shutil.copytree(packed_checkpoint[1], tmp_path / "q"), 3)
+    ids = torch.tensor([[3, 17, 99, 5, 64, 2, 88, 41]])
+    for weights in ("auto", "dequant"):
+        whole = load_model(str(packed_checkpoint[1]), device="cpu", dtype="fp32", weights=weights)
+        sharded = load_model(str(path), device="cpu", dtype="fp32", weights=weights)
+        assert sharded.weights == whole.weights
+        with torch.no_grad():
+            assert torch.equal(sharded.model(ids), whole.model(ids))
+
+
 def test_corrupt_weights_are_one_error_line_without_warnings(tmp_path, monkeypatch, capsys):
     """Scales of all ones bits in a Q5_1 tensor (dequantized by the gguf package, in numpy): inf and NaN.
     Generating says the weights are corrupt, with no numpy warning first; quantize refuses them."""

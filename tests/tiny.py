@@ -99,6 +99,21 @@ def write_hf_dir(path, model, tokenizer_json_from=None):
     return path
 
 
+def shard_hf_dir(path, shards: int):
+    """Split the directory's model.safetensors into `shards` files with an index, as transformers saves a large
+    model, the tensors dealt out in turn (so a layer's tensors lie in different shards)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {name: names[i % shards] for i, name in enumerate(sorted(tensors))}
+    for file in names:
+        save_file({k: v for k, v in tensors.items() if weight_map[k] == file}, str(path / file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
 def _tiny_tokenizer_json(vocab_size: int) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
