@@ -556,6 +556,10 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
                     raise ModelFormatError(
                         f"{files.source.path}: tensor {_file_name(files, name)}'s packed {_PLANES[field]} have shape "
                         f"{tuple(plane.shape)}, the config implies {tuple(want.shape)}")
+                if field != "qs" and not bool(torch.isfinite(plane).all()):  # the kernels would not all say so
+                    raise ModelFormatError(f"{files.source.path}: the block scales of "
+                                           f"{' or '.join(file_names(files, name))} hold NaN or inf values: its "
+                                           "weights are corrupt")
                 state[f"{module}.{field}"] = plane.to(dev)
             continue
         if name not in expected:

@@ -800,6 +800,20 @@ def test_corrupt_weights_are_one_error_line_without_warnings(tmp_path, monkeypat
     assert not (tmp_path / "q").exists()
 
 
+def test_packed_scales_that_are_not_finite_are_refused_at_load(packed_checkpoint, tmp_path):
+    """A NaN scale kept packed: one of the C kernels' paths gave finite, wrong text from it, where the dequantized
+    path's output check catches it."""
+    import shutil
+
+    from llmrun.loading import load_model
+
+    path = shutil.copytree(packed_checkpoint[1], tmp_path / "q")
+    _edit_tensor(path, "model.layers.1.self_attn.v_proj.scales", lambda t: t.index_fill(1, torch.tensor([0]), torch.nan))
+    with pytest.raises(ModelFormatError, match=r"the block scales of model.layers.1.self_attn.q_proj.qweight or "
+                                               r"\S+k_proj.qweight or \S+v_proj.qweight hold NaN or inf values"):
+        load_model(str(path), device="cpu", dtype="fp32")
+
+
 def test_codes_labelled_unsigned_read_the_same(packed_checkpoint, tmp_path, monkeypatch, capsys):
     """qweight and qzeros as U32 (the same bits, as some writers label them) load as the int32 ones do."""
     import shutil
