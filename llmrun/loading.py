@@ -565,12 +565,11 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
         if name not in expected:
             raise ModelFormatError(f"{files.source.path}: tensor {name} does not belong to a {cfg.architecture}")
         if tuple(w.shape) != tuple(expected[name].shape):
-            raise ModelFormatError(
-                f"{files.source.path}: tensor {_file_name(files, name)} has shape {tuple(w.shape)}, the config implies"
-                f" {tuple(expected[name].shape)}"
-            )
+            raise _shape_error(files, name, tuple(w.shape), tuple(expected[name].shape))
         state[name] = w.to(device=dev, dtype=dt)
-    missing = _checkpoint_parts(sorted(set(expected) - set(state) - set(parts)))
+    # a fused matrix some of whose parts came is named by the parts that did not (below), packed or not
+    waiting = {f"{name.removesuffix('.weight')}.{field}" for name in parts for field in ("weight", *_PLANES)}
+    missing = _checkpoint_parts(sorted(set(expected) - set(state) - waiting))
     missing += [_part_name(name, i) for name in sorted(parts) for i, w in enumerate(parts[name]) if w is None]
     if missing:
         names = ", ".join(_file_name(files, name) for name in missing[:4])
@@ -619,8 +618,17 @@ def _check_part(files: ModelFiles, cfg, fused: str, index: int, w) -> None:
     width, outs = cfg.linear_widths()[module]
     shape = (outs[index], width) if kind == "weight" else (outs[index],)
     if tuple(w.shape) != shape:
-        raise ModelFormatError(f"{files.source.path}: tensor {_file_name(files, _part_name(fused, index))} has shape "
-                               f"{tuple(w.shape)}, the config implies {shape}")
+        raise _shape_error(files, _part_name(fused, index), tuple(w.shape), shape)
+
+
+def _shape_error(files: ModelFiles, ours: str, shape: tuple, want: tuple) -> ModelFormatError:
+    """A tensor of the checkpoint (our name) whose shape is not the config's. An AWQ/GPTQ layer's shape is that of
+    the matrix its codes make (qweight itself is stored transposed and packed)."""
+    name = _file_name(files, ours)
+    if name.endswith(".qweight"):
+        return ModelFormatError(f"{files.source.path}: quantized layer {name.removesuffix('.qweight')} makes a "
+                                f"matrix of shape {shape}, the config implies {want}")
+    return ModelFormatError(f"{files.source.path}: tensor {name} has shape {shape}, the config implies {want}")
 
 
 def _checkpoint_parts(names: list[str]) -> list[str]:
@@ -646,7 +654,7 @@ def file_names(files: ModelFiles, name: str) -> list[str]:
 
 def _file_name(files: ModelFiles, ours: str) -> str:
     """Our tensor name as the file names it, for errors. An AWQ/GPTQ linear layer is named by its codes
-    (`qweight`)."""
+    (`qweight`), unless the checkpoint keeps it in floats."""
     try:
         if files.source.format == "gguf":
             return _their_name(ours, _GGUF_NAMES, "blk")
@@ -654,7 +662,8 @@ def _file_name(files: ModelFiles, ours: str) -> str:
     except (ValueError, StopIteration):
         return ours
     m = _LAYER_TENSOR.match(ours)
-    if files.quant is not None and m and m.group(2) in _LINEAR and name.endswith(".weight"):
+    if files.quant is not None and m and m.group(2) in _LINEAR and name.endswith(".weight") \
+            and name not in {stored for stored, _ in _safetensors_headers(files.source.path)}:  # (not kept in floats)
         return name.removesuffix("weight") + "qweight"
     return name
 

@@ -814,6 +814,47 @@ def test_packed_scales_that_are_not_finite_are_refused_at_load(packed_checkpoint
         load_model(str(path), device="cpu", dtype="fp32")
 
 
+@pytest.mark.parametrize("weights", ["auto", "dequant"])
+def test_a_missing_or_misshapen_layer_is_named_as_the_checkpoint_stores_it(packed_checkpoint, tmp_path, weights):
+    """A layer absent from the checkpoint is named once, alone (packed, its fused group's present parts were listed
+    too, and it twice); a layer kept in floats by its .weight, with that tensor's shape; a quantized layer by the
+    shape of the matrix its codes make."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmrun.loading import load_model
+
+    def edit(case, change, config_change=None):
+        path = shutil.copytree(packed_checkpoint[1], tmp_path / f"{case}-{weights}")
+        tensors = load_file(path / "model.safetensors")
+        change(tensors)
+        save_file(tensors, path / "model.safetensors")
+        if config_change:
+            config = json.loads((path / "config.json").read_text())
+            config_change(config)
+            (path / "config.json").write_text(json.dumps(config))
+        return str(path)
+
+    k = "model.layers.0.self_attn.k_proj"
+
+    def drop_k(tensors):
+        for suffix in ("qweight", "qzeros", "scales"):
+            del tensors[f"{k}.{suffix}"]
+
+    with pytest.raises(ModelFormatError, match=rf"missing tensors {k}.qweight$"):
+        load_model(edit("absent", drop_k), device="cpu", dtype="fp32", weights=weights)
+    path = edit("float", lambda t: (drop_k(t), t.update({f"{k}.weight": torch.zeros(16, 64)})),
+                lambda c: c["quantization_config"].update(modules_to_not_convert=["layers.0.self_attn.k_proj"]))
+    with pytest.raises(ModelFormatError, match=rf"tensor {k}.weight has shape \(16, 64\), the config implies \(32, 64\)$"):
+        load_model(path, device="cpu", dtype="fp32", weights=weights)
+    if weights == "dequant":  # (packed, the codes' planes are checked against the config's matrix first)
+        path = edit("codes", lambda t: None, lambda c: c.update(num_key_value_heads=4))
+        with pytest.raises(ModelFormatError, match=rf"quantized layer {k} makes a matrix of shape \(32, 64\), "
+                                                   r"the config implies \(64, 64\)$"):
+            load_model(path, device="cpu", dtype="fp32", weights=weights)
+
+
 def test_codes_labelled_unsigned_read_the_same(packed_checkpoint, tmp_path, monkeypatch, capsys):
     """qweight and qzeros as U32 (the same bits, as some writers label them) load as the int32 ones do."""
     import shutil
