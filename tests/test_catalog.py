@@ -188,9 +188,14 @@ def test_models_table_goes_to_stderr(tmp_path, hub, index, embedded_path, monkey
 
     catalog.record_quantized(_quantized_dir(tmp_path / "smol-int8", "int8", 8, -1))
     catalog.record_quantized(_quantized_dir(tmp_path / "smol-rtn", "rtn", 4, 128))
+    odd = _quantized_dir(tmp_path / "smol-odd")
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "quantization_config": ["awq"], "llmrun": None}))
+    catalog.record_quantized(odd)  # a hand-edited config: listed for what it says
     result = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["models"])
     assert result.exit_code == 0, result.stderr
     assert result.stdout == ""  # stdout is only for generated text and --json
+    assert "quantized (config.json does not say how)" in result.stderr and "None" not in result.stderr
     assert "smollm2" in result.stderr and human_bytes(embedded_path.stat().st_size) in result.stderr
     assert "acme/tiny-llama" in result.stderr
     assert "INT8, per channel of smollm2" in result.stderr

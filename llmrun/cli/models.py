@@ -13,10 +13,14 @@ def _what(entry) -> str:
     d = entry.details
     if entry.kind != "quantized":
         return entry.kind
-    method, bits = (d.get("method") or "?").upper(), f"INT{d.get('bits')}"
-    grouping = "per channel" if d.get("group_size") == -1 else f"group {d.get('group_size')}"
+    method = str(d.get("method") or "").upper()
+    bits = f"INT{d['bits']}" if d.get("bits") is not None else ""
+    group = d.get("group_size")
+    what = [" ".join(dict.fromkeys(filter(None, (method, bits)))) or "quantized (config.json does not say how)"]
+    if group is not None:
+        what.append("per channel" if group == -1 else f"group {group}")
     source = f" of {d['quantized_from']}" if d.get("quantized_from") else ""
-    return f"{method if method == bits else f'{method} {bits}'}, {grouping}{source}"
+    return ", ".join(what) + source
 
 
 @app.command()
