@@ -357,9 +357,14 @@ class Eviction:
             raise LlmrunError(f"unknown eviction policy {self.policy!r}; choose {' or '.join(EVICTION_POLICIES)}")
         if self.sinks < 0:
             raise UsageError(f"--kv-sinks must be >= 0, not {self.sinks}")
-        if self.budget < max(64, 4 * self.sinks):
-            raise UsageError(f"--kv-budget {self.budget} is too small; give at least {max(64, 4 * self.sinks)} "
+        if self.budget < self.least_budget:
+            raise UsageError(f"--kv-budget {self.budget} is too small; give at least {self.least_budget} "
                               f"tokens (4 x --kv-sinks, and at least 64)")
+
+    @property
+    def least_budget(self) -> int:
+        """The smallest budget these sinks allow."""
+        return max(64, 4 * self.sinks)
 
     @property
     def max_write(self) -> int:

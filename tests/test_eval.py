@@ -226,6 +226,9 @@ def test_kl_of_kv_cache_options(cli, tiny, tmp_path):
         assert (doc["config"]["kv_eviction"], doc["kl"]["reference"]["kv_eviction"]) == (window, None)
         assert (doc["kl"]["max"] == 0.0) == exact, doc["kl"]
         assert ("nothing is evicted" in result.stderr) == exact  # (said: the budget holds the whole window)
+        if exact:  # in one line, and only the change that can be made: no budget below 64 exists
+            [note] = [line for line in result.stderr.splitlines() if line.startswith("note: --kv-budget")]
+            assert note.endswith("nothing is evicted; a --ctx above 64 measures eviction")
     doc = cli(*base, "--ctx", 128, "--kv-evict", "window", "--kv-budget", 64, "--kl-vs", "kv-evict=h2o").json
     assert doc["kl"]["reference"]["kv_eviction"] == {**window, "policy": "h2o"} and doc["kl"]["mean"] > 0
 

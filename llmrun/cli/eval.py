@@ -128,9 +128,11 @@ def eval_(
     stride = _check_stride(stride, ctx)
     budget = opts.eviction.budget if opts.eviction is not None else None
     if budget is not None and budget >= ctx:  # a window of ctx tokens fits whole
-        wider = f", or a --ctx above {budget}," if budget < trained else ""
+        fixes = [f"a budget below {ctx}" if ctx > opts.eviction.least_budget else "",
+                 f"a --ctx above {budget}" if budget < trained else ""]
+        fixes = " or ".join(filter(None, fixes))
         err.print(Text(f"note: --kv-budget {budget} holds a whole window of {ctx} tokens (--ctx), so nothing is "
-                       f"evicted; a budget below {ctx}{wider} measures eviction", style="dim"))
+                       f"evicted{f'; {fixes} measures eviction' if fixes else ''}", style="dim"), soft_wrap=True)
     ref_engine = ref_model = None
     if reference is not None:
         ref_model = reference.pop("model", model)
