@@ -49,6 +49,8 @@ def resolve(spec: str, tqdm_class=None) -> ModelSource:
     `tqdm_class`: the progress bar class huggingface_hub draws downloads with (its own by default)."""
     if spec == DEFAULT_MODEL:
         return ModelSource(spec, embedded_model_path(), "gguf")
+    if not spec.strip():  # (as a Path, "" would be the working directory)
+        raise ModelNotFoundError(f"MODEL is empty; give a .gguf file, a model directory, a hub id or {DEFAULT_MODEL}")
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":

@@ -315,6 +315,9 @@ def _quantization_config(method: str, bits: int, group: int) -> dict:
 
 def _check_writable(out_dir: Path) -> None:
     """`out_dir`'s parent exists (made if need be) and takes a new directory, as `_write` will need."""
+    blocking = next((p for p in out_dir.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise LlmrunError(f"-o {out_dir}: {blocking} is a file, not a directory")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent).cleanup()

@@ -147,6 +147,8 @@ def hf_dir(tmp_path_factory):
         ("./nope.gguf", ["./nope.gguf", "no such file"]),
         ("/tmp/definitely/missing", ["/tmp/definitely/missing", "no such file"]),
         ("not a model", ["no such file"]),
+        ("", ["MODEL is empty"]),  # (not the working directory)
+        (" ", ["MODEL is empty"]),
         ("someone/not-a-model", ["someone/not-a-model", "cache", "offline"]),
         pytest.param(
             "someone/not-a-model:x.Q4_0.gguf", ["someone/not-a-model", "cache", "offline"], id="hub-gguf-offline",

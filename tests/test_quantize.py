@@ -3,6 +3,7 @@ AWQ's algebra (folding scales leaves the float model unchanged) and search (neve
 written, reloaded and generating, and each bad input's one-line error."""
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -597,6 +598,8 @@ def test_refuses_a_quantized_input_and_a_full_output_dir(tiny_source, tmp_path, 
     assert code == 1 and "already quantized (AWQ INT4)" in err
     code, _, err = run_main(["quantize", source, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)
     assert code == 1 and "not an empty directory" in err
+    code, _, err = run_main(["quantize", source, "--rtn", "-o", ""], monkeypatch, capsys)  # (not ".")
+    assert code == 2 and "'--out' / '-o': is empty" in err
 
 
 def test_the_output_dir_may_be_a_symlink(tiny_source, tmp_path, monkeypatch, capsys):
@@ -910,7 +913,11 @@ def test_an_output_that_cannot_be_written_fails_before_the_work(tmp_path, monkey
 
     monkeypatch.setattr(q, "_check_source", lambda files: pytest.fail("the model was opened before -o was checked"))
     (tmp_path / "afile").write_text("")
-    with pytest.raises(LlmrunError, match="afile/sub: cannot write there"):
-        quantize("smollm2", tmp_path / "afile" / "sub", QuantizeOptions("rtn"))
+    with pytest.raises(LlmrunError, match=f"afile/sub/deeper: {tmp_path / 'afile'} is a file, not a directory$"):
+        quantize("smollm2", tmp_path / "afile" / "sub" / "deeper", QuantizeOptions("rtn"))
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if not os.access(tmp_path / "ro", os.W_OK):  # (root writes anywhere)
+        with pytest.raises(LlmrunError, match="ro/sub: cannot write there"):
+            quantize("smollm2", tmp_path / "ro" / "sub", QuantizeOptions("rtn"))
     with pytest.raises(LlmrunError, match="exists and is not an empty directory"):
         quantize("smollm2", tmp_path / "afile", QuantizeOptions("rtn"))

@@ -36,7 +36,7 @@ def _mib(n: int) -> str:
 def quantize_(
     model: ModelArg = DEFAULT_MODEL,
     *,
-    out: Annotated[Path, typer.Option("--out", "-o", help="The checkpoint directory to create (must not exist, or be empty).", show_default=False)],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="DIR", help="The checkpoint directory to create (must not exist, or be empty).", show_default=False)],
     awq: Annotated[bool, typer.Option("--awq", help="Activation-aware INT4 (the default): scales searched on calibration text, then clipping.", rich_help_panel=METHOD)] = False,
     rtn: Annotated[bool, typer.Option("--rtn", help="Round-to-nearest INT4, the same grouping: the baseline AWQ improves on.", rich_help_panel=METHOD)] = False,
     int8: Annotated[bool, typer.Option("--int8", help="Round-to-nearest symmetric INT8 per output channel (GPTQ layout).", rich_help_panel=METHOD)] = False,
@@ -56,6 +56,8 @@ def quantize_(
     """
     from llmrun.quantize import QuantizeOptions, quantize
 
+    if not out.strip():  # (as a Path, "" would be ".")
+        raise typer.BadParameter("is empty; give the directory to create", param_hint="'--out' / '-o'")
     if awq + rtn + int8 > 1:
         raise UsageError("choose one of --awq, --rtn and --int8")
     method = "rtn" if rtn else "int8" if int8 else "awq"
@@ -74,7 +76,7 @@ def quantize_(
 
     source = model_source(model)  # a hub download first, with its own bar
     with progress_bar(f"quantize {model} ({method.upper()})") as update:
-        result = quantize(source, out, options, device=device.value, on_progress=update)
+        result = quantize(source, Path(out), options, device=device.value, on_progress=update)
 
     _record(result.out_dir)
     for note in result.notes:
