@@ -811,7 +811,8 @@ def test_packed_scales_that_are_not_finite_are_refused_at_load(packed_checkpoint
     from llmrun.loading import load_model
 
     path = shutil.copytree(packed_checkpoint[1], tmp_path / "q")
-    _edit_tensor(path, "model.layers.1.self_attn.v_proj.scales", lambda t: t.index_fill(1, torch.tensor([0]), torch.nan))
+    nan_first = lambda t: t.index_fill(1, torch.tensor([0]), torch.nan)  # noqa: E731
+    _edit_tensor(path, "model.layers.1.self_attn.v_proj.scales", nan_first)
     with pytest.raises(ModelFormatError, match=r"the block scales of model.layers.1.self_attn.q_proj.qweight or "
                                                r"\S+k_proj.qweight or \S+v_proj.qweight hold NaN or inf values"):
         load_model(str(path), device="cpu", dtype="fp32")
@@ -849,7 +850,8 @@ def test_a_missing_or_misshapen_layer_is_named_as_the_checkpoint_stores_it(packe
         load_model(edit("absent", drop_k), device="cpu", dtype="fp32", weights=weights)
     path = edit("float", lambda t: (drop_k(t), t.update({f"{k}.weight": torch.zeros(16, 64)})),
                 lambda c: c["quantization_config"].update(modules_to_not_convert=["layers.0.self_attn.k_proj"]))
-    with pytest.raises(ModelFormatError, match=rf"tensor {k}.weight has shape \(16, 64\), the config implies \(32, 64\)$"):
+    with pytest.raises(ModelFormatError, match=rf"tensor {k}.weight has shape \(16, 64\), the config implies "
+                                               r"\(32, 64\)$"):
         load_model(path, device="cpu", dtype="fp32", weights=weights)
     if weights == "dequant":  # (packed, the codes' planes are checked against the config's matrix first)
         path = edit("codes", lambda t: None, lambda c: c.update(num_key_value_heads=4))
