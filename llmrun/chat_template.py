@@ -2,8 +2,8 @@
 
 Templates come from model files we did not write, so they run in Jinja's immutable sandbox: no
 attribute walks to `__class__`/`__globals__`, no mutating the messages, no `range` past 100,000, and here no
-`*` or `**` whose result would run past MAX_SIZE items or bits (other ways to build a huge string remain, as a
-loop's time does: Ctrl-C stops a render). Whatever a template's code raises is one error line, never a
+`*` or `**` whose result would run past MAX_SIZE items or bits, no padding wider than that, no text past
+MAX_RENDER characters, and no render longer than RENDER_SECONDS (nested loops, each within range's bound). Whatever a template's code raises is one error line, never a
 traceback. The environment mirrors the
 one `transformers` uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
 a `tojson` that keeps non-ASCII text) so templates render byte-for-byte the same.
@@ -12,6 +12,9 @@ a `tojson` that keeps non-ASCII text) so templates render byte-for-byte the same
 from __future__ import annotations
 
 import json
+import signal
+import threading
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -36,7 +39,14 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-MAX_SIZE = 1 << 20  # the most items (characters) a `*` may make, and bits a `**`
+MAX_SIZE = 1 << 20  # the most items (characters) a `*` may make, and bits a `**`, and the widest padding
+MAX_RENDER = 1 << 24  # the most characters a render may make (a 128k-token prompt is ~0.5M)
+RENDER_SECONDS = 10.0  # the longest a render may take (real templates take milliseconds)
+_WIDTHS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})  # str methods whose argument is a width
+
+
+class _TooSlow(Exception):
+    pass
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -55,10 +65,52 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             raise SecurityError(f"a power of {right:,} is too large for the sandbox")
         return super().call_binop(context, operator, left, right)
 
+    def call(__self, __context, __obj, *args, **kwargs):  # (jinja's own signature: names a template cannot pass)
+        if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in _WIDTHS:
+            _check_width(args[0] if args else 0)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _check_width(width) -> None:
+    if isinstance(width, int) and width > MAX_SIZE:
+        raise SecurityError(f"a width of {width:,} exceeds the sandbox's {MAX_SIZE:,}")
+
+
+def _bounded(filter_):
+    """A filter whose second argument is a width (`center`, `indent`), refused past MAX_SIZE."""
+    def checked(value, width=80, *args, **kwargs):
+        _check_width(width)
+        return filter_(value, width, *args, **kwargs)
+    return checked
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Raise _TooSlow in the block after `seconds` (SIGALRM: the main thread only, where there are timers); the
+    timer and handler before it are put back after."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _TooSlow
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    before, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if before:  # a timer that was running (a Ctrl-C held during an import: llmrun.entry)
+            signal.setitimer(signal.ITIMER_REAL, before)
+
 
 def _environment() -> jinja2.Environment:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    for name in ("center", "indent"):
+        env.filters[name] = _bounded(env.filters[name])
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -90,15 +142,19 @@ class ChatTemplate:
     ) -> str:
         """`extra` passes further template variables through (e.g. `tools`, `date_string`)."""
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=bos_token,
-                eos_token=eos_token,
-                **extra,
-            )
+            with _time_limit(RENDER_SECONDS):
+                chunks, size = [], 0
+                for chunk in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                     bos_token=bos_token, eos_token=eos_token, **extra):
+                    size += len(chunk)
+                    if size > MAX_RENDER:
+                        raise LlmrunError(f"chat template error: its text runs past {MAX_RENDER:,} characters")
+                    chunks.append(chunk)
+                return "".join(chunks)
         except LlmrunError:  # raise_exception: the template's own message
             raise
+        except _TooSlow:
+            raise LlmrunError(f"chat template error: rendering it takes more than {RENDER_SECONDS:g} s") from None
         except MemoryError:
             raise LlmrunError("chat template error: rendering it takes more memory than there is") from None
         # the sandbox's SecurityError; `None + 'text'` where a message lacks the content the template expects;

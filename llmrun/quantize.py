@@ -327,6 +327,7 @@ def _check_writable(out_dir: Path) -> None:
 
 def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, options: QuantizeOptions) -> None:
     """config.json, model.safetensors and the tokenizer files, written beside `out_dir` and renamed into place."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from llmrun.models import config_to_hf
@@ -364,6 +365,10 @@ def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, optio
     except OSError as e:  # a disk that filled up, say
         shutil.rmtree(tmp, ignore_errors=True)
         raise LlmrunError(f"-o {out_dir}: writing failed ({e.strerror or e})") from None
+    except SafetensorError as e:  # safetensors' own write: its OSError as a message ("No space left on device")
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = str(e).removeprefix("Error while serializing: ").split(" (os error")[0]
+        raise LlmrunError(f"-o {out_dir}: writing failed ({reason})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

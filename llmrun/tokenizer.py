@@ -480,8 +480,12 @@ def _hf_chat_template(path: Path, config: dict) -> str | None:
     if (path / "chat_template.jinja").is_file():  # newer transformers saves it beside the config
         return (path / "chat_template.jinja").read_text(encoding="utf-8")
     template = config.get("chat_template")
-    if isinstance(template, list):  # named: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+    if isinstance(template, list) and all(isinstance(t, dict) for t in template):
+        # named: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise ModelFormatError(f"{path / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                               "{name, template} objects")
     return template
 
 

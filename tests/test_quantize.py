@@ -910,6 +910,20 @@ def test_awq_on_a_gpu_and_its_checkpoint_packed_there(tiny_source, tmp_path):
     torch.testing.assert_close(got, exact, rtol=0, atol=1e-3 * exact.abs().max().item())
 
 
+def test_a_disk_that_fills_up_is_one_error_and_leaves_nothing(tiny_source, tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):  # what safetensors raises for ENOSPC
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    code, out, err = run_main(["quantize", tiny_source[0], "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)
+    assert code == 1 and out == ""
+    assert err.strip() == f"error: -o {tmp_path / 'q'}: writing failed (I/O error: No space left on device)", err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_output_that_cannot_be_written_fails_before_the_work(tmp_path, monkeypatch):
     import llmrun.quantize as q
 

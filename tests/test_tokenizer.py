@@ -325,6 +325,10 @@ def test_template_sandbox_blocks_escapes_and_mutation(source):
     ("{{ [0] * 5 * 1000000 }}", "a repetition of 5,000,000 items exceeds"),
     ("{{ 10 ** 10000000000 }}", "a power of 10,000,000,000 is too large"),
     ("{{ 'abc'.index('z') }}", "substring not found"),
+    ("{{ 'w1 '.ljust(300000000) }}", "a width of 300,000,000 exceeds"),  # (each in memory: refused before)
+    ("{{ 'ab'|center(100000000) }}", "a width of 100,000,000 exceeds"),
+    ("{{ 'ab'|indent(100000000) }}", "a width of 100,000,000 exceeds"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "its text runs past 16,777,216 characters"),
 ])
 def test_whatever_a_template_raises_is_one_error(source, message):
     """A template's code is someone else's: each way it can fail is a template error, not a traceback (in the
@@ -334,13 +338,29 @@ def test_whatever_a_template_raises_is_one_error(source, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_template_that_runs_too_long_is_stopped(monkeypatch):
+    """Loops nested, each within range's bound, 10^10 steps in all: stopped at the time limit, and the timer and
+    its handler put back."""
+    import signal
+
+    from llmrun import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
+    handler = signal.getsignal(signal.SIGALRM)
+    source = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+    with pytest.raises(LlmrunError, match="^chat template error: rendering it takes more than 0.3 s$"):
+        ChatTemplate(source).render([])
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert ChatTemplate("{% for i in range(3) %}{{ i }}{% endfor %}").render([]) == "012"
+
+
 def test_a_template_out_of_memory_says_so(monkeypatch):
     template = ChatTemplate("{{ messages }}")
 
-    def render(**variables):
+    def generate(**variables):
         raise MemoryError  # (no message of its own)
 
-    monkeypatch.setattr(template._template, "render", render)
+    monkeypatch.setattr(template._template, "generate", generate)
     with pytest.raises(LlmrunError, match="^chat template error: rendering it takes more memory than there is$"):
         template.render([])
 
@@ -414,6 +434,11 @@ def test_hf_dir_named_templates_and_jinja_file(spm, tmp_path):
     assert hf.encode("ab ab") == spm.encode("ab ab")
     (tmp_path / "chat_template.jinja").write_text("J")
     assert tokenizer_from_hf_dir(tmp_path).chat_template == "J"
+    (tmp_path / "chat_template.jinja").unlink()
+    for odd in (["a", "b"], 7, {"template": "D"}):  # not a template: one error, not an AttributeError
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": odd}))
+        with pytest.raises(ModelFormatError, match="chat_template must be a string or a list of {name, template}"):
+            tokenizer_from_hf_dir(tmp_path)
 
 
 def test_hf_dir_without_add_bos_flag_follows_post_processor(spm, tmp_path):
