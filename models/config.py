@@ -141,7 +141,9 @@ def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None]:
     theta = 10000.0 if theta is None else _number(theta, "rope_theta", float)
     try:
         return theta, _rope_scaling_fields(rs)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except KeyError as e:
+        raise ModelFormatError(f"config.json: invalid {key} {rs!r} (it lacks {e.args[0]})") from e
+    except (TypeError, ValueError, AttributeError) as e:
         raise ModelFormatError(f"config.json: invalid {key} {rs!r} ({type(e).__name__}: {e})") from e
 
 

@@ -142,7 +142,7 @@ def test_rope_parameters_from_transformers_itself():
     ({"rms_norm_eps": float("nan")}, ["rms_norm_eps", "nan"]),
     ({"rope_theta": -1.0}, ["RoPE base"]),
     ({"head_dim": 15}, ["head size 15", "odd"]),
-    ({"rope_scaling": {"rope_type": "linear"}}, ["rope_scaling", "factor"]),
+    ({"rope_scaling": {"rope_type": "linear"}}, ["rope_scaling", "(it lacks factor)"]),
     ({"rope_scaling": "linear"}, ["rope_scaling", "'linear'"]),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, ["RoPE scaling factors 0.0"]),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1,
