@@ -259,6 +259,7 @@ def test_usage_errors_of_the_other_commands(cli, tmp_path):
     assert_one_error_line(cli("bench", "--axis", "threads=5000", "--sweep"), "threads", "1024", code=2)
     assert_one_error_line(cli("quantize", "--rtn", "--int8", "-o", str(tmp_path / "q")), "--awq, --rtn", code=2)
     assert_one_error_line(cli("info", "--frobnicate"), "--frobnicate", code=2)
+    assert_one_error_line(cli("generate", "a", "b", "c"), "expected [MODEL] TEXT, got 3 arguments", code=2)
     assert_one_error_line(cli("frobnicate"), "frobnicate", code=2)
 
 

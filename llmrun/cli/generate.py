@@ -36,7 +36,7 @@ def generate(
 
     args = list(args or [])
     if len(args) > 2:
-        raise LlmrunError(f"expected [MODEL] TEXT, got {len(args)} arguments (quote the text)")
+        raise UsageError(f"expected [MODEL] TEXT, got {len(args)} arguments (quote the text)")
     model = args.pop(0) if len(args) == 2 else DEFAULT_MODEL
     text = args[0] if args else "-"
     if text == "-":
