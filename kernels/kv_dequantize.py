@@ -93,22 +93,18 @@ def _int4_kernel(K, V, KScale, KMin, VScale, VMin, KRing, VRing, KOut, VOut,
     slot = (first + p - last) % R
     ring_at = b * stride_rb + kvh * stride_rh + slot[:, None] * stride_rs + d[None, :]
     out_at = (bh.to(tl.int64) * P + p[:, None]) * D + d[None, :]
-    if which == 0:
-        q = (tl.load(K + code_at, mask=coded, other=0).to(tl.int32) >> shift) & 0xF
+    if which == 0:  # keys: scaled per (group of KEY_GROUP positions, channel)
+        codes, scales, mins, rings, out = K, KScale, KMin, KRing, KOut
         at = b * stride_kgb + kvh * stride_kgh + (p // KEY_GROUP)[:, None] * stride_kgs + d[None, :]
-        scale = tl.load(KScale + at, mask=coded, other=0).to(tl.float32)
-        low = tl.load(KMin + at, mask=coded, other=0).to(tl.float32)
-        ring = tl.load(KRing + ring_at, mask=exact, other=0).to(tl.float32)
-        x = tl.where(coded, common.exact_float(q) * scale + low, ring)
-        tl.store(KOut + out_at, x.to(KOut.dtype.element_ty), mask=ok)
-    else:
-        q = (tl.load(V + code_at, mask=coded, other=0).to(tl.int32) >> shift) & 0xF
+    else:  # values: per (position, group of V_GROUP channels)
+        codes, scales, mins, rings, out = V, VScale, VMin, VRing, VOut
         at = b * stride_vsb + kvh * stride_vsh + p[:, None] * stride_vss + (d // V_GROUP)[None, :]
-        scale = tl.load(VScale + at, mask=coded, other=0).to(tl.float32)
-        low = tl.load(VMin + at, mask=coded, other=0).to(tl.float32)
-        ring = tl.load(VRing + ring_at, mask=exact, other=0).to(tl.float32)
-        x = tl.where(coded, common.exact_float(q) * scale + low, ring)
-        tl.store(VOut + out_at, x.to(VOut.dtype.element_ty), mask=ok)
+    q = (tl.load(codes + code_at, mask=coded, other=0).to(tl.int32) >> shift) & 0xF
+    scale = tl.load(scales + at, mask=coded, other=0).to(tl.float32)
+    low = tl.load(mins + at, mask=coded, other=0).to(tl.float32)
+    ring = tl.load(rings + ring_at, mask=exact, other=0).to(tl.float32)
+    x = tl.where(coded, common.exact_float(q) * scale + low, ring)
+    tl.store(out + out_at, x.to(out.dtype.element_ty), mask=ok)
 
 
 def int4_pair(kv, first: int, last: int, dtype: torch.dtype, repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,9 +3,9 @@
 Templates come from model files we did not write, so they run in Jinja's immutable sandbox: no
 attribute walks to `__class__`/`__globals__`, no mutating the messages, no `range` past 100,000, and here no
 `*` or `**` whose result would run past MAX_SIZE items or bits, no padding wider than that, no text past
-MAX_RENDER characters, and no render longer than RENDER_SECONDS (nested loops, each within range's bound). Whatever a template's code raises is one error line, never a
-traceback. The environment mirrors the
-one `transformers` uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
+MAX_RENDER characters, and no render longer than RENDER_SECONDS (nested loops, each within range's bound).
+Whatever a template's code raises is one error line, never a traceback. The environment mirrors the one
+`transformers` uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
 a `tojson` that keeps non-ASCII text) so templates render byte-for-byte the same.
 """
 

@@ -73,7 +73,6 @@ def _check_weights(path: Path) -> None:
                 f"{path} holds only pickle checkpoints (*.bin/*.pt), which llmrun never loads; use a safetensors copy"
             )
         raise ModelFormatError(f"{path}: no *.safetensors weights")
-    _weight_files(path)
 
 
 def _weight_files(path: Path) -> list[Path]:
