@@ -16,6 +16,7 @@ distribution (temperature > 0), whatever the tokenizer does at the boundaries.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmrun.errors import LlmrunError, UsageError, parse_json, read_stdin
+from llmrun.grammar_checks import endless_rule, schema_warnings
 
 if TYPE_CHECKING:
     import torch
@@ -61,9 +63,12 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
         else:
             text, origin = _read("--json-schema", json_schema), json_schema
         try:
-            parse_json(text)
+            schema = parse_json(text)
         except ValueError as e:
             raise LlmrunError(f"--json-schema {origin} is not valid JSON: {e}") from None
+        if not _all_finite(schema):  # (Python's parser reads 1e400 as inf, and NaN; xgrammar's refuses both)
+            raise LlmrunError(f"--json-schema {origin} holds a number that is not finite (NaN, Infinity, or past"
+                              " a double's range such as 1e400)")
         return GrammarSpec("json", text, origin)
     if regex is not None:
         if not regex:
@@ -82,6 +87,19 @@ def _is_json(text: str) -> bool:
     return True
 
 
+def _all_finite(value) -> bool:
+    todo = [value]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, list):
+            todo.extend(value)
+    return True
+
+
 def _is_file(name: str) -> bool:
     try:
         return Path(name).is_file()
@@ -96,7 +114,7 @@ def _read(option: str, name: str) -> str:
         return read_stdin()
     path = Path(name)
     if not _is_file(name):
-        raise LlmrunError(f"{option} {name}: no such file")
+        raise LlmrunError(f"{option} {name}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
     try:
         return path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not text)
     except (OSError, UnicodeDecodeError) as e:
@@ -110,7 +128,7 @@ class Grammar:
                  warnings: tuple[str, ...] = ()):
         self.spec = spec
         self.compiled = compiled
-        self.warnings = warnings  # what xgrammar said it does not enforce (a keyword, an anchor), for the user
+        self.warnings = warnings  # what is not enforced (a keyword, an anchor), for the user
         self.vocab_size = vocab_size
         self.jump_forward = jump_forward
         self.luts: dict = {}  # device -> (256, 8) fp32 additive masks, shared by every reply (`Constraint.apply`)
@@ -140,10 +158,27 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
             else:
                 compiled = compiler.compile_grammar(spec.source)
     except RuntimeError as e:
-        raise LlmrunError(f"{spec.describe()}: {_xgrammar_message(e)}") from None
+        message = _xgrammar_message(e)
+        if "additional properties aren't allowed" in message:  # the schema did not say so: strict mode did
+            message += " (a schema's objects get only the properties it lists, unless additionalProperties allows more)"
+        raise LlmrunError(f"{spec.describe()}: {message}") from None
     except UnicodeDecodeError:  # xgrammar's message quoted part of a character
         raise LlmrunError(f"{spec.describe()}: does not compile (xgrammar's message about it is not text)") from None
-    warnings = [m.group(1) for line in said if (m := re.search(r"Warning: (.*)", line))]
+    warnings = [f"{m.group(1)} (not enforced)" for line in said if (m := re.search(r"Warning: (.*)", line))]
+    if spec.kind == "json" and spec.source != ANY_JSON:
+        warnings += [f"{w} (not enforced)" for w in schema_warnings(parse_json(spec.source))]
+    try:
+        endless = endless_rule(str(compiled.grammar))
+    except ValueError:  # a form of xgrammar's printout this reading does not know: no proof the forced text ends
+        endless, jump_forward = None, False
+        warnings.append("jump-forward is off for this constraint: llmrun could not read its compiled rules")
+    if endless is not None:
+        what = "JSON value" if spec.kind == "json" else "text"
+        if endless == "root":
+            raise LlmrunError(f"{spec.describe()} matches no {what} of finite length: every way through it runs into"
+                              " a recursion with no way out")
+        raise LlmrunError(f"{spec.describe()}: its rule {endless} matches no {what} of finite length (every way"
+                          " through it runs into a recursion with no way out), so a reply that took it could never end")
     grammar = Grammar(spec, compiled, vocab_size, jump_forward, tuple(dict.fromkeys(warnings)))
     if spec.kind == "json" and not _starts_with_text(grammar, tokenizer):  # `{"anyOf": []}`: only the empty reply
         raise LlmrunError(f"{spec.describe()} matches no JSON value")

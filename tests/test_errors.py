@@ -213,13 +213,15 @@ def test_corrupt_safetensors(cli, hf_dir, weights, names):
 @pytest.mark.parametrize(
     "options, names",
     [
-        (["--temperature", "-1"], ["--temperature"]),
+        (["--temperature", "-1"], ["--temperature", "-1 is below 0"]),
+        (["--temperature", "nan"], ["--temperature", "must be a finite number"]),
+        (["--min-p", "nan"], ["--min-p", "must be a finite number"]),
         (["--stop", ""], ["--stop", "empty stop string"]),
         (["--top-p", "0"], ["--top-p"]),
         (["--top-p", "1.5"], ["--top-p"]),
         (["--top-k", "-3"], ["--top-k"]),
-        (["--min-p", "2"], ["--min-p"]),
-        (["--min-p", "-0.1"], ["--min-p"]),
+        (["--min-p", "2"], ["--min-p", "must be in [0, 1]"]),
+        (["--min-p", "-0.1"], ["--min-p", "must be in [0, 1]"]),
         (["--max-new-tokens", "0"], ["--max-new-tokens"]),
         (["-n", "many"], ["--max-new-tokens"]),
         (["--repetition-penalty", "0"], ["--repetition-penalty"]),

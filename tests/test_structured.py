@@ -9,7 +9,8 @@ import torch
 
 from llmrun.errors import LlmrunError
 from llmrun.generate import Engine
-from llmrun.grammar import ANY_JSON, compile_grammar, grammar_spec
+from llmrun.grammar import ANY_JSON, GrammarSpec, compile_grammar, grammar_spec
+from llmrun.grammar_checks import endless_rule
 from llmrun.sampling import SamplingParams, token_probs
 from llmrun.speculative import DraftLength, ModelDrafter, NgramDrafter, Speculator
 
@@ -329,6 +330,9 @@ def test_grammar_spec_reads_inline_files_and_the_any_keyword(tmp_path, monkeypat
     (dict(json_schema="[" * 100_000), "is not valid JSON: nested too deeply to parse"),  # (no file of that name)
     (dict(regex=""), "--regex is empty"),
     (dict(grammar="nowhere.gbnf"), "--grammar nowhere.gbnf: no such file"),
+    (dict(grammar="/"), "--grammar /: a directory, not a file"),
+    (dict(json_schema='{"type": "integer", "minimum": 1e400}'), "holds a number that is not finite"),
+    (dict(json_schema='{"enum": [NaN]}'), "holds a number that is not finite"),
 ])
 def test_bad_constraint_options_are_one_line_errors(kwargs, message):
     with pytest.raises(LlmrunError, match=re.escape(message)):
@@ -339,11 +343,101 @@ def test_bad_constraint_options_are_one_line_errors(kwargs, message):
     (dict(json_schema='{"type": "objec"}'), 'JSON schema (inline): Unsupported type "objec"'),
     (dict(regex="[a-"), "regex '[a-': Regex parsing error at position 4: Unclosed '['"),
     (dict(json_schema='{"anyOf": []}'), "JSON schema (inline) matches no JSON value"),
+    (dict(json_schema='{"type": "object", "minProperties": 1}'), "JSON schema (inline): minProperties is greater than"
+     " the number of properties, but additional properties aren't allowed: 1 > 0 (a schema's objects get only the"
+     " properties it lists, unless additionalProperties allows more)"),
 ])
 def test_uncompilable_constraints_are_one_line_errors(smollm2, kwargs, message):
     with pytest.raises(LlmrunError) as e:
         compile_grammar(grammar_spec(**kwargs), smollm2.tokenizer, smollm2.model.config.vocab_size)
     assert str(e.value) == message
+
+
+SELF_REQUIRED = {"$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}}, "required": ["k"]}},
+                 "$ref": "#/$defs/n"}
+
+
+@pytest.mark.parametrize("spec,message", [
+    (("ebnf", 'root ::= "a" root'), "grammar g matches no text of finite length"),
+    (("ebnf", 'root ::= "x" | "y" loop\nloop ::= "a" loop'), "grammar g: its rule loop matches no text of finite length"),
+    (("ebnf", 'root ::= a\na ::= b "x"\nb ::= a | "y" c\nc ::= "z" c+'), "grammar g matches no text of finite length"),
+    (("ebnf", 'root ::= "a" root{1,3}'), "grammar g matches no text"),
+    (("json", SELF_REQUIRED), "JSON schema (inline) matches no JSON value of finite length"),
+    (("json", {"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/n"}], "$defs": SELF_REQUIRED["$defs"]}), "matches no JSON value of finite length (every way"),
+    (("json", {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}}, "$ref": "#/$defs/n"}),
+     "matches no JSON value of finite length"),
+])
+def test_a_constraint_with_no_finite_ending_is_refused(smollm2, spec, message):
+    """Each lets a reply into a rule it can never leave; jump-forward's search of such a rule's one continuation
+    never ended (it took all memory). Each is refused before the reply starts."""
+    kind, source = spec
+    spec = _json_spec(source) if kind == "json" else GrammarSpec("ebnf", source, "g")
+    with pytest.raises(LlmrunError, match=re.escape(message)):
+        compile_grammar(spec, smollm2.tokenizer, smollm2.config.vocab_size)
+
+
+@pytest.mark.parametrize("spec", [
+    ("ebnf", 'root ::= "a" root | "b"'), ("ebnf", 'root ::= "(" root ")" | "x"'), ("ebnf", 'root ::= "a" root*'),
+    ("ebnf", 'root ::= "a" root{0,2}'), ("ebnf", 'root ::= "a" root?'),
+    ("json", {"$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}),
+    ("json", {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"}),
+])
+def test_recursion_with_a_way_out_compiles(smollm2, spec):
+    kind, source = spec
+    spec = _json_spec(source) if kind == "json" else GrammarSpec("ebnf", source, "g")
+    grammar = compile_grammar(spec, smollm2.tokenizer, smollm2.config.vocab_size)
+    assert grammar.jump_forward and grammar.warnings == ()
+
+
+def test_every_form_xgrammar_prints_is_read():
+    """The endless-rule check reads xgrammar's printout of each kind of constraint (strings, classes, lookahead
+    assertions, repetition ranges, Regex(...) calls, non-ASCII), finding no endless rule where there is none."""
+    import xgrammar as xgr
+
+    schemas = [{}, PERSON, {"type": "string", "format": "email"}, {"type": "string", "format": "date-time"},
+               {"type": "string", "pattern": "^x+[)(\\]\\\"]$"}, {"type": "array", "items": {"type": "number"}, "minItems": 2},
+               {"type": "object", "patternProperties": {"^a": {"type": "integer"}}, "propertyNames": {"pattern": "^a"}},
+               {"enum": ["a\"b", "c::=d", "(|)", "é😀"]}, {"type": "integer", "minimum": -5, "maximum": 1234}]
+    grammars = [xgr.Grammar.from_json_schema(json.dumps(s), any_whitespace=False) for s in schemas]
+    grammars += [xgr.Grammar.from_regex(r) for r in ["[😀-😂]{2}(ab|cd)+x?[0-9]{3,5}", r"\d+(\.\d+)?", "(a|b)*c{0,}",
+                                                     r"[^\s\S]", "[\\]\\-]\"+"]]
+    grammars += [xgr.Grammar.builtin_json_grammar(), xgr.Grammar.from_ebnf(EBNF)]
+    for grammar in grammars:
+        assert endless_rule(str(grammar)) is None, str(grammar)
+    assert endless_rule('root ::= (("a" x))\nx ::= (("b" root))\n') == "root"
+    assert endless_rule('root ::= (("a") | (x))\nx ::= (([b]* x)) (=("c"))\n') == "x"
+    with pytest.raises(ValueError):
+        endless_rule('root ::= (("a" $))')
+
+
+def test_a_printout_the_check_cannot_read_turns_jump_forward_off(smollm2, monkeypatch):
+    import llmrun.grammar
+
+    def unreadable(text):
+        raise ValueError("unexpected")
+
+    monkeypatch.setattr(llmrun.grammar, "endless_rule", unreadable)
+    grammar = compile_grammar(grammar_spec(regex="a+b"), smollm2.tokenizer, smollm2.config.vocab_size)
+    assert not grammar.jump_forward and grammar.start().forced_tokens(smollm2.tokenizer, 8) == []
+    assert grammar.warnings == ("jump-forward is off for this constraint: llmrun could not read its compiled rules",)
+
+
+@pytest.mark.parametrize("schema,warnings", [
+    ({"type": "object", "required": ["zz"]},
+     ["'required' names 'zz', which 'properties' does not define: only the properties a schema lists are written"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^z": {}}, "required": ["a", "zz"]}, []),
+    ({"if": {"type": "integer"}, "then": {"minimum": 3}, "else": {"type": "string"}}, ["keyword 'if'"]),
+    ({"type": "array", "items": {"type": "array", "uniqueItems": True, "contains": {"const": 1}}},
+     ["keyword 'contains'", "keyword 'uniqueItems'"]),
+    ({"type": "object", "properties": {"not": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                               "dependentRequired": {"a": ["b"]}}}},
+     ["keyword 'dependentRequired'"]),  # a property named "not" is a name, not the keyword
+    ({"anyOf": [{"$ref": "#/$defs/d"}, {"type": "null"}], "$defs": {"d": {"not": {"required": ["q"]}}}}, ["keyword 'not'"]),
+    (PERSON, []),
+])
+def test_keywords_xgrammar_ignores_are_warned_of(smollm2, schema, warnings):
+    grammar = compile_grammar(_json_spec(schema), smollm2.tokenizer, smollm2.config.vocab_size)
+    assert sorted(grammar.warnings) == sorted(f"{w} (not enforced)" for w in warnings)
 
 
 def test_a_grammar_that_does_not_parse_is_a_one_line_error(smollm2, tmp_path):
@@ -388,10 +482,23 @@ def test_cli_bad_constraints_give_one_line_errors(monkeypatch, capsys, args, mes
     assert err.strip() == message
 
 
+def test_cli_endless_grammar_is_one_line_error(monkeypatch, capsys, tmp_path):
+    """The report's case: this took all memory under the default jump-forward."""
+    path = tmp_path / "inf.gbnf"
+    path.write_text('root ::= "a" root\n')
+    code, out, err = run_main(["generate", "x", "--grammar", path, "-n", "10", "-q", "--temperature", "0"], monkeypatch, capsys)
+    assert (code, out) == (1, "") and err == (f"error: grammar {path} matches no text of finite length: every way through"
+                                              " it runs into a recursion with no way out\n"), err
+
+
 @pytest.mark.parametrize("args,message", [
     (["generate", "-", "--json-schema", "-"], "the text and the constraint (-) both come from stdin"),
+    (["generate", "--json-schema", "-"], "the text and the constraint (-) both come from stdin"),
+    (["generate", "smollm2", "-", "--grammar", "-"], "the text and the constraint (-) both come from stdin"),
     (["chat", "--grammar", "-"], "the prompt and the constraint (-) both come from stdin; give the prompt with -p"),
 ])
-def test_stdin_read_for_both_the_text_and_the_constraint(monkeypatch, capsys, args, message):
-    code, out, err = run_main(args, monkeypatch, capsys, stdin='root ::= "a"' if "--grammar" in args else "{}")
+@pytest.mark.parametrize("stdin", ['root ::= "a"', "{}", "Once upon a time"])
+def test_stdin_read_for_both_the_text_and_the_constraint(monkeypatch, capsys, args, message, stdin):
+    """Said before either is read, whatever stdin holds (a text there was read as the schema: 'not valid JSON')."""
+    code, out, err = run_main(args, monkeypatch, capsys, stdin=stdin)
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err

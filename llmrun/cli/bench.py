@@ -2,7 +2,6 @@
 of configurations (--sweep)."""
 
 import json
-import math
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -46,7 +45,7 @@ def bench(
     axis: Annotated[Optional[list[str]], typer.Option(metavar="NAME=V1,V2", help="Sweep these values of an axis (dtype, weights, threads, kv); one --axis per axis.", rich_help_panel=MODES, show_default=False)] = None,
     goal: Annotated[Optional[Goal], typer.Option(help="What the sweep ranks by: latency (decode tok/s), memory (peak), quality (KL to fp32). Default: latency.", rich_help_panel=MODES, show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option(metavar="FILE.png", help="Draw the sweep (needs matplotlib: pip install 'llmrun\\[plot]').", rich_help_panel=MODES, show_default=False)] = None,
-    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature of the runs with --ngram/--draft (0: greedy; above 0: the default top-k, top-p and min-p, timed run i with seed i).", rich_help_panel=SPECULATIVE)] = 0.0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the runs with --ngram/--draft (0: greedy; above 0: the default top-k, top-p and min-p, timed run i with seed i).", rich_help_panel=SPECULATIVE)] = 0.0,
     json_out: Annotated[bool, typer.Option("--json", help="Also print one JSON object on stdout (the table goes to stderr either way).")] = False,
     *,
     opts,
@@ -134,8 +133,6 @@ def _check_options(model, kind, prompt_file, batch, random_weights, compare, swe
 def _drafting(opts, temperature: float, random_weights, compare: bool, sweep: bool):
     """The speculative runs' settings (`bench_speculative.Drafting`), or None without --ngram/--draft; checks
     the options that only make sense with, or without, a drafter."""
-    if not math.isfinite(temperature):
-        raise _bad("--temperature", "must be a finite number")
     check_temperature(temperature)
     if opts.draft is None and opts.ngram is None:
         for option, given in (("--temperature", temperature > 0), ("--draft-tokens", opts.draft_tokens != RunOptions.draft_tokens),

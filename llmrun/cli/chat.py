@@ -29,9 +29,15 @@ BLOCK = '"""'  # opens and closes a message of several lines
 MORE = "... "  # the prompt of a message's next line
 
 
+def _prompt_from_stdin(kwargs: dict) -> str | None:
+    if kwargs.get("prompt") is None and not sys.stdin.isatty():
+        return "the prompt and the constraint (-) both come from stdin; give the prompt with -p"
+    return None
+
+
 @app.command()
 @user_errors
-@run_options
+@run_options(stdin_conflict=_prompt_from_stdin)
 def chat(
     click_context: typer.Context,
     model: ModelArg = DEFAULT_MODEL,
@@ -53,8 +59,6 @@ def chat(
     from llmrun.conversation import Conversation
 
     if prompt is None and not sys.stdin.isatty():
-        if opts.grammar is not None and opts.grammar.origin == "-":
-            raise UsageError("the prompt and the constraint (-) both come from stdin; give the prompt with -p")
         prompt = read_stdin().strip()  # `echo Q |` adds a newline that -p Q does not have
         if not prompt:
             raise LlmrunError("stdin was empty; give a prompt with -p or type one interactively")

@@ -271,7 +271,7 @@ def open_engine(model: str, opts):
 
         engine.grammar = compile_grammar(opts.grammar, engine.tokenizer, engine.model.config.vocab_size, opts.jump_forward)
         for warning in engine.grammar.warnings:
-            err.print(Text(f"warning: {engine.grammar.spec.describe()}: {warning} (not enforced)", style="yellow"))
+            err.print(Text(f"warning: {engine.grammar.spec.describe()}: {warning}", style="yellow"))
     return engine
 
 

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from llmrun.errors import LlmrunError, UsageError, read_stdin
+from llmrun.errors import LlmrunError, UsageError, check_utf8, read_stdin
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
@@ -20,9 +20,16 @@ def _complete_model_first(ctx: typer.Context, incomplete: str):
     return [] if ctx.params.get("args") else complete_model(incomplete)
 
 
+def _text_from_stdin(kwargs: dict) -> str | None:
+    args = kwargs.get("args") or []
+    if not args or (len(args) <= 2 and args[-1] == "-"):
+        return "the text and the constraint (-) both come from stdin; name a file for one of them"
+    return None
+
+
 @app.command()
 @user_errors
-@run_options
+@run_options(stdin_conflict=_text_from_stdin)
 def generate(
     args: Annotated[list[str], typer.Argument(metavar="[MODEL] TEXT", help=f"Model (default '{DEFAULT_MODEL}') and the text to continue; '-' or no TEXT reads stdin.", show_default=False, autocompletion=_complete_model_first)] = None,
     json_out: JsonFlag = False,
@@ -40,13 +47,13 @@ def generate(
     model = args.pop(0) if len(args) == 2 else DEFAULT_MODEL
     text = args[0] if args else "-"
     if text == "-":
-        if opts.grammar is not None and opts.grammar.origin == "-":
-            raise UsageError("the text and the constraint (-) both come from stdin; name a file for one of them")
         if sys.stdin.isatty():
-            raise LlmrunError("no TEXT given; pass it as an argument or on stdin")
+            raise LlmrunError("- reads the text from stdin, but stdin is a terminal; pipe the text in or pass it as an"
+                              " argument" if args else "no TEXT given; pass it as an argument or on stdin")
         text = read_stdin()
     if not text:
         raise LlmrunError("the text to continue is empty")
+    check_utf8(text)  # before the model loads
     engine = open_engine(model, opts)
     prompt = engine.tokenizer.encode(text, special=special)
     reply = engine.generate(prompt, opts.params)

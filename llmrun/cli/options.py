@@ -16,6 +16,7 @@ import typer
 
 from llmrun.bench import MAX_THREADS
 from llmrun.catalog import complete_model
+from llmrun.errors import UsageError
 from llmrun.grammar import ANY_JSON, grammar_spec
 from llmrun.loading import DEFAULT_MODEL
 
@@ -30,7 +31,13 @@ PENALTY_RANGE = 1e4  # --repetition-penalty within [1 / PENALTY_RANGE, PENALTY_R
 
 
 def check_temperature(temperature: float) -> None:
-    """Refuse a temperature above 0 that logits cannot be divided by in fp32 (every command that samples)."""
+    """Refuse a temperature that is not a number at least 0, or above 0 but too small to divide logits by in fp32
+    (every command that samples). (Typer's own range check would call NaN "not greater than or equal to 0".)"""
+    if not math.isfinite(temperature):
+        raise typer.BadParameter("must be a finite number", param_hint="'--temperature'")
+    if temperature < 0:
+        raise typer.BadParameter(f"{temperature:g} is below 0: 0 means greedy, above 0 samples",
+                                 param_hint="'--temperature'")
     if 0.0 < temperature < MIN_TEMPERATURE:
         raise typer.BadParameter(f"{temperature:g} is too small to sample with: 0 means greedy, and sampling takes at"
                                  f" least {MIN_TEMPERATURE:g}", param_hint="'--temperature'")
@@ -104,10 +111,10 @@ def _complete_draft(incomplete: str) -> list[tuple[str, str] | str]:
 
 
 _SAMPLING = [
-    ("temperature", float, 0.8, typer.Option(min=0.0, help="Sampling temperature; 0 means greedy.", rich_help_panel=SAMPLING)),
+    ("temperature", float, 0.8, typer.Option(help="Sampling temperature; 0 means greedy.", rich_help_panel=SAMPLING)),
     ("top_k", int, 40, typer.Option(min=0, help="Keep only the K most likely tokens (0: off).", rich_help_panel=SAMPLING)),
     ("top_p", float, 0.95, typer.Option(help="Nucleus sampling, in (0, 1]: keep the smallest set reaching this probability (1: off).", rich_help_panel=SAMPLING)),
-    ("min_p", float, 0.05, typer.Option(min=0.0, max=1.0, help="Drop tokens below MIN_P x the top token's probability (0: off).", rich_help_panel=SAMPLING)),
+    ("min_p", float, 0.05, typer.Option(help="Drop tokens below MIN_P x the top token's probability (0: off).", rich_help_panel=SAMPLING)),
     ("repetition_penalty", float, 1.0, typer.Option(help="Penalty > 1 for tokens already in the context (1: off).", rich_help_panel=SAMPLING)),
     ("seed", Optional[int], None, typer.Option(min=0, max=2**64 - 1, help="Random seed: the same seed gives the same output.", rich_help_panel=SAMPLING)),
     ("max_new_tokens", int, 512, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate per reply.", rich_help_panel=SAMPLING)),
@@ -159,6 +166,8 @@ def _build(values: dict) -> RunOptions:
         if not math.isfinite(values[name]):
             raise typer.BadParameter("must be a finite number", param_hint=f"'--{name.replace('_', '-')}'")
     check_temperature(values["temperature"])
+    if not 0.0 <= values["min_p"] <= 1.0:
+        raise typer.BadParameter("must be in [0, 1] (0: off)", param_hint="'--min-p'")
     if not 0.0 < values["top_p"] <= 1.0:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
     if not 1 / PENALTY_RANGE <= values["repetition_penalty"] <= PENALTY_RANGE:  # beyond, logits overflow or vanish
@@ -214,15 +223,16 @@ def _looks_numeric(text: str) -> bool:
     return True
 
 
-def run_options(command=None, *, sampling: bool = True, speculative: bool | None = None):
+def run_options(command=None, *, sampling: bool = True, speculative: bool | None = None, stdin_conflict=None):
     """Decorator: append the shared options to `command`'s CLI signature; pass them as `opts: RunOptions`.
 
     `@run_options(sampling=False)` adds only the runtime options (device, dtype, weights, threads, ctx); then
     `opts.params` is None. The speculative-decoding options come with the sampling ones unless `speculative`
-    says otherwise.
+    says otherwise. `stdin_conflict(kwargs)`: where the command's own arguments say it reads its text from stdin,
+    the message for a constraint that asks for stdin too (checked before the constraint reads stdin), else None.
     """
     if command is None:
-        return functools.partial(run_options, sampling=sampling, speculative=speculative)
+        return functools.partial(run_options, sampling=sampling, speculative=speculative, stdin_conflict=stdin_conflict)
     with_speculative = sampling if speculative is None else speculative
     table = (_SAMPLING + _STRUCTURED if sampling else []) + _RUNTIME + (_SPECULATIVE if with_speculative else [])
     sig = inspect.signature(command, eval_str=True)
@@ -235,6 +245,9 @@ def run_options(command=None, *, sampling: bool = True, speculative: bool | None
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         values = {name: kwargs.pop(name) for name, *_ in table}
+        if stdin_conflict is not None and "-" in (values.get("json_schema"), values.get("grammar")):
+            if (message := stdin_conflict(kwargs)) is not None:
+                raise UsageError(message)
         return command(*args, opts=_build(values), **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + shared)
