@@ -410,6 +410,18 @@ def test_every_form_xgrammar_prints_is_read():
         endless_rule('root ::= (("a" $))')
 
 
+def test_a_long_forced_text_is_tokenized_only_as_far_as_the_block_reaches(smollm2, monkeypatch):
+    """`"ab"{100000}` forces 200,000 characters; a block of 8 tokens needs a few hundred of them."""
+    tokenizer = smollm2.tokenizer
+    grammar = compile_grammar(GrammarSpec("ebnf", 'root ::= "x" "ab"{100000}', "g"), tokenizer, smollm2.config.vocab_size)
+    whole = tokenizer.encode("x" + "ab" * 100000, special=False, add_bos=False)
+    seen = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
+    assert grammar.start().forced_tokens(tokenizer, 8) == whole[:8]
+    assert seen and max(seen) <= 9 * grammar.longest_token < 2000
+
+
 def test_a_printout_the_check_cannot_read_turns_jump_forward_off(smollm2, monkeypatch):
     import llmrun.grammar
 
