@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.errors import ContextOverflowError, LlmrunError, check_utf8, parse_json
+from llmrun.errors import ContextOverflowError, LlmrunError, check_utf8, parse_json, read_text_bytes
 from llmrun.generate import Engine, Generation
 from llmrun.sampling import SamplingParams
 
@@ -123,7 +123,7 @@ def load_conversation(path: str | Path) -> SavedConversation:
     """Read a file `save_conversation` wrote; anything else is one LlmrunError saying what is wrong with it."""
     path = Path(path)
     try:
-        doc = parse_json(path.read_text(encoding="utf-8"))
+        doc = parse_json(read_text_bytes(path, str(path)).decode("utf-8"))
     except FileNotFoundError:
         raise LlmrunError(f"{path}: no such file") from None
     except UnicodeDecodeError:
@@ -143,9 +143,18 @@ def load_conversation(path: str | Path) -> SavedConversation:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise LlmrunError(f"{path}: message {i} is not {{\"role\": \"user\" or \"assistant\", \"content\": text}}")
+        try:  # (JSON's \ud800 escapes make text that no tokenizer takes: every later turn failed on it)
+            check_utf8(m["content"])
+        except LlmrunError as e:
+            raise LlmrunError(f"{path}: message {i}: {e}") from None
         if m["role"] != ROLES[i % 2]:
             raise LlmrunError(f"{path}: message {i} is the {m['role']}'s; a conversation's messages alternate, the"
                               " user's first")
+    if system is not None:
+        try:
+            check_utf8(system)
+        except LlmrunError as e:
+            raise LlmrunError(f"{path}: the system prompt: {e}") from None
     if len(messages) % 2:  # what a reply would follow: the next turn's message would be a second user's in a row
         raise LlmrunError(f"{path}: the last message is the user's, with no reply; a saved conversation ends with the"
                           " assistant's")

@@ -30,11 +30,28 @@ class OutsideVocabularyError(LlmrunError):
     """A token id past the model's embedding: its tokenizer has more tokens than its weights have rows."""
 
 
+MAX_TEXT = 256 << 20  # bytes (characters on stdin) of a text input: a prompt, a schema, eval's or AWQ's text
+
+
 def read_stdin() -> str:
-    """The text on stdin, less the byte-order mark some editors write (it is not text)."""
+    """The text on stdin, less the byte-order mark some editors write (it is not text). At most MAX_TEXT
+    characters: `< /dev/zero` would fill the memory."""
     import sys
 
-    return sys.stdin.read().removeprefix("\ufeff")
+    text = sys.stdin.read(MAX_TEXT + 1)
+    if len(text) > MAX_TEXT:
+        raise LlmrunError(f"stdin holds more than {MAX_TEXT >> 20} MiB of text; give less")
+    return text.removeprefix("\ufeff")
+
+
+def read_text_bytes(path, name: str) -> bytes:
+    """The bytes of the text file `path` (`name`: how messages call it), at most MAX_TEXT of them: /dev/zero or
+    a runaway file would fill the memory. OSError passes to the caller, which knows what the file was for."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_TEXT + 1)
+    if len(data) > MAX_TEXT:
+        raise LlmrunError(f"{name} is larger than {MAX_TEXT >> 20} MiB; give a smaller text file")
+    return data
 
 
 def check_utf8(text: str) -> None:
@@ -58,8 +75,13 @@ def parse_json(text: str | bytes):
     """`json.loads`, where a document nested deeper than Python's parser recurses (`[[[[...`, a corrupt or hostile
     file) is a ValueError as any other malformed JSON, not a RecursionError."""
     import json
+    import sys
 
     try:
         return json.loads(text)
     except RecursionError:
         raise ValueError("nested too deeply to parse") from None
+    except ValueError as e:
+        if "int_max_str_digits" in str(e):  # Python's advice to call sys.set_int_max_str_digits() is not the user's
+            raise ValueError(f"a number has more than {sys.get_int_max_str_digits()} digits") from None
+        raise

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from llmrun.errors import LlmrunError, not_finite
+from llmrun.errors import LlmrunError, not_finite, read_text_bytes
 
 DEFAULT_CTX = 512  # window length when --ctx is not given (or the model's context, if shorter)
 
@@ -84,7 +84,7 @@ def read_text(spec: str) -> str:
     if path.is_dir():
         raise LlmrunError(f"{path} is a directory; give a text file")
     try:
-        data = path.read_bytes()
+        data = read_text_bytes(path, str(path))
     except FileNotFoundError:
         raise LlmrunError(f"{path}: no such file; give a UTF-8 text file or 'canterbury'") from None
     except OSError as e:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmrun.errors import LlmrunError, UsageError, parse_json, read_stdin
+from llmrun.errors import LlmrunError, UsageError, parse_json, read_stdin, read_text_bytes
 from llmrun.grammar_checks import endless_rule, schema_warnings
 
 if TYPE_CHECKING:
@@ -112,11 +112,12 @@ def _read(option: str, name: str) -> str:
         if sys.stdin.isatty():
             raise LlmrunError(f"{option} - reads stdin, but stdin is a terminal; pipe the text in or name a file")
         return read_stdin()
-    path = Path(name)
-    if not _is_file(name):
-        raise LlmrunError(f"{option} {name}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
-    try:
-        return path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not text)
+    try:  # (a pipe works too: --grammar <(...))
+        return read_text_bytes(Path(name), f"{option} {name}").decode("utf-8-sig")  # (a byte-order mark is not text)
+    except FileNotFoundError:
+        raise LlmrunError(f"{option} {name}: no such file") from None
+    except IsADirectoryError:
+        raise LlmrunError(f"{option} {name}: a directory, not a file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise LlmrunError(f"{option} {name}: cannot read it ({e})") from None
 

@@ -86,8 +86,17 @@ def choose_group_size(cfg, asked: int | None, blocks_of_32: bool = False) -> int
 
 def _check_source(files) -> None:
     if files.quant is not None:
-        raise LlmrunError(f"{files.source.spec} is already quantized ({files.quant.method.upper()} "
-                          f"INT{files.quant.bits}); quantize the original float checkpoint instead")
+        layout, bits, ours = files.quant.method, files.quant.bits, None
+        if files.gguf is None:  # our own checkpoints say which method made them, as `llmrun models` shows
+            try:
+                ours = parse_json((files.source.path / "config.json").read_text()).get("llmrun", {}).get("method")
+            except (OSError, ValueError, AttributeError):
+                pass
+        what = (f"{layout.upper()} INT{bits}" if not isinstance(ours, str) or ours == layout
+                else f"INT8, in the {layout.upper()} layout" if ours == "int8"
+                else f"{ours.upper()} INT{bits}, in the {layout.upper()} layout")
+        raise LlmrunError(f"{files.source.spec} is already quantized ({what}); quantize the original float checkpoint"
+                          " instead")
     if files.gguf is not None and "rope_freqs.weight" in files.gguf.tensors:
         raise LlmrunError(f"{files.source.spec} stores its RoPE scaling as a rope_freqs tensor, which config.json "
                           "cannot express; quantize the model's HF checkpoint instead")
@@ -199,6 +208,11 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
             if on_progress:
                 on_progress(cfg.n_layers, cfg.n_layers, "done")
         tensors.update(_float_tensors(model))
+    overflowed = next((name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if overflowed is not None:  # written, it was a checkpoint every load refuses
+        raise LlmrunError(f"{files.source.spec}: {overflowed} does not fit in fp16, which AWQ/GPTQ checkpoints store "
+                          "scales, norms and embeddings in (values past 65504 become inf); this model cannot be "
+                          "quantized to them")
     _write(files, tensors, out_dir, _quantization_config(options.method, bits, group), options)
     result.seconds = time.perf_counter() - t0
     result.peak_memory_bytes = (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, read_text_bytes
 
 _CODE = '''"""Read a CSV file of orders and print what each customer spent, largest first."""
 
@@ -109,7 +109,7 @@ class Workload:
 
 def read_prompt_file(path: Path) -> str:
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")  # (a byte-order mark is not text)
+        text = read_text_bytes(path, f"--prompt-file {path}").decode("utf-8-sig")  # (a byte-order mark is not text)
     except FileNotFoundError:
         raise LlmrunError(f"--prompt-file {path}: no such file") from None
     except IsADirectoryError:

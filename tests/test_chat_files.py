@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -91,6 +92,11 @@ BAD_FILES = [
      "message 1 is the user's"),
     (json.dumps(_doc([{"role": "user", "content": "a"}])).encode(), "the last message is the user's, with no reply"),
     (json.dumps(_doc([], version=True)).encode(), "format version true; this llmrun"),  # (spelt as JSON)
+    # JSON's escapes can spell a lone surrogate, which no tokenizer takes: /load said "loaded", then every turn failed
+    (json.dumps(_doc([{"role": "user", "content": "a\ud800b"}, {"role": "assistant", "content": "c"}])).encode(),
+     "message 0: the text is not UTF-8 (lone surrogate U+D800 at character 1)"),
+    (json.dumps({**_doc([]), "system": "\udc80"}).encode(), "the system prompt: the text is not UTF-8"),
+    (b'{"version": 1' + b"0" * 5000 + b"}", "is not JSON (a number has more than 4300 digits)"),  # (no Python advice)
 ]
 
 
@@ -99,7 +105,7 @@ def test_a_bad_file_is_one_error_line_before_the_model_loads(tmp_path, content, 
     path = tmp_path / "c.json"
     if content is not None:
         path.write_bytes(content)
-    with pytest.raises(LlmrunError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(LlmrunError, match=re.escape(message)):
         load_conversation(path)
     result = CliRunner().invoke(app, ["chat", "--load", str(path), "-p", "hi"])
     assert result.exit_code == 1
@@ -197,6 +203,8 @@ def test_repl_saves_every_turn_and_runs_save_and_load(tmp_path):
         assert "not this conversation's" in t.expect(PROMPT_MARK) and bad.read_text() == "not json"
         t.send(f"/save {tmp_path}")
         assert "a directory" in t.expect(PROMPT_MARK)
+        t.send("/save ''")  # (as a path, "" is ".": it said "/save .: a directory")
+        assert "the file name is empty" in t.expect(PROMPT_MARK)
         t.send(f'/save "{tmp_path / "my"} chat".json')  # quoted as a shell would need it
         assert f"saved 2 turns to {tmp_path / 'my chat.json'}" in t.expect(PROMPT_MARK)
         t.proc.kill()  # even killed, it has lost nothing: each turn was on disk before the next prompt

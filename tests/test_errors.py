@@ -263,6 +263,8 @@ def test_usage_errors_of_the_other_commands(cli, tmp_path):
     assert_one_error_line(cli("info", "--frobnicate"), "--frobnicate", code=2)
     assert_one_error_line(cli("generate", "a", "b", "c"), "expected [MODEL] TEXT, got 3 arguments", code=2)
     assert_one_error_line(cli("frobnicate"), "frobnicate", code=2)
+    for flag in ("--save", "--load"):  # (as a path, "" is "."; it said "--save .: a directory")
+        assert_one_error_line(cli("chat", "-p", "hi", flag, ""), flag, "is empty; give a file name", code=2)
 
 
 def test_device_cuda_without_cuda(cli):
@@ -303,6 +305,44 @@ def test_text_that_is_not_utf8(cli, args):
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_chat_with_empty_stdin(cli, json_flag):
     assert_one_error_line(cli("chat", *json_flag), "stdin was empty")
+
+
+@pytest.mark.parametrize("args", [
+    ["eval", "--ppl", "{big}"], ["bench", "--prompt-file", "{big}"], ["generate", "x", "--grammar", "{big}"],
+    ["chat", "--load", "{big}", "-p", "hi"], ["quantize", "--calib", "{big}", "-o", "{tmp}/q"],
+    ["eval", "--ppl", "/dev/zero"], ["generate", "x", "--json-schema", "/dev/zero"],
+], ids=["eval", "bench", "grammar", "load", "calib", "eval-dev-zero", "schema-dev-zero"])
+def test_a_text_input_past_the_size_bound(cli, monkeypatch, tmp_path, args):
+    """Bounded at llmrun.errors.MAX_TEXT (256 MiB; 1000 bytes here): /dev/zero, read whole, filled the memory."""
+    import llmrun.errors
+
+    monkeypatch.setattr(llmrun.errors, "MAX_TEXT", 1000)
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 201)
+    args = [a.format(big=big, tmp=tmp_path) for a in args]
+    assert_one_error_line(cli(*args), "is larger than 0 MiB", code=1)
+
+
+def test_stdin_past_the_size_bound(monkeypatch, capsys):
+    import llmrun.errors
+
+    monkeypatch.setattr(llmrun.errors, "MAX_TEXT", 1000)
+    code, out, err = run_main(["generate"], monkeypatch, capsys, stdin="word " * 201)
+    assert (code, out, err) == (1, "", "error: stdin holds more than 0 MiB of text; give less\n")
+    code, out, err = run_main(["generate", "-n", "1", "-q"], monkeypatch, capsys, stdin="word " * 200)
+    assert code == 0, err
+
+
+def test_bench_prompt_tokens_past_the_context_refused_before_the_prompt_is_built(cli, monkeypatch):
+    import llmrun.workloads
+
+    def never(*args, **kwargs):
+        raise AssertionError("the prompt was built")
+
+    monkeypatch.setattr(llmrun.workloads, "exact_length", never)
+    assert_one_error_line(cli("bench", "--ctx", "64", "--prompt-tokens", "10000000", "--new-tokens", "2"),
+                          "the prompt (10000000 tokens)", "context holds 64", code=2)
+    assert_one_error_line(cli("bench", "--prompt-tokens", str((1 << 24) + 1)), "--prompt-tokens", code=2)
 
 
 # --- the context (these load the model) ------------------------------------------------------------------------

@@ -117,6 +117,18 @@ def test_ppl_equals_a_hand_computation(cli, tiny, ctx, stride):
     assert doc["windows"] == len(sliding_windows(50, ctx, stride))
 
 
+def test_a_model_with_a_context_of_one_position(cli, tiny, tmp_path):
+    """Its default stride, half the window, was 0: a traceback. Each token is then scored from the one before."""
+    _, model, text = tiny
+    path = write_hf_dir(tmp_path / "ctx1", model)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1}))
+    doc = cli("eval", path, *CPU, "--ppl", text, "--json").json
+    nlls = hand_nlls(model, WORDS, 1, 1)
+    assert (doc["ctx"], doc["stride"], doc["windows"]) == (1, 1, 49)
+    assert doc["nll"] == pytest.approx(sum(nlls) / len(nlls), abs=1e-5)
+
+
 def test_a_model_that_predicts_nothing_has_the_vocabulary_size_as_perplexity(cli, tmp_path):
     """Zero output weights: every next-token distribution is uniform over 128 tokens, so ppl = 128 exactly."""
     model = random_model(CFG, seed=0)
@@ -312,10 +324,12 @@ def test_bad_input_gives_one_error_line(cli, tiny, bad_inputs, args, code, fragm
 def test_an_unreadable_file(cli, tiny, monkeypatch):
     path, _, text = tiny
 
-    def denied(self):
-        raise PermissionError(13, "Permission denied", str(self))
+    import llmrun.eval
 
-    monkeypatch.setattr(type(text), "read_bytes", denied)  # chmod would not stop root
+    def denied(path, name):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(llmrun.eval, "read_text_bytes", denied)  # chmod would not stop root
     assert_error(cli("eval", path, *CPU, "--ppl", text), 1, f"cannot read {text} (Permission denied)")
 
 

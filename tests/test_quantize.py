@@ -595,7 +595,7 @@ def test_refuses_a_quantized_input_and_a_full_output_dir(tiny_source, tmp_path, 
     source = tiny_source[0]
     assert run_main(["quantize", source, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)[0] == 0
     code, _, err = run_main(["quantize", tmp_path / "q", "--rtn", "-o", tmp_path / "again"], monkeypatch, capsys)
-    assert code == 1 and "already quantized (AWQ INT4)" in err
+    assert code == 1 and "already quantized (RTN INT4, in the AWQ layout)" in err  # as `llmrun models` calls it
     code, _, err = run_main(["quantize", source, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)
     assert code == 1 and "not an empty directory" in err
     code, _, err = run_main(["quantize", source, "--rtn", "-o", ""], monkeypatch, capsys)  # (not ".")
@@ -937,3 +937,19 @@ def test_an_output_that_cannot_be_written_fails_before_the_work(tmp_path, monkey
             quantize("smollm2", tmp_path / "ro" / "sub", QuantizeOptions("rtn"))
     with pytest.raises(LlmrunError, match="exists and is not an empty directory"):
         quantize("smollm2", tmp_path / "afile", QuantizeOptions("rtn"))
+
+
+@pytest.mark.parametrize("method,tensor,value", [
+    ("rtn", "norm.weight", 1e6),  # finite in fp32 and bf16, inf in fp16
+    ("int8", "layers.0.mlp.down.weight", 1e28),  # its scales overflow
+])
+def test_values_past_fp16_are_refused_not_written(tmp_path, method, tensor, value):
+    """quantize exited 0 on a checkpoint that every load then refused (inf norms or scales)."""
+    cfg = replace(CONFIGS["smollm2"], n_heads=8, n_kv_heads=2, ffn_dim=128)
+    model = random_model(cfg)
+    with torch.no_grad():
+        model.get_parameter(tensor).fill_(value)
+    source = write_hf_dir(tmp_path / "float", model)
+    with pytest.raises(LlmrunError, match=r"does not fit in fp16, which AWQ/GPTQ checkpoints store"):
+        quantize(str(source), tmp_path / "q", QuantizeOptions(method), device="cpu")
+    assert not (tmp_path / "q").exists()

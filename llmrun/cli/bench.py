@@ -21,6 +21,7 @@ from .console import err, open_files, progress_bar, user_errors, write_out
 from .options import DEFAULT_CTX_CAP, SPECULATIVE, RunOptions, check_temperature, run_options
 
 WORKLOAD = "Workload"
+MAX_PROMPT_TOKENS = 1 << 24  # past any model's context; with --kv-evict (no end) a bound on the prompt built
 MODES = "Compare and sweep"
 Kind = Enum("Kind", {k.replace("-", "_"): k for k in KINDS}, type=str)
 Goal = Enum("Goal", {g: g for g in ("latency", "memory", "quality")}, type=str)
@@ -34,7 +35,7 @@ def bench(
     model: Annotated[Optional[str], typer.Argument(help=f"Model, as for the other commands (default '{DEFAULT_MODEL}'); not with --random-weights.", show_default=False, autocompletion=complete_model)] = None,
     kind: Annotated[Optional[Kind], typer.Option(help="Built-in prompt: open (open-ended question), code-edit (rename in a ~330-token file: copy heavy), summarize (~390-token passage). Default: open.", rich_help_panel=WORKLOAD, show_default=False)] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Use the text of this file as the prompt instead of a built-in kind.", rich_help_panel=WORKLOAD, show_default=False)] = None,
-    prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="Cut or repeat the prompt to exactly N tokens.", rich_help_panel=WORKLOAD, show_default=False)] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option(min=1, max=MAX_PROMPT_TOKENS, help="Cut or repeat the prompt to exactly N tokens.", rich_help_panel=WORKLOAD, show_default=False)] = None,
     new_tokens: Annotated[int, typer.Option(min=2, help="Tokens decoded per run (greedy, never stopping early; at least 2: the first comes from the prefill).", rich_help_panel=WORKLOAD)] = 128,
     repeat: Annotated[int, typer.Option(min=1, help="Timed runs; figures are their median (decode also min and max).", rich_help_panel=WORKLOAD)] = 3,
     warmup: Annotated[bool, typer.Option(help="One untimed run first.", rich_help_panel=WORKLOAD)] = True,
@@ -73,15 +74,17 @@ def bench(
     trained = files.config.max_seq_len
     if opts.ctx is not None and opts.ctx > trained:
         raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+    ev = opts.eviction
+    settings = lib.resolve(lib.Settings(opts.device, opts.dtype, opts.weights, opts.threads, opts.ctx, opts.kv or "auto",
+                                        ev and ev.policy, ev and ev.budget, ev.sinks if ev else 4),
+                           default_ctx=min(trained, DEFAULT_CTX_CAP))
+    if ev is None and prompt_tokens is not None:  # before the prompt is built: 10^8 tokens took 2 GB to refuse
+        lib.check_fits_context(prompt_tokens, new_tokens, settings.ctx, trained)
     workload = make_workload(
         files.tokenizer, kind=(kind or Kind.open).value, text=text,
         prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeat=repeat, warmup=warmup,
         vocab_size=files.config.vocab_size if random_weights else None,
     )
-    ev = opts.eviction
-    settings = lib.resolve(lib.Settings(opts.device, opts.dtype, opts.weights, opts.threads, opts.ctx, opts.kv or "auto",
-                                        ev and ev.policy, ev and ev.budget, ev.sinks if ev else 4),
-                           default_ctx=min(trained, DEFAULT_CTX_CAP))
     if ev is None:  # an evicting cache has no end
         lib.check_fits_context(len(workload.prompt), new_tokens, settings.ctx, trained)
     name = files.source.spec

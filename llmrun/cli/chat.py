@@ -43,8 +43,8 @@ def chat(
     model: ModelArg = DEFAULT_MODEL,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One turn: reply to this and exit (stdin works too).")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
-    save: Annotated[Optional[Path], typer.Option("--save", metavar="FILE", help="Save the conversation to FILE (JSON) after every turn; a new file, unless --load names it too.", show_default=False)] = None,
-    load: Annotated[Optional[Path], typer.Option("--load", metavar="FILE", help="Continue the conversation saved in FILE: its messages, system prompt (unless --system) and model (unless MODEL).", show_default=False)] = None,
+    save: Annotated[Optional[str], typer.Option("--save", metavar="FILE", help="Save the conversation to FILE (JSON) after every turn; a new file, unless --load names it too.", show_default=False)] = None,
+    load: Annotated[Optional[str], typer.Option("--load", metavar="FILE", help="Continue the conversation saved in FILE: its messages, system prompt (unless --system) and model (unless MODEL).", show_default=False)] = None,
     json_out: JsonFlag = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No status line on stderr.")] = False,
     *,
@@ -69,6 +69,7 @@ def chat(
     for text in (prompt, system):  # before the model loads
         if text is not None:
             check_utf8(text)
+    save, load = (_option_path(flag, value) for flag, value in (("--save", save), ("--load", load)))
     saved = _check_files(save, load)  # before the model loads
     if saved is not None:
         if click_context.get_parameter_source("model").name == "DEFAULT":
@@ -88,6 +89,12 @@ def chat(
         if saved is not None:
             err.print(Text(f"continuing {_turns_text(conversation)} from {load}", style="dim"))
         _repl(conversation, quiet, saving)
+
+
+def _option_path(flag: str, value: str | None) -> Path | None:
+    if value is not None and not value.strip():  # (as a Path, "" would be "."; an error said "--save .: a directory")
+        raise typer.BadParameter("is empty; give a file name", param_hint=f"'{flag}'")
+    return None if value is None else Path(value)
 
 
 def _check_files(save: Path | None, load: Path | None):
@@ -350,6 +357,8 @@ def _path(arg: str) -> Path:
         if len(words) != 1:
             raise LlmrunError(f"{arg}: quote the file name as one word, as a shell would: {arg[0]}my chat.json{arg[0]}")
         arg = words[0]
+    if not arg.strip():
+        raise LlmrunError("the file name is empty; give one")
     return Path(arg).expanduser()
 
 

@@ -71,7 +71,7 @@ def _engine(model: str, opts, window: int):
 
 def _check_stride(stride: int | None, ctx: int) -> int:
     if stride is None:
-        return ctx // 2
+        return max(1, ctx // 2)  # (a model trained on 1 position: ctx 1)
     if not 1 <= stride <= ctx:
         raise typer.BadParameter(f"{stride} is not between 1 and the window --ctx {ctx}", param_hint="'--stride'")
     return stride
@@ -126,13 +126,6 @@ def eval_(
         raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
     ctx = opts.ctx or min(DEFAULT_CTX, trained)
     stride = _check_stride(stride, ctx)
-    budget = opts.eviction.budget if opts.eviction is not None else None
-    if budget is not None and budget >= ctx:  # a window of ctx tokens fits whole
-        fixes = [f"a budget below {ctx}" if ctx > opts.eviction.least_budget else "",
-                 f"a --ctx above {budget}" if budget < trained else ""]
-        fixes = " or ".join(filter(None, fixes))
-        err.print(Text(f"note: --kv-budget {budget} holds a whole window of {ctx} tokens (--ctx), so nothing is "
-                       f"evicted{f'; {fixes} measures eviction' if fixes else ''}", style="dim"), soft_wrap=True)
     ref_engine = ref_model = None
     if reference is not None:
         ref_model = reference.pop("model", model)
@@ -140,6 +133,13 @@ def eval_(
     engine = _engine(model, opts, ctx)
     if reference is not None:
         ref_engine = _engine(ref_model, ref_opts, ctx)
+    budget = opts.eviction.budget if opts.eviction is not None else None
+    if budget is not None and budget >= ctx:  # a window fits whole (said once the engines load)
+        fixes = [f"a budget below {ctx}" if ctx > opts.eviction.least_budget else "",
+                 f"a --ctx above {budget}" if budget < trained else ""]
+        fixes = " or ".join(filter(None, fixes))
+        err.print(Text(f"note: --kv-budget {budget} holds a whole window of {ctx} tokens (--ctx), so nothing is "
+                       f"evicted{f'; {fixes} measures eviction' if fixes else ''}", style="dim"), soft_wrap=True)
     ids = engine.tokenizer.encode(text)
     text_tokens = len(ids)
     if max_tokens is not None:
