@@ -105,8 +105,14 @@ class _Parser:
         node = self.atom()
         while (token := self.peek()) is not None and (token[1] in ("*", "+", "?") or token[0] == "repeat"):
             self.take()
-            least = int(token[1].strip("{} ").split(",")[0]) if token[0] == "repeat" else int(token[1] == "+")
-            if least == 0:  # may be absent: derives the empty string; still reaches what it names
+            least, most = int(token[1] == "+"), -1  # -1: no bound
+            if token[0] == "repeat":  # {m}, {m,}, {m, n}
+                bounds = token[1].strip("{} ").split(",")
+                least = int(bounds[0])
+                most = least if len(bounds) == 1 else int(bounds[1]) if bounds[1].strip() else -1
+            if most == 0:  # never there: it reaches nothing
+                node = self.empty
+            elif least == 0:  # may be absent: derives the empty string; still reaches what it names
                 node = self.graph.add("or", [node, self.empty])
         return node
 

@@ -406,6 +406,9 @@ def test_every_form_xgrammar_prints_is_read():
         assert endless_rule(str(grammar)) is None, str(grammar)
     assert endless_rule('root ::= (("a" x))\nx ::= (("b" root))\n') == "root"
     assert endless_rule('root ::= (("a") | (x))\nx ::= (([b]* x)) (=("c"))\n') == "x"
+    assert endless_rule('root ::= (("a" x{0, 0}))\nx ::= (("b" x))\n') is None  # never entered
+    assert endless_rule('root ::= (("a" x{0, 1}))\nx ::= (("b" x))\n') == "x"  # may be entered, never left
+    assert endless_rule('root ::= (("a" x{3}))\nx ::= ((x))\n') == "root"
     with pytest.raises(ValueError):
         endless_rule('root ::= (("a" $))')
 
