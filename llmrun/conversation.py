@@ -143,18 +143,15 @@ def load_conversation(path: str | Path) -> SavedConversation:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise LlmrunError(f"{path}: message {i} is not {{\"role\": \"user\" or \"assistant\", \"content\": text}}")
-        try:  # (JSON's \ud800 escapes make text that no tokenizer takes: every later turn failed on it)
-            check_utf8(m["content"])
-        except LlmrunError as e:
-            raise LlmrunError(f"{path}: message {i}: {e}") from None
         if m["role"] != ROLES[i % 2]:
             raise LlmrunError(f"{path}: message {i} is the {m['role']}'s; a conversation's messages alternate, the"
                               " user's first")
-    if system is not None:
-        try:
-            check_utf8(system)
+    texts = [("the system prompt", system)] if system is not None else []
+    for where, text in texts + [(f"message {i}", m["content"]) for i, m in enumerate(messages)]:
+        try:  # (JSON's \ud800 escapes make text that no tokenizer takes: every later turn failed on it)
+            check_utf8(text)
         except LlmrunError as e:
-            raise LlmrunError(f"{path}: the system prompt: {e}") from None
+            raise LlmrunError(f"{path}: {where}: {e}") from None
     if len(messages) % 2:  # what a reply would follow: the next turn's message would be a second user's in a row
         raise LlmrunError(f"{path}: the last message is the user's, with no reply; a saved conversation ends with the"
                           " assistant's")

@@ -126,9 +126,8 @@ class Grammar:
     """A grammar compiled for one tokenizer; `start()` gives the state for one reply."""
 
     def __init__(self, spec: GrammarSpec, compiled, vocab_size: int, jump_forward: bool = True,
-                 warnings: tuple[str, ...] = (), longest_token: int = 64):
+                 warnings: tuple[str, ...] = ()):
         self.spec = spec
-        self.longest_token = longest_token  # the most characters one token spells (a bound: its piece's length)
         self.compiled = compiled
         self.warnings = warnings  # what is not enforced (a keyword, an anchor), for the user
         self.vocab_size = vocab_size
@@ -181,8 +180,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
                               " a recursion with no way out")
         raise LlmrunError(f"{spec.describe()}: its rule {endless} matches no {what} of finite length (every way"
                           " through it runs into a recursion with no way out), so a reply that took it could never end")
-    grammar = Grammar(spec, compiled, vocab_size, jump_forward, tuple(dict.fromkeys(warnings)),
-                      max(map(len, tokenizer.vocabulary()), default=1))
+    grammar = Grammar(spec, compiled, vocab_size, jump_forward, tuple(dict.fromkeys(warnings)))
     if spec.kind == "json" and not _starts_with_text(grammar, tokenizer):  # `{"anyOf": []}`: only the empty reply
         raise LlmrunError(f"{spec.describe()} matches no JSON value")
     return grammar
@@ -339,7 +337,7 @@ class Constraint:
         # Only the text `limit` tokens can spell is tokenized: a forced run can be millions of characters
         # (`"ab"{3000000}`), which took seconds a step to tokenize whole. The last tokens of a cut may differ
         # from the whole text's; verification takes the model's own tokens there, as at any boundary.
-        text = text[: (limit + 1) * self.grammar.longest_token]
+        text = text[: (limit + 1) * tokenizer.longest_token]
         self.seconds += time.perf_counter() - t0
         return tokenizer.encode(text, special=False, add_bos=False)[:limit] if text else []
 

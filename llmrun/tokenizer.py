@@ -10,6 +10,7 @@ code path:
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
 from pathlib import Path
@@ -107,6 +108,12 @@ class Tokenizer:
     def vocabulary(self) -> dict[str, int]:
         """Every token string (added tokens included) -> its id."""
         return self._tok.get_vocab(with_added_tokens=True)
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most characters one token spells, at most: the longest vocabulary entry (a byte-level piece has a
+        character a byte, a SentencePiece `<0xNN>` six for one byte)."""
+        return max(map(len, self.vocabulary()), default=1)
 
     def special_ids(self) -> list[int]:
         """The ids of control tokens (e.g. <|im_start|>): markup for the model, never text."""

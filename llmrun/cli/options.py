@@ -162,10 +162,10 @@ def _build(values: dict) -> RunOptions:
     if "temperature" not in values:  # a command without sampling options
         return RunOptions(None, values["device"].value, values["dtype"].value, values["ctx"],
                           values["weights"].value, values["threads"], **speculative)
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    check_temperature(values["temperature"])
+    for name in ("top_p", "min_p", "repetition_penalty"):
         if not math.isfinite(values[name]):
             raise typer.BadParameter("must be a finite number", param_hint=f"'--{name.replace('_', '-')}'")
-    check_temperature(values["temperature"])
     if not 0.0 <= values["min_p"] <= 1.0:
         raise typer.BadParameter("must be in [0, 1] (0: off)", param_hint="'--min-p'")
     if not 0.0 < values["top_p"] <= 1.0:
