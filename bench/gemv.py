@@ -1,7 +1,8 @@
 """Each decode matmul of a model shape on its own, every way llmrun can run it, against the bytes it must read:
 
     python bench/gemv.py [--shapes llama3.2-1b llama3-8b] [--rows 1 9] [--matrices qkv,o,gate_up,down,head]
-                         [--variants cublas,gemv-float,w4a16,w8a16,w4a16-dot,w8a16-dot,w4a16-regs,w8a16-regs]
+                         [--variants cublas,gemv-float,w4a16,w8a16,w4a16-dot,w8a16-dot,w4a16-regs,w8a16-regs,
+                                     w4a16-half2]
                          [--device cuda] [--reps 20]
                          [--out FILE.json]
 
@@ -16,6 +17,8 @@ whether the GEMV or cuBLAS serves a float matrix better, is read per shape:
               launch, each step's tile dequantized once and multiplied in an MMA
   w4a16-regs, w8a16-regs  the GEMV on its STAGES 1 configs alone: W's tiles fetched a step ahead in registers, as
               before cp.async copied them further ahead (the autotuner picks among both kinds for w4a16/w8a16)
+  w4a16-half2 the 4-bit weights through the GEMV in fp16 pairs (`LLMRUN_GEMV_HALF2=1`): dequantized and multiplied
+              two codes an instruction
 On a GPU each row names the config the autotuner chose for the call.
 Each figure is one call's time: --reps calls captured in a CUDA graph (as a decode step runs them: no launch
 overhead from the host), the graph replayed, the median of 10 replays divided by --reps. The floor is the bytes a
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import os
 import statistics
 import sys
 import time
@@ -44,7 +48,8 @@ from llmrun.kernels import triton_quant_matmul as tqm
 from llmrun.shapes import shape_config
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("cublas", "gemv-float", "w4a16", "w8a16", "w4a16-dot", "w8a16-dot", "w4a16-regs", "w8a16-regs")
+VARIANTS = ("cublas", "gemv-float", "w4a16", "w8a16", "w4a16-dot", "w8a16-dot", "w4a16-regs", "w8a16-regs",
+            "w4a16-half2")
 
 
 def matrices(name: str) -> dict[str, tuple[int, int]]:
@@ -72,7 +77,22 @@ def operands(variant: str, N: int, K: int, device, dtype):
     if variant.endswith("-regs"):
         return (lambda x: _on_registers(lambda: tqm.quant_linear(x, qs, d, m, bits)) if x.is_cuda
                 else tqm.quant_linear(x, qs, d, m, bits)), nbytes
+    if variant.endswith("-half2"):
+        return (lambda x: _in_half2(lambda: tqm.quant_linear(x, qs, d, m, bits))), nbytes
     return (lambda x: tqm.quant_linear(x, qs, d, m, bits)), nbytes
+
+
+def _in_half2(call):
+    """call() with LLMRUN_GEMV_HALF2=1 (read at each launch: a CUDA graph captures the launches it chose)."""
+    before = os.environ.get("LLMRUN_GEMV_HALF2")
+    os.environ["LLMRUN_GEMV_HALF2"] = "1"
+    try:
+        return call()
+    finally:
+        if before is None:
+            del os.environ["LLMRUN_GEMV_HALF2"]
+        else:
+            os.environ["LLMRUN_GEMV_HALF2"] = before
 
 
 @functools.cache

@@ -49,6 +49,9 @@
 #           (llmrun against the plain-PyTorch bf16 path, eager and through torch.compile(mode="reduce-overhead"),
 #           same prompt ids); and the first SHAPE's short bf16 run
 #           again without CUDA graphs (LLMRUN_NO_CUDA_GRAPHS=1), for their share.
+#   half2   Issue 4's W4A16 gap: the GEMV's 4-bit weights dequantized and multiplied in fp16 pairs
+#           (LLMRUN_GEMV_HALF2=1): its tests (its PTX, which the interpreter cannot run), each llama3-8b decode matmul
+#           alone on it against the fp32-weight GEMV (bench/gemv.py, one row), the 8B W4A16 step profiled with it.
 #   gemv    Each decode matmul of llama3.2-1b and llama3-8b alone (GPU_GEMV_SHAPES), one row, W4A16 and W8A16 on
 #           the GEMV's configs that copy W's tiles ahead by cp.async and on those that fetch a step ahead in
 #           registers (bench/gemv.py's -regs variants), against their bytes; each row names the autotuner's choice.
@@ -85,7 +88,7 @@ python3 -c "from llmrun.loading import embedded_model_path; embedded_model_path(
 source bench/gpu_cache.sh && compiled_restore
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama3.2-1b llama3-8b)
-steps=" ${GPU_STEPS:-tests embedded replay sweep speed gemv profile kv memory} "
+steps=" ${GPU_STEPS:-tests embedded replay sweep speed half2 gemv profile kv memory} "
 results=${RESULTS:-bench/results}
 mkdir -p "$results"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
@@ -158,6 +161,14 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...: a pytest run, its whole output a
     LLMRUN_TEST_FAILURES_AT_ONCE=1 python3 -m pytest -v -rs --tb=short "${passed[@]}" "$@" 2>&1 | tee "$log" \
         || { echo "gpu.sh: GPU TESTS FAILED (above, and in $log); measuring anyway" >&2
              failed+=("$(basename "$log")"); }
+}
+
+profile() {  # profile SUFFIX SHAPE PROMPT [ARGS...]: where a decode step's time goes (bench/gpu_profile.py), under the
+    # variables set before the call; in the order a step calls them, so that a step cut off by its limit keeps the first
+    local name="profile-$2-p$3${4:+-${4#--}-$5}$1"
+    done_before "$name" && return 0
+    python3 bench/gpu_profile.py --random-weights "$2" --prompt-tokens "$3" "${@:4}" \
+        --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
 }
 
 if [[ $steps == *" tests "* ]]; then
@@ -239,14 +250,18 @@ if [[ $steps == *" gemv "* ]]; then
         --variants w4a16,w4a16-regs,w8a16,w8a16-regs --out "$results/$stamp-$gpu-$name.json" \
         || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
 fi
+if [[ $steps == *" half2 "* ]]; then
+    # issue 4's W4A16 gap: the GEMV's 4-bit weights in fp16 pairs (LLMRUN_GEMV_HALF2=1): its PTX against the
+    # tolerance rule first (the interpreter runs its plain-Triton form only), then each llama3-8b matmul alone on it
+    # against the fp32-weight GEMV, then the 8B W4A16 step with it (predicted in bench/GPU_NOTES.md)
+    run_tests tests-half2 "tests/test_triton_quant_matmul.py::test_gemv_half2" \
+        "tests/test_triton_quant_matmul.py::test_a_row_does_not_depend_on_the_rows_beside_it"
+    name=gemv-half2-llama3-8b
+    done_before "$name" || python3 bench/gemv.py --shapes llama3-8b --rows 1 --variants w4a16,w4a16-half2 \
+        --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
+    LLMRUN_GEMV_HALF2=1 profile -half2 llama3-8b 128 --weights int4
+fi
 if [[ $steps == *" profile "* ]]; then
-    profile() {  # profile SUFFIX SHAPE PROMPT [ARGS...]: where a decode step's time goes (bench/gpu_profile.py), under
-        # the variables set before the call; in the order below, so that a step cut off by its limit keeps the first
-        local name="profile-$2-p$3${4:+-${4#--}-$5}$1"
-        done_before "$name" && return 0
-        python3 bench/gpu_profile.py --random-weights "$2" --prompt-tokens "$3" "${@:4}" \
-            --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
-    }
     # issue 4's bf16 headline shape (its graph step against the floor) and the 1B steps first, bf16 and W4A16: the
     # decode step's launches a layer 12 -> 8 (the gate/up GEMV gates, the attention merges in its last split, RoPE
     # writes the cache) and the float matmuls on the GEMV (GPU_NOTES predicts the 8B at 128 positions ~85-87% of its

@@ -818,10 +818,10 @@ def test_gemv_script_times_every_variant_of_each_matrix(tmp_path):
     doc = json.loads(out.read_text())
     got = {(r["variant"], r["rows"]): r for r in doc["rows"]}
     assert set(got) == {(v, m) for v in ("cublas", "gemv-float", "w4a16", "w8a16", "w4a16-dot", "w8a16-dot",
-                                         "w4a16-regs", "w8a16-regs") for m in (1, 9)}
+                                         "w4a16-regs", "w8a16-regs", "w4a16-half2") for m in (1, 9)}
     assert got["cublas", 1]["bytes"] == 576 * 576 * 2 and got["w8a16", 1]["bytes"] == 576 * 576 + 576 * 18 * 2
     assert got["w4a16", 1]["bytes"] == got["w4a16-dot", 9]["bytes"] == got["w4a16-regs", 1]["bytes"] == \
-        576 * 288 + 2 * 576 * 18 * 2
+        got["w4a16-half2", 1]["bytes"] == 576 * 288 + 2 * 576 * 18 * 2
     assert not any("error" in r for r in doc["rows"])
     assert all(r["seconds"] > 0 and r["floor_seconds"] > 0 for r in doc["rows"])
     assert "| smollm2-135m | o | 576 x 576 | 9 | w4a16 |" in out.with_suffix(".md").read_text()

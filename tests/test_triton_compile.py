@@ -258,7 +258,8 @@ def _quant_matmul(shape, dtype):
     GEMV kernel, split-K by SM count, 8 rows a launch) and for 17 (W dequantized for torch.matmul), and the
     embedding's rows looked up; AWQ's groups of 64 and 128 through the kernel's own API (the model's layers hold
     blocks of 32); each linear layer through the tensor-core GEMV (LLMRUN_GEMV_DOT=1) for a row and a verification
-    block; and each linear layer on float weights through the GEMV (LLMRUN_GEMV_FLOAT=1). The MLP's gate/up gated
+    block, and in 4 bits through the GEMV in fp16 pairs (LLMRUN_GEMV_HALF2=1); and each linear layer on float
+    weights through the GEMV (LLMRUN_GEMV_FLOAT=1). The MLP's gate/up gated
     too (silu(gate) * up, written as the GEMVs write their sums)."""
     from llmrun import kernels
     from llmrun.kernels.triton_quant_matmul import quant_linear
@@ -288,6 +289,14 @@ def _quant_matmul(shape, dtype):
                 qs, d, m = _planes(N, K, bits, offsets, 32)
                 for M in (1, 13):
                     kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, bits, gated=N == 2 * F)
+    with pytest.MonkeyPatch.context() as mp:  # 4-bit weights in fp16 pairs (LLMRUN_GEMV_HALF2=1): a row, a block
+        mp.setenv("LLMRUN_GEMV_HALF2", "1")
+        mp.setenv("LLMRUN_GEMV_DOT", "0")
+        for offsets in (True, False):
+            for N, K in linears:
+                qs, d, m = _planes(N, K, 4, offsets, 32)
+                for M in (1, 13):
+                    kernels.quant_matmul(torch.zeros(1, M, K, dtype=dtype), qs, d, m, 4, gated=N == 2 * F)
     for N, K in linears:  # float weights (LLMRUN_GEMV_FLOAT=1): the GEMV without scales
         w = torch.empty(N, K, dtype=dtype)  # never read: no memory for the vocabulary's rows
         for M in (1, 8, 13):

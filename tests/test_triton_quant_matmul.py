@@ -266,15 +266,17 @@ def test_the_bias_is_added_once(M, split_k, dtype, monkeypatch):
     assert (got.float() - want).abs().max().item() <= 2 * torch_err + ATOL[dtype] * want.abs().max().item()
 
 
-@pytest.mark.parametrize("dot", ["0", "1"])
+@pytest.mark.parametrize("dot, half2", [("0", "0"), ("0", "1"), ("1", "0")])
 @pytest.mark.parametrize("bits, offsets", FORMATS)
-def test_a_row_does_not_depend_on_the_rows_beside_it(bits, offsets, dot, monkeypatch, row_by_row_dot):
+def test_a_row_does_not_depend_on_the_rows_beside_it(bits, offsets, dot, half2, monkeypatch, row_by_row_dot):
     """Greedy speculative decoding is exact only if a token's product has the same bits whether it runs alone or in
     a verification block: every row count up to VERIFY_ROWS gives each row the bits of the full block (on a GPU
     this also needs one autotuned config for every row count of a shape). So on the FFMA GEMV (LLMRUN_GEMV_DOT=0:
-    one-token steps and, so set, blocks) and on the tensor-core GEMV alone (=1: every row count on it); by default
-    a GPU's blocks of 3 or more rows take the second and one-token steps the first, whose bits differ."""
+    one-token steps and, so set, blocks; its 4-bit weights in fp16 pairs too, LLMRUN_GEMV_HALF2=1) and on the
+    tensor-core GEMV alone (=1: every row count on it); by default a GPU's blocks of 3 or more rows take the second
+    and one-token steps the first, whose bits differ."""
     monkeypatch.setenv("LLMRUN_GEMV_DOT", dot)
+    monkeypatch.setenv("LLMRUN_GEMV_HALF2", half2)
     qs, d, m = random_planes(96, 320, bits, offsets, 32, seed=bits)
     x = torch.randn(tqm.VERIFY_ROWS, 320, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
     block = tqm.quant_linear(x, qs, d, m, bits, 32)
@@ -389,6 +391,49 @@ def test_gemv_dot(bits, offsets, group, M, split_k, dtype):
     err = (y.float() - expected).abs().max().item()
     assert y.dtype == dtype and y.shape == (M, N)
     assert err <= 2 * torch_err + ATOL[dtype] * max(expected.abs().max().item(), 1.0), (err, torch_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M, split_k", [(1, None), (2, 3), (8, 2), (13, None)])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("offsets", [True, False])
+def test_gemv_half2(offsets, group, M, split_k, dtype, monkeypatch):
+    """LLMRUN_GEMV_HALF2=1: the FFMA GEMV's 4-bit weights under 16-bit x dequantized and multiplied in fp16 pairs
+    (PTX on a GPU, its plain-Triton form under the interpreter), x @ W^T + b within the tolerance rule (torch's own
+    error includes W rounded to x's dtype); 1 to 13 rows (two launches), split K or not, the last step's blocks past
+    K (576 = 18 blocks of 32). The launches run it, and only for 4-bit weights under 16-bit x."""
+    monkeypatch.setenv("LLMRUN_GEMV_HALF2", "1")
+    monkeypatch.setenv("LLMRUN_GEMV_DOT", "0")  # every row count on the FFMA GEMV, as on a CPU
+    launched = []
+    kernel, blocks = tqm._gemv_launcher(DEVICE == "cuda")
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["BITS"], args[0].dtype, kwargs["HALF2"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tqm, "_gemv_launcher", lambda cuda: (Spy(), blocks))
+    N, K = 70, 576 if group == 32 else 640
+    qs, d, m = random_planes(N, K, 4, offsets, group, seed=M + group)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    if split_k is None:
+        y = tqm.quant_linear(x, qs, d, m, 4, group, bias)
+    else:
+        y = tqm._gemv(x, qs, d, m, 4, group, split_k, bias)
+    W = tqm.dequantize_groups(qs, d, m, 4, group)
+    expected = x.float() @ W.T + bias.float()
+    torch_err = ((x @ W.to(dtype).T + bias).float() - expected).abs().max().item()
+    err = (y.float() - expected).abs().max().item()
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert err <= 2 * torch_err + ATOL[dtype] * max(expected.abs().max().item(), 1.0), (err, torch_err)
+    assert launched and set(launched) == {(4, dtype, True)}
+    launched.clear()
+    tqm.quant_linear(x.float(), qs, d, m, 4, group)  # fp32 x: as it was
+    tqm.quant_linear(x, *random_planes(N, K, 8, False, group, seed=1), 8, group)  # 8-bit weights: as they were
+    assert set(launched) == {(4, torch.float32, False), (8, dtype, False)}
 
 
 def _silu_mul_of(y):
