@@ -8,6 +8,7 @@ empty KV cache, so runs, configurations and peers (`llmrun.peers`) are comparabl
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -120,6 +121,18 @@ def release(device_type: str) -> None:
         import torch
 
         torch.cuda.empty_cache()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim), so that the resident set, whose peak
+    is a CPU configuration's memory figure, holds what is alive: freed tensors' pages otherwise stay resident in
+    the heap, and every later configuration's peak counted the earlier ones' (a sweep ranked its rows for memory
+    by the order they ran). Nothing where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 # --- timing ---------------------------------------------------------------------------------------------------
@@ -412,8 +425,8 @@ def describe(settings: Settings) -> str:
     kv = "" if settings.kv in ("auto", settings.dtype) else f" --kv {settings.kv}"
     if settings.kv_evict is not None:
         kv += f" --kv-evict {settings.kv_evict} --kv-budget {settings.kv_budget} --kv-sinks {settings.kv_sinks}"
-    return (f"{settings.device} {settings.dtype} --weights {settings.weights}{kv}, {settings.threads} threads,"
-            f" ctx {settings.ctx}")
+    threads = f"{settings.threads} thread{'' if settings.threads == 1 else 's'}"
+    return f"{settings.device} {settings.dtype} --weights {settings.weights}{kv}, {threads}, ctx {settings.ctx}"
 
 
 def compiled_row(settings: Settings) -> bool:

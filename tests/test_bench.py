@@ -636,6 +636,22 @@ def test_sweep_cli(cli, tiny_gguf, tmp_path):
     assert [sweep.peak_memory(r) for r in rows] == sorted(sweep.peak_memory(r) for r in rows)
 
 
+@pytest.mark.slow
+def test_a_sweep_measures_each_configurations_own_memory(cli):
+    """--goal memory on a CPU: a row's peak resident set is its own configuration's, not the largest of those before
+    it (their freed pages handed back: `bench.release`). An fp32 cache of 4096 positions (180 MiB) peaks well above
+    an int8 one (48 MiB) whichever runs first, and the int8 one ranks first (it ranked by the order they ran)."""
+    for order in ("fp32,int8", "int8,fp32"):
+        doc = ok(cli("--prompt-tokens", "16", "--new-tokens", "4", "--repeat", "1", "--no-warmup", "--threads", "1",
+                     "--ctx", "4096", "--sweep", "--axis", "weights=auto", "--axis", "dtype=fp32", "--axis",
+                     f"kv={order}", "--goal", "memory", "--json")).json()
+        rows = {r["config"]["kv"]: r for r in doc["sweep"]}
+        kv_gap = rows["fp32"]["memory"]["kv_allocated"] - rows["int8"]["memory"]["kv_allocated"]
+        assert kv_gap > 100 * 2**20
+        assert sweep.peak_memory(rows["fp32"]) - sweep.peak_memory(rows["int8"]) > kv_gap / 2, order
+        assert doc["sweep"][0]["config"]["kv"] == "int8", order
+
+
 def test_sweep_axes_and_table(cli, tiny_gguf):
     result = ok(cli(tiny_gguf, *FAST, "--sweep", "--axis", "dtype=bf16", "--axis", "weights=dequant", "--goal", "quality"))
     assert "recommended for quality: --dtype bf16 --weights dequant" in result.stderr

@@ -245,7 +245,7 @@ def test_the_same_seed_gives_the_same_sample(cli):
     assert sample(8) != first
 
 
-def test_stop_string_cuts_before_its_first_occurrence(cli, greedy):
+def test_stop_string_cuts_before_its_first_occurrence(cli, greedy, smollm2):
     text = greedy["text"]
     words = [w for w in re.findall(r"[A-Za-z]{3,}", text) if text.index(w) > 0]
     assert words, text
@@ -255,6 +255,10 @@ def test_stop_string_cuts_before_its_first_occurrence(cli, greedy):
     doc = _json(cli("generate", *GREEDY, "--json", "--stop", stop, PROMPT))
     assert (doc["text"], doc["finish_reason"]) == (expected, "stop")
     assert doc["new_tokens"] <= greedy["new_tokens"]
+    # token_ids: the tokens generated, the stop string's among them (as the README says), greedy's first ones
+    ids = doc["token_ids"]
+    assert len(ids) == doc["new_tokens"] and ids == greedy["token_ids"][:len(ids)]
+    assert smollm2.tokenizer.decode(ids).startswith(expected + stop)
     # Repeatable: a stop string that never shows up changes nothing.
     assert cli("generate", *GREEDY, "--stop", "zqxjv", "--stop", stop, PROMPT).stdout == _as_printed(expected)
 

@@ -4,6 +4,7 @@ huggingface_hub's download bars likewise; `llmrun bench` counts its measurement 
 
 import io
 import os
+import re
 
 import pytest
 from rich.console import Console
@@ -54,6 +55,23 @@ def test_a_long_wait_reports_on_a_line_when_stderr_is_not_a_terminal(monkeypatch
     monkeypatch.setattr(console, "LOG_EVERY_S", 0.0)
     assert _drawn(monkeypatch, terminal=False).splitlines() == [
         "loading tiny: 0/4 after 0 s", "loading tiny: 3/4 after 0 s (layers.1.attn.q.weight)"]
+
+
+def test_a_long_wait_without_updates_still_reports(monkeypatch):
+    """A log gets its lines while nothing updates the count (`llmrun bench`'s timed run updates at its end alone:
+    a 73 s run wrote one line, at its end); none once the wait is over."""
+    import time
+
+    screen = io.StringIO()
+    monkeypatch.setattr(console, "err", Console(file=screen, force_terminal=False, width=120))
+    monkeypatch.setattr(console, "LOG_EVERY_S", 0.05)
+    with console.progress_bar("bench tiny") as update:
+        update(0, 1)
+        time.sleep(0.4)
+    lines = screen.getvalue().splitlines()
+    time.sleep(0.2)
+    assert len(lines) >= 2 and all(re.fullmatch(r"bench tiny: 0/1 after \d+ s", line) for line in lines), lines
+    assert screen.getvalue().splitlines() == lines
 
 
 def test_hub_bars_only_for_a_person_watching(monkeypatch):

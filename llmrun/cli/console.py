@@ -137,7 +137,8 @@ def progress_bar(description: str):
     None while unknown, `what` the step under way (shown after the times). When stderr is not a terminal, nothing
     is drawn: a long wait writes a line now and then (`_progress_lines`)."""
     if not err.is_terminal:
-        yield _progress_lines(description)
+        with _progress_lines(description) as update:
+            yield update
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -148,22 +149,46 @@ def progress_bar(description: str):
         yield lambda done, total, what="": bar.update(task, completed=done, total=total, what=what)
 
 
+@contextmanager
 def _progress_lines(description: str):
-    """`progress_bar`'s `update` for a log: nothing for a short wait; a line every LOG_EVERY_S seconds for a long
-    one (an AWQ search runs for an hour)."""
+    """`progress_bar`'s `update` for a log: nothing for a short wait; a line every LOG_EVERY_S seconds of a long one
+    (an AWQ search runs for an hour), with the latest count and step: at an update when a line is due, and from a
+    thread that wakes when one is due between updates (a timed `llmrun bench` run updates only at its end). With
+    LOG_EVERY_S 0, a line at each update alone."""
+    import threading
     import time
 
-    start = last = time.monotonic()
+    start = time.monotonic()
+    state = {"last": start, "count": "", "what": ""}
+    lock, stop = threading.Lock(), threading.Event()
+
+    def line_if_due() -> None:
+        with lock:
+            now = time.monotonic()
+            if now - state["last"] >= LOG_EVERY_S:
+                state["last"] = now
+                count, what = state["count"], state["what"]
+                err.print(f"{description}: {count + ' ' if count else ''}after {now - start:.0f} s"
+                          + (f" ({what})" if what else ""))
 
     def update(done, total, what=""):
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= LOG_EVERY_S:
-            last = now
-            count = f"{done}/{total}" if total else str(done)
-            err.print(f"{description}: {count} after {now - start:.0f} s" + (f" ({what})" if what else ""))
+        with lock:
+            state.update(count=f"{done}/{total}" if total else str(done), what=what)
+        line_if_due()
 
-    return update
+    def watch() -> None:  # wakes when the next line is due
+        while not stop.wait(max(state["last"] + LOG_EVERY_S - time.monotonic(), 0.01)):
+            line_if_due()
+
+    watcher = threading.Thread(target=watch, name="progress lines", daemon=True) if LOG_EVERY_S > 0 else None
+    if watcher is not None:
+        watcher.start()
+    try:
+        yield update
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join()
 
 
 def hub_bars(watched: bool) -> None:
