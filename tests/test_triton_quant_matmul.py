@@ -359,11 +359,12 @@ def test_bad_shapes_say_what_fits():
 @pytest.mark.autotune
 @pytest.mark.parametrize("config", tqm._GEMV_CONFIGS,
                          ids=lambda c: "{BLOCK_N}x{BLOCK_K}-s{STAGES}".format(**c.kwargs) + f"-w{c.num_warps}")
-@pytest.mark.parametrize("bits", [4, 8])
-def test_every_gemv_config(bits, config, monkeypatch):
+@pytest.mark.parametrize("bits, half2", [(4, "0"), (8, "0"), (4, "1")])
+def test_every_gemv_config(bits, half2, config, monkeypatch):
     """Each tile the autotuner may pick (it times them all and keeps the winner's output unchecked), smaller than the
     interpreter's own: several programs along N and steps along K, split in two along K; bf16 on a GPU, fp16
-    under the interpreter (which ignores the warps)."""
+    under the interpreter (which ignores the warps); 4-bit weights also in fp16 pairs (LLMRUN_GEMV_HALF2=1)."""
+    monkeypatch.setenv("LLMRUN_GEMV_HALF2", half2)
     blocks = {**config.kwargs, "num_warps": config.num_warps}
     monkeypatch.setattr(tqm, "_gemv_launcher", lambda cuda: (tqm._gemv_kernel, blocks))
     qs, d, m = random_planes(40, 320, bits, bits == 4, 64, seed=5)
