@@ -254,8 +254,7 @@ if [[ $steps == *" half2 "* ]]; then
     # issue 4's W4A16 gap: the GEMV's 4-bit weights in fp16 pairs (LLMRUN_GEMV_HALF2=1): its PTX against the
     # tolerance rule first (the interpreter runs its plain-Triton form only), then each llama3-8b matmul alone on it
     # against the fp32-weight GEMV, then the 8B W4A16 step with it (predicted in bench/GPU_NOTES.md)
-    run_tests tests-half2 "tests/test_triton_quant_matmul.py::test_gemv_half2" \
-        "tests/test_triton_quant_matmul.py::test_a_row_does_not_depend_on_the_rows_beside_it"
+    run_tests tests-half2 tests/test_triton_quant_matmul.py -k "gemv_half2 or rows_beside or (every_gemv_config and 4-1-)"
     name=gemv-half2-llama3-8b
     done_before "$name" || python3 bench/gemv.py --shapes llama3-8b --rows 1 --variants w4a16,w4a16-half2 \
         --out "$results/$stamp-$gpu-$name.json" || { echo "gpu.sh: $name FAILED (above); going on" >&2; failed+=("$name"); }
