@@ -18,7 +18,7 @@ Three paths, chosen by the number of activation rows M:
   One launch however K is split (a second launch to sum the slices cost an H200 48 launches and ~0.1 ms of a 1B model's
   1.9 ms step), and the sum does not depend on which slice finishes last.
   LLMRUN_GEMV_HALF2=1 (an experiment for the GPU profiles, `bench/gpu.sh`): its 4-bit weights under 16-bit x
-  dequantized and multiplied in fp16 pairs, two codes an instruction (the `_h2_*` functions; the weights and a
+  dequantized and multiplied in fp16 pairs, two codes an instruction (`common.h2_*`; the weights and a
   word's 8 products rounded to fp16, x past fp16's range an infinity).
 - verification on a GPU (3 <= M <= 16 rows of 16-bit x): `_gemv_dot_kernel`, all rows in one launch, the
   dequantized tile rounded to x's dtype and multiplied on the tensor cores, split K alike. On an H100 9 rows cost
@@ -211,152 +211,6 @@ def _x_floats(x_row, first, XWORDS: tl.constexpr):
     return tl.load(x_row + first[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)
 
 
-# --- 4-bit weights in fp16 pairs (HALF2, LLMRUN_GEMV_HALF2=1) -------------------------------------------------------
-# A half2 is an int32 holding two fp16, the first in the low half, as a GPU register holds a pair for its paired
-# instructions (HFMA2: two fused multiply-adds an instruction). On a GPU (ASM) the functions below are PTX on such
-# registers; under the interpreter, which runs no PTX, the same values from plain Triton (`_h2_pack`/`_h2_unpack`),
-# an fp32 fma rounded to fp16 standing for the paired one (the same but where the fp32 sum itself rounded: rarely).
-
-
-@triton.jit
-def _h2_pack(lo, hi):
-    """fp32 lo, hi -> the half2 of the two rounded to fp16."""
-    low = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return low | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
-
-
-@triton.jit
-def _h2_unpack(v):
-    """A half2 -> its (first, second) fp16 as fp32."""
-    lo = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _h2_fma(a, b, c):
-    """fma.rn.f16x2 of three half2, as the interpreter has it."""
-    a_lo, a_hi = _h2_unpack(a)
-    b_lo, b_hi = _h2_unpack(b)
-    c_lo, c_hi = _h2_unpack(c)
-    return _h2_pack(a_lo * b_lo + c_lo, a_hi * b_hi + c_hi)
-
-
-@triton.jit
-def _h2_twice(v, ASM: tl.constexpr):
-    """fp16 v -> the half2 (v, v)."""
-    if ASM:
-        return tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [v], dtype=tl.int32, is_pure=True, pack=1)
-    return _h2_pack(v.to(tl.float32), v.to(tl.float32))
-
-
-@triton.jit
-def _h2_weights(words, scale, offset, ASM: tl.constexpr):
-    """int32 words of 4-bit codes (byte j of a word: the low nibble column j of its 4, the high one column 16 + j)
-    and each word's scale and offset as half2 -> its 8 weights scale * q + offset as four half2: (a, b, c, d) the
-    low nibbles of bytes 0 and 2, their high nibbles, the low nibbles of bytes 1 and 3, their high nibbles.
-
-    A nibble masked into fp16 1024's bits (0x6400) is 1024 + q, one masked in place four bits up into fp16 64's
-    (0x5400: there fp16 are 1/16 apart) is 64 + q: one LOP3 a pair of codes, a shift for bytes 1 and 3, then the
-    paired subtraction (exact) and the paired fma, the weight rounded once to fp16. 13 instructions for 8 codes."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t, a, b, c, d, k0, k1;
-            mov.b32 k0, 0x64006400;
-            mov.b32 k1, 0x54005400;
-            shr.b32 t, $4, 8;
-            lop3.b32 a, $4, 0x000f000f, k0, 0xea;
-            lop3.b32 b, $4, 0x00f000f0, k1, 0xea;
-            lop3.b32 c, t, 0x000f000f, k0, 0xea;
-            lop3.b32 d, t, 0x00f000f0, k1, 0xea;
-            sub.f16x2 a, a, k0;
-            sub.f16x2 b, b, k1;
-            sub.f16x2 c, c, k0;
-            sub.f16x2 d, d, k1;
-            fma.rn.f16x2 $0, a, $5, $6;
-            fma.rn.f16x2 $1, b, $5, $6;
-            fma.rn.f16x2 $2, c, $5, $6;
-            fma.rn.f16x2 $3, d, $5, $6;
-            }""",
-            constraints="=r,=r,=r,=r,r,r,r", args=[words, scale, offset],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return (_h2_nibbles(words, 0, scale, offset), _h2_nibbles(words, 4, scale, offset),
-            _h2_nibbles(words, 8, scale, offset), _h2_nibbles(words, 12, scale, offset))
-
-
-@triton.jit
-def _h2_nibbles(words, shift, scale, offset):
-    """`_h2_weights`' half2 of the nibbles at bits shift and shift + 16, as the interpreter has it."""
-    s_lo, s_hi = _h2_unpack(scale)
-    m_lo, m_hi = _h2_unpack(offset)
-    lo = common.exact_float((words >> shift) & 0xF)
-    return _h2_pack(lo * s_lo + m_lo, common.exact_float((words >> (shift + 16)) & 0xF) * s_hi + m_hi)
-
-
-@triton.jit
-def _h2_x(a, b, F16: tl.constexpr, ASM: tl.constexpr):
-    """Two int32 words of x, a = (x0, x1) and b = (x2, x3), bf16 (or F16 fp16) -> the half2 (x0, x2) and (x1, x3),
-    the pairs of x that `_h2_weights`' (a, b) and (c, d) multiply. bf16 is rounded to fp16: exact within fp16's
-    normal range; past +-65504 an infinity (a model whose activations reach that runs without HALF2)."""
-    if ASM and F16:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r",
-                                         [a, b], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 x0, x1, x2, x3;
-            shl.b32 x0, $2, 16;
-            and.b32 x1, $2, 0xffff0000;
-            shl.b32 x2, $3, 16;
-            and.b32 x3, $3, 0xffff0000;
-            cvt.rn.f16x2.f32 $0, x2, x0;
-            cvt.rn.f16x2.f32 $1, x3, x1;
-            }""",
-            constraints="=r,=r,r,r", args=[a, b], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    if F16:
-        x0, x1 = _h2_unpack(a)
-        x2, x3 = _h2_unpack(b)
-    else:
-        x0, x1 = (a << 16).to(tl.float32, bitcast=True), (a & -65536).to(tl.float32, bitcast=True)
-        x2, x3 = (b << 16).to(tl.float32, bitcast=True), (b & -65536).to(tl.float32, bitcast=True)
-    return _h2_pack(x0, x2), _h2_pack(x1, x3)
-
-
-@triton.jit
-def _h2_dot(wa, xa, wb, xb, wc, xc, wd, xd, ASM: tl.constexpr):
-    """A word's 8 weights (four half2) times x's 8 (likewise), summed in a half2: each fp16 lane 4 products."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 s;
-            mul.rn.f16x2 s, $1, $2;
-            fma.rn.f16x2 s, $3, $4, s;
-            fma.rn.f16x2 s, $5, $6, s;
-            fma.rn.f16x2 $0, $7, $8, s;
-            }""",
-            constraints="=r,r,r,r,r,r,r,r,r", args=[wa, xa, wb, xb, wc, xc, wd, xd], dtype=tl.int32, is_pure=True,
-            pack=1)
-    return _h2_fma(wd, xd, _h2_fma(wc, xc, _h2_fma(wb, xb, _h2_fma(wa, xa, tl.zeros_like(wa)))))
-
-
-@triton.jit
-def _h2_lanes(v, ASM: tl.constexpr):
-    """A half2 -> the sum of its two fp16 lanes in fp32."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            .reg .f32 a, b;
-            mov.b32 {lo, hi}, $1;
-            cvt.f32.f16 a, lo;
-            cvt.f32.f16 b, hi;
-            add.f32 $0, a, b;
-            }""",
-            constraints="=f,r", args=[v], dtype=tl.float32, is_pure=True, pack=1)
-    lo, hi = _h2_unpack(v)
-    return lo + hi
-
-
 @triton.jit
 def _gemv_kernel(
     x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr,
@@ -394,7 +248,7 @@ def _gemv_kernel(
     guard the copies' buffers: no thread's sums cross to another inside the loop, `test_triton_compile` checks it).
 
     HALF2 (4-bit words, x's rows as int32 words): the tile's weights as fp16 pairs, and each word's 8 products summed
-    in an fp16 pair before the row's fp32 sums take them (`_h2_weights`, `_h2_x`, `_h2_dot`): sm_90 SASS under
+    in an fp16 pair before the row's fp32 sums take them (`common.h2_weights`, `h2_x`, `h2_dot`): sm_90 SASS under
     Triton 3.8, 64x128 config, one row of bf16 x: 282 instructions a thread a step against 385 (STAGES 1), 422
     against 501 (STAGES 4); fp16 x 266 against 390. Measured on a GPU against the fp32 weights before it becomes the
     default; bf16 activations past fp16's range (+-65504) would become infinities there.
@@ -446,10 +300,11 @@ def _gemv_kernel(
         scale, offset = _gemv_scales(d_ptr, m_ptr, d_row, n_ok, block, k0 + BLOCK_K, k_end, BITS, GROUP, HAS_M)
         if BITS == 16:  # float weights, as they are
             w_lo = q_now.to(tl.float32)
-        elif HALF2:  # 4-bit words' weights in fp16 pairs: (tile, 2) each of the four half2 (`_h2_weights`)
+        elif HALF2:  # 4-bit words' weights in fp16 pairs: (tile, 2) each of the four half2 (`common.h2_weights`)
             offset_now = offset_now if HAS_M else (scale_now.to(tl.float32) * -8.0).to(tl.float16)  # exact
-            wa, wb, wc, wd = _h2_weights(q_now, tl.broadcast_to(_h2_twice(scale_now, ASM), q_now.shape),
-                                         tl.broadcast_to(_h2_twice(offset_now, ASM), q_now.shape), ASM)
+            scale2 = tl.broadcast_to(common.h2_twice(scale_now, ASM), q_now.shape)  # (v, v) for each word
+            offset2 = tl.broadcast_to(common.h2_twice(offset_now, ASM), q_now.shape)
+            wa, wb, wc, wd = common.h2_weights(q_now, scale2, offset2, ASM)
         else:
             scale_now = scale_now.to(tl.float32)
             if HAS_M:
@@ -475,10 +330,10 @@ def _gemv_kernel(
                 x_words = (x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + r * (stride_xm // 2)
                            + x_first[:, None] // 2 + tl.arange(0, 4)[None, :])
                 k0, k1 = tl.split(tl.reshape(tl.load(x_words), (x_first.shape[0], 2, 2)))
-                xa, xc = _h2_x(k0, k1, X_F16, ASM)
+                xa, xc = common.h2_x(k0, k1, X_F16, ASM)
                 k0, k1 = tl.split(tl.reshape(tl.load(x_words + 8), (x_first.shape[0], 2, 2)))
-                xb, xd = _h2_x(k0, k1, X_F16, ASM)
-                part = tl.sum(_h2_lanes(_h2_dot(wa, xa, wb, xb, wc, xc, wd, xd, ASM), ASM), axis=1)
+                xb, xd = common.h2_x(k0, k1, X_F16, ASM)
+                part = tl.sum(common.h2_lanes(common.h2_dot(wa, xa, wb, xb, wc, xc, wd, xd, ASM), ASM), axis=1)
                 acc = tl.where(rows == r, acc + part[:, None], acc)
             elif r < M:
                 x_lo = _x_floats(x_ptr + r * stride_xm, x_first, XWORDS)
