@@ -4,6 +4,7 @@ and on small hand-built or freshly trained SentencePiece vocabularies."""
 import importlib.util
 import io
 import json
+import sys
 from pathlib import Path
 
 from llmrun.gguf_file import GGUFFile
@@ -329,6 +330,21 @@ def test_template_sandbox_blocks_escapes_and_mutation(source):
     ("{{ 'ab'|center(100000000) }}", "a width of 100,000,000 exceeds"),
     ("{{ 'ab'|indent(100000000) }}", "a width of 100,000,000 exceeds"),
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "its text runs past 16,777,216 characters"),
+    # widths and precisions of a format, each a single C call of gigabytes past the time limit's reach
+    ("{{ '%2000000000s'|format('a') }}", "a format width or precision of 2000000000 exceeds"),
+    ("{{ '%2000000000d' % 1 }}", "a format width or precision of 2000000000 exceeds"),
+    ("{{ '%(x).2000000000f' % {'x': 1.0} }}", "a format width or precision of 2000000000 exceeds"),
+    ("{{ '%*d' % (2000000000, 1) }}", "a width of 2,000,000,000 exceeds"),
+    ("{{ '{:>2000000000}'.format(1) }}", "a format width or precision of 2000000000 exceeds"),
+    ("{{ '{x:.2000000000f}'.format_map({'x': 1.0}) }}", "a format width or precision of 2000000000 exceeds"),
+    ("{{ '{:{}}'.format(1, 2000000000) }}", "a width of 2,000,000,000 exceeds"),
+    ("{{ ('%' ~ '9' * 5000 ~ 'd') % 1 }}", "a format width or precision of 99999999999999999999... exceeds"),
+    ("{{ [1]|tojson(indent=2000000000) }}", "a width of 2,000,000,000 exceeds"),
+    # a text doubled in a loop, by ~ and by +
+    ("{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "a joined text of 33,554,432 characters exceeds the sandbox's 16,777,216"),
+    ("{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "a joined text of 33,554,432 characters exceeds"),
 ])
 def test_whatever_a_template_raises_is_one_error(source, message):
     """A template's code is someone else's: each way it can fail is a template error, not a traceback (in the
@@ -361,13 +377,34 @@ def test_a_template_out_of_memory_says_so(monkeypatch):
         raise MemoryError  # (no message of its own)
 
     monkeypatch.setattr(template._template, "generate", generate)
-    with pytest.raises(LlmrunError, match="^chat template error: rendering it takes more memory than there is$"):
+    with pytest.raises(LlmrunError, match="^chat template error: rendering it takes more than the sandbox's 1 GiB"):
         template.render([])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the address-space cap is Linux's RLIMIT_AS")
+@pytest.mark.parametrize("source", [
+    "{{ ('a' * 1000000) | replace('a', 'a' * 1000000) }}",  # 10^12 characters in one call
+    "{{ ('a' * 1000000).replace('a', 'a' * 100) }}",  # 10^8: within the address space, past the cap
+    "{{ (['a' * 1000000] * 2000) | join }}",
+])
+def test_what_no_bound_names_stops_at_the_memory_cap(source):
+    """Behind the named bounds, the render's growth is capped: an allocation past it fails at once (a MemoryError,
+    one error line), not after the machine's memory; the limit before it is put back."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    with pytest.raises(LlmrunError, match="^chat template error: rendering it takes more than the sandbox's 1 GiB"):
+        ChatTemplate(source).render([])
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    assert len(ChatTemplate("{{ ('a' * 1000000) | replace('a', 'bc') }}").render([])) == 2000000
 
 
 def test_template_arithmetic_within_bounds():
     assert ChatTemplate("{{ 2 ** 10 }} {{ 'ab' * 3 }} {{ [1] * 2 }} {{ 3 * 4 }} {{ 2.5 ** 3 }} {{ 1 ** 10000000 }}"
                         ).render([]) == "1024 ababab [1, 1] 12 15.625 1"
+    assert ChatTemplate("{{ '%%%s' % 'a' }} {{ 'x' ~ 1 ~ none }} {{ '{:>5}|{:.2f}|{:{}}'.format('a', 1.5, 2, 3) }} "
+                        "{{ '%5d|%-3s|%*d' % (1, 'b', 3, 7) }} {{ [1] + [2] }} {{ 'a' + 'b' }} {{ '%s'|format('q') }} "
+                        "{{ 7 % 4 }} {{ 1 + 2 }}").render([]) == "%a x1None     a|1.50|  2     1|b  |  7 [1, 2] ab q 3 3"
 
 
 def test_template_raise_exception_carries_message():
