@@ -52,14 +52,17 @@ def resolve(spec: str, tqdm_class=None) -> ModelSource:
     if not spec.strip():  # (as a Path, "" would be the working directory)
         raise ModelNotFoundError(f"MODEL is empty; give a .gguf file, a model directory, a hub id or {DEFAULT_MODEL}")
     path = Path(spec).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelFormatError(f"{spec}: not a .gguf file; give a GGUF file or an HF model directory")
-        return ModelSource(spec, path, "gguf")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path}: not a model directory (no config.json)")
-        return ModelSource(spec, path, "safetensors")
+    try:
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ModelFormatError(f"{spec}: not a .gguf file; give a GGUF file or an HF model directory")
+            return ModelSource(spec, path, "gguf")
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelNotFoundError(f"{path}: not a model directory (no config.json)")
+            return ModelSource(spec, path, "safetensors")
+    except OSError as e:  # a directory on the way that may not be searched (no x permission), a name too long
+        raise ModelNotFoundError(f"{spec}: cannot look there ({e.strerror or e}: {e.filename})") from None
     looks_local = spec.startswith((".", "/", "~")) or (path.suffix == ".gguf" and ":" not in spec)
     if looks_local or not _HUB_ID.match(spec):
         raise ModelNotFoundError(f"{spec}: no such file or directory, and not a Hugging Face hub id (org/name)")
@@ -67,7 +70,9 @@ def resolve(spec: str, tqdm_class=None) -> ModelSource:
 
 
 def _check_weights(path: Path) -> None:
-    if not any(path.glob("*.safetensors")):
+    if (path / "model.safetensors.index.json").is_file():
+        _weight_files(path)  # the shards the index names: checked there, each named when wrong or missing
+    elif not any(path.glob("*.safetensors")):
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
             raise ModelFormatError(
                 f"{path} holds only pickle checkpoints (*.bin/*.pt), which llmrun never loads; use a safetensors copy"
@@ -103,6 +108,10 @@ def _resolve_hub(spec: str, bars: dict) -> ModelSource:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo, _, filename = spec.partition(":")
+    if filename and (filename.startswith(("/", "\\")) or {"..", "."} & set(filename.replace("\\", "/").split("/"))
+                     or "//" in filename):
+        raise ModelNotFoundError(f"{spec}: {filename!r} is not a path inside the repository (no '..', '.' or "
+                                 "leading '/')")
     if bars and "tqdm_class" not in inspect.signature(hf_hub_download).parameters:  # an older huggingface_hub: its own bars
         bars = {}
     try:
@@ -123,6 +132,12 @@ def _resolve_hub(spec: str, bars: dict) -> ModelSource:
         ) from e
     except (HfHubHTTPError, OSError) as e:
         raise ModelNotFoundError(f"{spec}: cannot fetch from the Hugging Face hub ({str(e).splitlines()[0]})") from e
+    except ValueError as e:  # huggingface_hub's HFValidationError: a repo id or file name it refuses
+        raise ModelNotFoundError(f"{spec}: not a hub id huggingface_hub accepts ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _reach_hub(repo: str) -> None:

@@ -177,6 +177,8 @@ def hf_config(cfg) -> dict:
     )
     if cfg.sliding_window:
         kw["sliding_window"] = cfg.sliding_window
+        if cfg.architecture == "Qwen2ForCausalLM":
+            kw.update(use_sliding_window=True, max_window_layers=cfg.sliding_window_from)
     rs = cfg.rope_scaling
     if rs is not None:
         kw["rope_scaling"] = {"rope_type": rs.kind, "factor": rs.factor} if rs.kind == "linear" else {

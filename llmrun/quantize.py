@@ -235,7 +235,7 @@ def _run_awq(model, windows, bits, group, options, dev, tensors, on_progress) ->
             on_progress(i, cfg.n_layers, f"block {i}: calibrating")
         for p in block.parameters():  # own copies: float GGUF tensors are views of the read-only file mapping
             p.data = p.data.to(dev, copy=True)
-        inputs, hidden = capture_inputs(block, hidden, cos, sin, cfg.sliding_window, options.search_rows, gen)
+        inputs, hidden = capture_inputs(block, hidden, cos, sin, cfg.layer_window(i), options.search_rows, gen)
         if on_progress:
             on_progress(i, cfg.n_layers, f"block {i}: searching scales")
         quantized, report = awq_block(block, inputs, cfg, bits, group)

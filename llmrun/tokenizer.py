@@ -340,9 +340,17 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
         eos_id=eos_id,
         eos_ids=_end_ids(declared, control),
         add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-        chat_template=metadata.get("tokenizer.chat_template"),
+        chat_template=_gguf_chat_template(metadata),
         warnings=warnings,
     )
+
+
+def _gguf_chat_template(metadata: dict) -> str | None:
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelFormatError(f"the GGUF file's tokenizer.chat_template must be a string, not "
+                               f"{type(template).__name__}")
+    return template
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
@@ -435,11 +443,21 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
 
     model_config = _read_json(path / "config.json")
     generation = _read_json(path / "generation_config.json")
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    def declared_ids(config: dict, file: str, key: str) -> list[int]:  # an id or a list of them; null is none
+        ids = _as_list(config.get(key))
+        for i in ids:
+            if type(i) is not int or not 0 <= i < vocab_size:
+                raise ModelFormatError(f"{path / file}: {key} {i!r} is not a token id (0 to {vocab_size - 1})")
+        return ids
+
     bos_id = token_id(config.get("bos_token"))
     if bos_id is None:
-        bos_id = model_config.get("bos_token_id")
+        bos_id = next(iter(declared_ids(model_config, "config.json", "bos_token_id")), None)
     eos_id = token_id(config.get("eos_token"))
-    declared = [eos_id] + _as_list(generation.get("eos_token_id")) + _as_list(model_config.get("eos_token_id"))
+    declared = [eos_id] + declared_ids(generation, "generation_config.json", "eos_token_id") + \
+        declared_ids(model_config, "config.json", "eos_token_id")
     if eos_id is None:
         eos_id = next((i for i in declared if i is not None), None)
     special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
@@ -465,9 +483,13 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return parse_json(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
+        doc = parse_json(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # (a UnicodeDecodeError among them)
         raise ModelFormatError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        held = "null" if doc is None else type(doc).__name__
+        raise ModelFormatError(f"{path} is not a JSON object (it holds {held})")
+    return doc
 
 
 def _as_list(value: Any) -> list:
@@ -485,7 +507,11 @@ def _kind_of(tok: tokenizers.Tokenizer) -> str:
 
 def _hf_chat_template(path: Path, config: dict) -> str | None:
     if (path / "chat_template.jinja").is_file():  # newer transformers saves it beside the config
-        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+        try:
+            return (path / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ModelFormatError(f"{path / 'chat_template.jinja'} is not UTF-8 text: {exc.reason} at byte "
+                                   f"{exc.start}") from None
     template = config.get("chat_template")
     if isinstance(template, list) and all(isinstance(t, dict) for t in template):
         # named: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]

@@ -49,6 +49,7 @@ class ModelConfig:
     tie_embeddings: bool = False  # output projection reuses the token embedding (SmolLM2, Llama 3.2 1B/3B)
     attention_bias: bool = False  # q/k/v projections carry biases (Qwen2)
     sliding_window: int | None = None  # each token sees only the last N positions (Mistral v0.1)
+    sliding_window_from: int = 0  # layers before this one see the whole context (Qwen2's max_window_layers)
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
@@ -64,6 +65,10 @@ class ModelConfig:
             raise ModelFormatError(f"invalid config: head size {self.head_dim} is odd (RoPE rotates pairs)")
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
             raise ModelFormatError(f"invalid config: sliding window {self.sliding_window!r}, not a positive integer")
+        first = self.sliding_window_from
+        if type(first) is not int or first < 0 or (self.sliding_window is None and first) or first >= self.n_layers:
+            raise ModelFormatError(f"invalid config: sliding window from layer {first!r} of {self.n_layers} "
+                                   f"(a layer's index, with a window)")
         if self.n_heads % self.n_kv_heads:
             raise UnsupportedModelError(
                 f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} key/value heads"
@@ -77,6 +82,10 @@ class ModelConfig:
                 raise ModelFormatError(f"invalid config: llama3 RoPE scaling with low_freq_factor "
                                        f"{rs.low_freq_factor}, high_freq_factor {rs.high_freq_factor}, original "
                                        f"context {rs.original_max_position} (low < high, a positive context)")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer `layer` attends within, or None for the whole context."""
+        return self.sliding_window if layer >= self.sliding_window_from else None
 
     @property
     def n_params(self) -> int:
@@ -173,13 +182,24 @@ _ARCHITECTURES = {v: k for k, v in _MODEL_TYPES.items()}  # a config without `ar
 def config_from_hf(cfg: dict) -> ModelConfig:
     """Build the config from a parsed HF `config.json`."""
     archs = cfg.get("architectures") or [_ARCHITECTURES.get(cfg.get("model_type"), cfg.get("model_type", "?"))]
-    arch = archs[0]
+    if isinstance(archs, str):  # one name, not in its list (transformers reads the model_type anyway)
+        archs = [archs]
+    arch = archs[0] if isinstance(archs, list) else archs
+    if not isinstance(arch, str):
+        raise ModelFormatError(f"invalid config: architectures is {str(cfg.get('architectures'))[:60]}, "
+                               f"not a list of names")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise _unsupported_architecture(arch)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"unsupported activation {act!r}; llmrun implements SwiGLU with 'silu'")
-    if cfg.get("mlp_bias"):
+    def flag(key: str) -> bool:  # a JSON true/false; null or absent is false (transformers' Llama/Qwen2 default)
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ModelFormatError(f"invalid config: {key} is {value!r}, not true or false")
+        return bool(value)
+
+    if flag("mlp_bias"):
         raise UnsupportedModelError("MLP biases (mlp_bias=true) are not supported")
 
     def need(key, default=None, kind=int):  # null counts as absent, as transformers reads it
@@ -191,17 +211,22 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     n_heads = need("num_attention_heads")
     dim = need("hidden_size")
     qwen2 = arch == "Qwen2ForCausalLM"
-    sliding = cfg.get("sliding_window")
-    if qwen2 and not cfg.get("use_sliding_window", False):
+    n_layers = need("num_hidden_layers")
+    sliding, sliding_from = cfg.get("sliding_window"), 0
+    if qwen2 and not flag("use_sliding_window"):
         sliding = None  # Qwen2 configs list a window they do not use
     if sliding is not None:
         sliding = _number(sliding, "sliding_window")
+        if qwen2:  # as transformers: the window is only in the layers from max_window_layers on, or as layer_types say
+            sliding_from = _window_from(cfg, n_layers)
+            if sliding_from >= n_layers:
+                sliding, sliding_from = None, 0
     rope_theta, rope_scaling = _rope_from_hf(cfg)
     return ModelConfig(
         architecture=arch,
         vocab_size=need("vocab_size"),
         dim=dim,
-        n_layers=need("num_hidden_layers"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=need("num_key_value_heads", n_heads),
         head_dim=need("head_dim", dim // max(n_heads, 1)),
@@ -209,11 +234,30 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         norm_eps=need("rms_norm_eps", 1e-6, float),
         rope_theta=rope_theta,
         max_seq_len=need("max_position_embeddings", 2048),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=qwen2 or bool(cfg.get("attention_bias", False)),
+        tie_embeddings=flag("tie_word_embeddings"),
+        attention_bias=flag("attention_bias") or qwen2,
         sliding_window=sliding,
+        sliding_window_from=sliding_from,
         rope_scaling=rope_scaling,
     )
+
+
+def _window_from(cfg: dict, n_layers: int) -> int:
+    """The first windowed layer of a Qwen2 config with use_sliding_window: `layer_types` (full attention, then
+    sliding, as transformers writes them) when given, else max_window_layers (transformers' default, 28)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        first = _number(28 if cfg.get("max_window_layers") is None else cfg["max_window_layers"], "max_window_layers")
+        return min(max(first, 0), n_layers)
+    if not isinstance(types, list) or len(types) != n_layers or \
+            not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ModelFormatError(f"invalid config: layer_types {str(types)[:80]}, not a list of {n_layers} "
+                               f"'full_attention'/'sliding_attention'")
+    first = types.index("sliding_attention") if "sliding_attention" in types else n_layers
+    if "full_attention" in types[first:]:
+        raise UnsupportedModelError("layer_types with full-attention layers after a sliding-window one are not "
+                                    "supported (llmrun windows every layer from the first windowed one on)")
+    return first
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -227,6 +271,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
     if cfg.architecture == "Qwen2ForCausalLM":
         out["use_sliding_window"] = cfg.sliding_window is not None
+        if cfg.sliding_window is not None:
+            out["max_window_layers"] = cfg.sliding_window_from
     else:
         out["attention_bias"] = cfg.attention_bias
     out["sliding_window"] = cfg.sliding_window
@@ -261,7 +307,11 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         if kind != "linear":
             raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF; llmrun implements 'linear'")
         scaling = RopeScaling("linear", get("rope.scaling.factor", kind=float))
-    vocab = get("vocab_size", len(meta.get("tokenizer.ggml.tokens") or ()))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if f"{gguf_arch}.vocab_size" not in meta and not tokens:
+        raise ModelFormatError(f"the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing) and no "
+                               f"{gguf_arch}.vocab_size")
+    vocab = get("vocab_size", len(tokens or ()))
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,

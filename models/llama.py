@@ -206,7 +206,7 @@ class Transformer(nn.Module):
             return self._stack[1]
         stack = None
         linears = [(l.attn.qkv, l.attn.o, l.mlp.gate_up, l.mlp.down) for l in self.layers]
-        if (x.device.type == "cpu" and x.dtype == torch.float32
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and not self.config.sliding_window_from
                 and all(isinstance(w, QuantLinear) for ws in linears for w in ws) and kernels.cpu.available()):
             cfg = self.config
             layers = [dict(attn_norm=l.attn_norm.weight, mlp_norm=l.mlp_norm.weight, qkv=l.attn.qkv, o=l.attn.o,
@@ -249,8 +249,8 @@ class Transformer(nn.Module):
         else:
             # each residual add runs inside the next norm's launch: a decode step's launches cost time of their own
             pending = None
-            for layer in self.layers:
-                x, pending = layer.residuals(x, pending, cos, sin, start_pos, cache, self.config.sliding_window)
+            for i, layer in enumerate(self.layers):
+                x, pending = layer.residuals(x, pending, cos, sin, start_pos, cache, self.config.layer_window(i))
             if last_only:
                 x, pending = x[:, -1:], pending[:, -1:]
             x = kernels.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)[1]

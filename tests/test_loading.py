@@ -12,7 +12,7 @@ from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedModel
 from llmrun.loading import load_model, open_model, resolve, round_to_int4
 from llmrun.models import config_from_gguf, config_from_hf
 
-from .tiny import CONFIGS, hf_config_json, random_model, write_gguf, write_hf_dir
+from .tiny import CONFIGS, decode_in_steps, hf_config_json, random_model, write_gguf, write_hf_dir
 
 
 def _same_logits(model, loaded):
@@ -60,6 +60,31 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
     _same_logits(model, load_model("acme/tiny-llama", device="cpu", dtype="fp32"))
     with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
         resolve("acme/not-downloaded")
+
+
+@pytest.mark.parametrize("spec", ["acme/tiny:../x.gguf", "acme/tiny:a/../../x.gguf", "acme/tiny:/etc/x.gguf",
+                                  "acme/tiny:./x.gguf", "acme/tiny:a//x.gguf"])
+def test_a_hub_file_outside_its_repository_is_refused(spec, monkeypatch):
+    """A GGUF named in a hub id is a path inside the repository: '..' and the like are one error before the
+    hub library is asked (it raised a ValueError of its own, a traceback)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match="is not a path inside the repository"):
+        resolve(spec)
+
+
+def test_a_path_that_cannot_be_looked_at_is_one_error(tmp_path, monkeypatch):
+    """A name past the file system's length (ENAMETOOLONG), a directory on the way without search permission
+    (EACCES, root passes it: simulated): one error naming the path, not an OSError traceback."""
+    with pytest.raises(ModelNotFoundError, match="cannot look there \\(File name too long"):
+        resolve(str(tmp_path / ("a" * 300) / "model"))
+    from pathlib import Path
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    with pytest.raises(ModelNotFoundError, match=f"^{tmp_path}/m: cannot look there \\(Permission denied: "):
+        resolve(str(tmp_path / "m"))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q6_K"])
@@ -148,6 +173,10 @@ def test_rope_parameters_from_transformers_itself():
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1,
                        "original_max_position_embeddings": 8192}}, ["low < high"]),
     ({"rope_parameters": {"rope_theta": "big"}}, ["rope_theta", "'big'"]),
+    ({"tie_word_embeddings": "false"}, ["tie_word_embeddings is 'false', not true or false"]),
+    ({"attention_bias": 1}, ["attention_bias is 1, not true or false"]),
+    ({"architectures": [7]}, ["architectures is [7], not a list of names"]),
+    ({"architectures": {"a": 1}}, ["architectures is {'a': 1}, not a list of names"]),
 ])
 def test_invalid_config_values(change, words):
     """Whatever a config.json holds, a bad value is named, not a KeyError or TypeError from deep inside."""
@@ -159,15 +188,78 @@ def test_invalid_config_values(change, words):
         assert word in str(e.value)
 
 
+def test_one_architecture_name_outside_a_list():
+    assert config_from_hf({**hf_config_json(CONFIGS["llama"]), "architectures": "LlamaForCausalLM"}) == CONFIGS["llama"]
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        config_from_hf({**hf_config_json(CONFIGS["llama"]), "architectures": "GPT2LMHeadModel"})
+
+
+def test_qwen2_window_only_from_max_window_layers():
+    """Qwen2 with use_sliding_window windows the layers from max_window_layers on (transformers' default 28),
+    or those its layer_types name; a window no layer has is none."""
+    base = {**hf_config_json(CONFIGS["qwen2"]), "use_sliding_window": True, "sliding_window": 5}
+    assert config_from_hf({**base, "max_window_layers": 1}).layer_window(0) is None
+    assert config_from_hf({**base, "max_window_layers": 1}).layer_window(1) == 5
+    assert config_from_hf({**base, "max_window_layers": 0}).sliding_window_from == 0
+    for unset in ({}, {"max_window_layers": 2}, {"max_window_layers": None}):  # 28 layers or more: none windowed
+        cfg = config_from_hf({k: v for k, v in {**base, **unset}.items() if k != "max_window_layers" or unset})
+        assert (cfg.sliding_window, cfg.sliding_window_from) == (None, 0)
+    both = ["full_attention", "sliding_attention"]
+    assert config_from_hf({**base, "max_window_layers": 0, "layer_types": both}).sliding_window_from == 1
+    assert config_from_hf({**base, "layer_types": both[:1] * 2}).sliding_window is None
+    assert config_from_hf({**base, "use_sliding_window": False, "layer_types": both}).sliding_window is None
+    with pytest.raises(UnsupportedModelError, match="full-attention layers after a sliding-window one"):
+        config_from_hf({**base, "layer_types": both[::-1]})
+    with pytest.raises(ModelFormatError, match="layer_types .* not a list of 2"):
+        config_from_hf({**base, "layer_types": ["sliding_attention"]})
+    with pytest.raises(ModelFormatError, match="use_sliding_window is 'yes', not true or false"):
+        config_from_hf({**base, "use_sliding_window": "yes"})
+    with pytest.raises(ModelFormatError, match="sliding window from layer 2 of 2"):
+        replace(CONFIGS["mistral"], sliding_window_from=2)
+    with pytest.raises(ModelFormatError, match="sliding window from layer 1 of 2"):
+        replace(CONFIGS["llama"], sliding_window_from=1)  # no window
+
+
+def test_qwen2_window_from_a_layer_round_trips_and_matches_transformers(tmp_path):
+    """A Qwen2 directory whose second layer alone is windowed: read back equal, its logits those of the model
+    written, and (where transformers is installed: locally, not in CI) those of transformers' Qwen2 (windowing
+    every layer, as before, differs there)."""
+    cfg = replace(CONFIGS["qwen2"], sliding_window=5, sliding_window_from=1)
+    model = random_model(cfg)
+    path = write_hf_dir(tmp_path / "qwen2", model)
+    loaded = load_model(str(path), device="cpu", dtype="fp32")
+    assert loaded.config == cfg
+    _same_logits(model, loaded)
+    # packed: the CPU's whole-stack call, which takes one window for all layers, is not used for its decode steps
+    from llmrun.models.quant import QuantLinear
+
+    packed = load_model(str(path), device="cpu", dtype="fp32", weights="int4").model
+    assert isinstance(packed.layers[0].attn.qkv, QuantLinear)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = packed(tokens)[0]
+    torch.testing.assert_close(decode_in_steps(packed, tokens, 3), full, atol=1e-4, rtol=1e-4)
+    transformers = pytest.importorskip("transformers")
+    (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), "model_type": "qwen2"}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+        torch.testing.assert_close(model(tokens), theirs, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(random_model(replace(cfg, sliding_window_from=0))(tokens), theirs, atol=1e-3)
+
+
 def test_invalid_gguf_metadata():
     meta = {"general.architecture": "llama", "llama.block_count": 2, "llama.context_length": 256,
             "llama.embedding_length": 64, "llama.feed_forward_length": 96, "llama.attention.head_count": 4,
             "llama.attention.layer_norm_rms_epsilon": 1e-5, "tokenizer.ggml.tokens": ["a"] * 128}
     assert config_from_gguf(meta, set()).n_layers == 2
     for key, value, words in [("llama.block_count", 0, "layer count"), ("llama.context_length", 0, "context length"),
-                              ("llama.attention.head_count", "x", "head_count")]:
+                              ("llama.attention.head_count", "x", "head_count"),
+                              ("tokenizer.ggml.tokens", None, "no tokenizer .* and no llama.vocab_size")]:
         with pytest.raises(ModelFormatError, match=words):
-            config_from_gguf({**meta, key: value}, set())
+            config_from_gguf({k: v for k, v in {**meta, key: value}.items() if v is not None}, set())
 
 
 def test_model_type_without_architectures():
@@ -297,6 +389,12 @@ def test_an_index_naming_a_file_elsewhere_is_refused(tmp_path):
     weight_map = {"model.norm.weight": "../other/model.safetensors"}
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ModelFormatError, match="shard ../other/model.safetensors is not a file name of this dir"):
+        open_model(str(path))
+    # the directory's only weights elsewhere, by an absolute path: the index is named, not "no weights"
+    (path / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    weight_map = {"model.norm.weight": str(tmp_path / "elsewhere.safetensors")}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelFormatError, match=f"shard {tmp_path}/elsewhere.safetensors is not a file name of this"):
         open_model(str(path))
 
 

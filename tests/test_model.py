@@ -6,7 +6,7 @@ import torch
 from llmrun.kv_cache import KVCache
 from llmrun.models.config import ModelConfig, RopeScaling, rope_inv_freq
 
-from .tiny import CONFIGS, random_model
+from .tiny import CONFIGS, decode_in_steps, random_model
 
 T = 19  # prompt + decoded tokens, longer than Mistral's tiny window of 5
 
@@ -19,14 +19,7 @@ def test_cached_decode_equals_full_forward(arch, prefill):
     tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens)[0]  # (T, V), no cache
-        cache = KVCache.for_model(cfg, 32, torch.float32, "cpu")
-        steps = [model(tokens[:, :prefill], 0, cache)[0]]
-        cache.length = prefill
-        for i in range(prefill, T):
-            steps.append(model(tokens[:, i : i + 1], i, cache)[0])
-            cache.length = i + 1
-    cached = torch.cat(steps)
-    torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode_in_steps(model, tokens, prefill), full, atol=1e-4, rtol=1e-4)
 
 
 def test_last_only_and_chunked_prefill_match():
@@ -55,6 +48,31 @@ def test_sliding_window_limits_attention():
     # The window is per layer, so influence spreads 4 positions per layer: 2 layers reach position 8.
     assert not torch.allclose(la[1], lb[1])
     torch.testing.assert_close(la[2 * 4 + 1 :], lb[2 * 4 + 1 :])
+
+
+def test_a_window_from_a_later_layer_leaves_the_first_layers_whole():
+    """Qwen2's max_window_layers: layer 0 attends to the whole context, layer 1 within 5 positions. The model
+    equals its layers run by hand with those windows (the CPU's whole-stack call, one window for all, is not
+    used), and the first token reaches every later logit, where windowing both layers would cut it off."""
+    from dataclasses import replace
+
+    cfg = replace(CONFIGS["qwen2"], sliding_window=5, sliding_window_from=1)
+    model = random_model(cfg)
+    a = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    b = a.clone()
+    b[0, 0] = (a[0, 0] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        x = model.embed(a)
+        cos, sin = (t[:12] for t in model._rope_tables(12, x.device))
+        for layer, window in zip(model.layers, (None, 5)):
+            x = layer(x, cos, sin, 0, None, window)
+        torch.testing.assert_close(model(a), model.lm_head(model.norm(x)).float())  # (Qwen2: an untied head)
+        la, lb = model(a)[0], model(b)[0]
+        assert not torch.allclose(la[-1], lb[-1])
+        every = replace(cfg, sliding_window_from=0)
+        windowed = random_model(every)
+        torch.testing.assert_close(windowed(a)[0][9:], windowed(b)[0][9:])
+    torch.testing.assert_close(decode_in_steps(model, a, 4), la, atol=1e-4, rtol=1e-4)
 
 
 def test_gqa_matches_repeated_kv_heads():

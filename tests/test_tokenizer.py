@@ -384,7 +384,7 @@ def test_a_template_out_of_memory_says_so(monkeypatch):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the address-space cap is Linux's RLIMIT_AS")
 @pytest.mark.parametrize("source", [
     "{{ ('a' * 1000000) | replace('a', 'a' * 1000000) }}",  # 10^12 characters in one call
-    "{{ ('a' * 1000000).replace('a', 'a' * 100) }}",  # 10^8: within the address space, past the cap
+    "{{ ('a' * 1000000).replace('a', 'a' * 3000) }}",  # 3 GB: within the machine's memory, past the cap
     "{{ (['a' * 1000000] * 2000) | join }}",
 ])
 def test_what_no_bound_names_stops_at_the_memory_cap(source):
@@ -437,6 +437,12 @@ def test_missing_template_suggests_generate(spm):
         spm.render_chat([{"role": "user", "content": "Hi"}])
 
 
+@pytest.mark.parametrize("odd", [7, ["{{ x }}"]])
+def test_gguf_chat_template_not_a_string_is_one_error(odd):
+    with pytest.raises(ModelFormatError, match="tokenizer.chat_template must be a string, not "):
+        tokenizer_from_gguf(_spm_metadata(**{"tokenizer.chat_template": odd}))
+
+
 @pytest.mark.parametrize("template", ["{{ bos_token }}{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"])
 def test_encode_chat_adds_bos_once(template):
     tok = tokenizer_from_gguf(_spm_metadata(**{"tokenizer.chat_template": template}))
@@ -476,6 +482,29 @@ def test_hf_dir_named_templates_and_jinja_file(spm, tmp_path):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": odd}))
         with pytest.raises(ModelFormatError, match="chat_template must be a string or a list of {name, template}"):
             tokenizer_from_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("file, text, message", [
+    ("tokenizer_config.json", "[1, 2]", "tokenizer_config.json is not a JSON object \\(it holds list\\)"),
+    ("generation_config.json", "null", "generation_config.json is not a JSON object \\(it holds null\\)"),
+    ("generation_config.json", '"x"', "generation_config.json is not a JSON object \\(it holds str\\)"),
+    ("generation_config.json", '{"eos_token_id": -1}', "generation_config.json: eos_token_id -1 is not a token id"),
+    ("generation_config.json", '{"eos_token_id": [2, "abc"]}', "eos_token_id 'abc' is not a token id \\(0 to"),
+    ("generation_config.json", '{"eos_token_id": 5.5}', "eos_token_id 5.5 is not a token id"),
+    ("generation_config.json", '{"eos_token_id": true}', "eos_token_id True is not a token id"),
+    ("config.json", '{"eos_token_id": 99999999}', "config.json: eos_token_id 99999999 is not a token id"),
+    ("config.json", '{"bos_token_id": -3}', "config.json: bos_token_id -3 is not a token id"),
+    ("chat_template.jinja", b"{{ '\xff' }}", "chat_template.jinja is not UTF-8 text: invalid start byte at byte 4"),
+    ("tokenizer_config.json", b'{"a": "\xff"}', "tokenizer_config.json is not valid JSON"),
+])
+def test_hf_dir_odd_files_are_one_error(spm, tmp_path, file, text, message):
+    """What a directory's JSON or template holds is checked as it is read: one error naming the file and what is
+    wrong, not an AttributeError, OverflowError or UnicodeDecodeError later (in the chat's first render)."""
+    spm._tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ eos_token }}"}))
+    (tmp_path / file).write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ModelFormatError, match=message):
+        tokenizer_from_hf_dir(tmp_path)
 
 
 def test_hf_dir_without_add_bos_flag_follows_post_processor(spm, tmp_path):

@@ -32,6 +32,21 @@ def random_model(cfg: ModelConfig, seed: int = 0, dtype=torch.float32):
     return model.to(dtype).eval()
 
 
+def decode_in_steps(model, tokens, prefill: int) -> torch.Tensor:
+    """Logits (T, V) of tokens (1, T) through one fp32 KV cache: the first `prefill` in one forward, then one
+    token a step (what a full forward's logits must equal)."""
+    from llmrun.kv_cache import KVCache
+
+    cache = KVCache.for_model(model.config, tokens.shape[1] + 4, torch.float32, "cpu")
+    with torch.no_grad():
+        steps = [model(tokens[:, :prefill], 0, cache)[0]]
+        cache.length = prefill
+        for i in range(prefill, tokens.shape[1]):
+            steps.append(model(tokens[:, i : i + 1], i, cache)[0])
+            cache.length = i + 1
+    return torch.cat(steps)
+
+
 def hf_config_json(cfg: ModelConfig) -> dict:
     d = {
         "architectures": [cfg.architecture], "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
@@ -43,7 +58,9 @@ def hf_config_json(cfg: ModelConfig) -> dict:
     if cfg.sliding_window:
         d["sliding_window"] = cfg.sliding_window
     if cfg.architecture == "Qwen2ForCausalLM":
-        d["use_sliding_window"] = False
+        d["use_sliding_window"] = cfg.sliding_window is not None
+        if cfg.sliding_window:
+            d["max_window_layers"] = cfg.sliding_window_from
     if cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
         d["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,

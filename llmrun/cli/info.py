@@ -41,6 +41,7 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling.kind if cfg.rope_scaling else None,
         "sliding_window": cfg.sliding_window,
+        "sliding_window_from_layer": cfg.sliding_window_from if cfg.sliding_window else None,
         "tied_embeddings": cfg.tie_embeddings,
         "kv_bytes_per_token": {fmt: kv_bytes(cfg, fmt) for fmt in KV_FORMATS},
         "kv_int4_rings": {"positions": ref.ring_window(int4_ring_slots(ctx)), "slots": int4_ring_slots(ctx),
