@@ -190,7 +190,12 @@ def _bounded(filter_):
 def _memory_limit(extra: int):
     """Cap the process's address space at `extra` bytes past what it maps now, in the block (Linux's
     RLIMIT_AS): an allocation past it fails at once with a MemoryError, where otherwise a render could take
-    the machine's memory and, in one C call, outlast the time limit. The limit before it is put back after."""
+    the machine's memory and, in one C call, outlast the time limit. The limit before it is put back after. The
+    limit is the process's: set only from the main thread, as the timer is (a render in another thread would
+    hold every thread to it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     try:
         import resource
 

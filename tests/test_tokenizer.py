@@ -399,6 +399,24 @@ def test_what_no_bound_names_stops_at_the_memory_cap(source):
     assert len(ChatTemplate("{{ ('a' * 1000000) | replace('a', 'bc') }}").render([])) == 2000000
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the address-space cap is Linux's RLIMIT_AS")
+def test_a_render_off_the_main_thread_leaves_the_process_limits_alone(monkeypatch):
+    """The memory cap, like the timer, is the process's: a render in another thread sets neither (the main
+    thread may be loading a model meanwhile)."""
+    import resource
+    import threading
+
+    calls = []
+    monkeypatch.setattr(resource, "setrlimit", lambda *args: calls.append(args))
+    out = []
+    thread = threading.Thread(target=lambda: out.append(ChatTemplate("{{ 'ab' * 2 }}").render([])))
+    thread.start()
+    thread.join()
+    assert out == ["abab"] and calls == []
+    ChatTemplate("x").render([])
+    assert len(calls) == 2  # (the main thread's: set, then put back)
+
+
 def test_template_arithmetic_within_bounds():
     assert ChatTemplate("{{ 2 ** 10 }} {{ 'ab' * 3 }} {{ [1] * 2 }} {{ 3 * 4 }} {{ 2.5 ** 3 }} {{ 1 ** 10000000 }}"
                         ).render([]) == "1024 ababab [1, 1] 12 15.625 1"
