@@ -404,16 +404,18 @@ def measure_settings(files, settings: Settings, workload, compiled: bool = False
 
 
 def check_fits_context(prompt_tokens: int, new_tokens: int, ctx: int, trained: int | None = None) -> None:
-    """A run must fit the context of `ctx` positions (at most `trained`, the model's own, when given)."""
-    if prompt_tokens + new_tokens > ctx:
+    """A run must fit the context of `ctx` positions (at most `trained`, the model's own, when given): the prompt
+    and every new token but the last, which is never fed back, so never cached."""
+    need = prompt_tokens + max(new_tokens - 1, 0)
+    if need > ctx:
         fix = "lower --prompt-tokens/--new-tokens"
-        if trained is None or ctx < min(trained, prompt_tokens + new_tokens):
+        if trained is None or ctx < min(trained, need):
             fix = f"raise --ctx{'' if trained is None else f' (up to {trained})'} or {fix}"
-        elif trained < prompt_tokens + new_tokens:
+        elif trained < need:
             fix += f" (the model was trained for {trained} positions), or bound the cache with --kv-evict"
         raise UsageError(
-            f"the prompt ({prompt_tokens} tokens) and --new-tokens {new_tokens} need {prompt_tokens + new_tokens}"
-            f" positions but the context holds {ctx}; {fix}"
+            f"the prompt ({prompt_tokens} tokens) and --new-tokens {new_tokens} need {need} positions (the last new"
+            f" token is not cached) but the context holds {ctx}; {fix}"
         )
 
 

@@ -18,7 +18,11 @@ _HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
 
 
 class PeerSkipped(Exception):
-    """Why a peer cannot run here; becomes the row's `skipped` text."""
+    """Why a peer cannot run here; becomes the row's `skipped` text (and `version` its version, when installed)."""
+
+    def __init__(self, message: str, version: str | None = None):
+        super().__init__(message)
+        self.version = version
 
 
 def _one_line(e: BaseException) -> str:
@@ -56,7 +60,7 @@ def peer_rows(files, settings, workload, progress=lambda message: None) -> list[
         try:
             runner, version, config = start(files, settings)
         except PeerSkipped as e:
-            rows.append(row(name, "", skipped=str(e)))
+            rows.append(row(name, "", version=e.version, skipped=str(e)))
             continue
         try:
             with bench.torch_threads(settings.threads):
@@ -119,7 +123,7 @@ def _start_llama_cpp(files, settings):
     try:
         runner = LlamaCppRunner(llama_cpp, files.source.path, settings)
     except Exception as e:  # a third-party engine's failure: reported, never fatal
-        raise PeerSkipped(f"llama.cpp failed to load the model: {_one_line(e)}") from None
+        raise PeerSkipped(f"llama.cpp failed to load the model: {_one_line(e)}", llama_cpp.__version__) from None
     stored = "+".join(sorted(files.stored_bytes)) or "?"
     offload = ""
     if settings.device == "cuda":  # a CPU-only build of llama.cpp ignores n_gpu_layers: say where it ran
@@ -222,7 +226,7 @@ def _start_transformers(files, settings):
                 model = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype).to(device)
                 what = "safetensors"
     except Exception as e:  # a third-party engine's failure: reported, never fatal
-        raise PeerSkipped(f"transformers failed to load the model: {_one_line(e)}") from None
+        raise PeerSkipped(f"transformers failed to load the model: {_one_line(e)}", transformers.__version__) from None
     model.eval()
     config = f"{what} to {settings.dtype}, eager PyTorch"
     return TransformersRunner(model, device), transformers.__version__, config

@@ -597,9 +597,37 @@ def test_llama_cpp_runs_the_same_workload(embedded_path, monkeypatch):
     assert transformers["skipped"].startswith("transformers not installed")
 
 
+def test_a_peer_that_fails_to_load_still_names_its_version(monkeypatch):
+    """An installed peer that cannot load the model (transformers without accelerate, for one): its row says why
+    and which version failed."""
+    import types
+
+    from llmrun.loading import open_model
+
+    def refuse(*args, **kwargs):
+        raise ValueError("accelerate is required when loading a GGUF file")
+
+    auto = types.SimpleNamespace(from_pretrained=refuse)
+    logging = types.SimpleNamespace(set_verbosity_error=lambda: None, disable_progress_bar=lambda: None)
+    fake = types.SimpleNamespace(__version__="9.9.9", AutoModelForCausalLM=auto,
+                                 utils=types.SimpleNamespace(logging=logging))
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    files = open_model("smollm2")
+    workload = make_workload(files.tokenizer, prompt_tokens=8, new_tokens=2, repeat=1, warmup=False)
+    llama, transformers = peers.peer_rows(files, bench.Settings("cpu", "fp32", "auto", 1, 64), workload)
+    assert (llama["version"], llama["skipped"]) == (None, "llama-cpp-python not installed (pip install llama-cpp-python)")
+    assert transformers["version"] == "9.9.9"
+    assert transformers["skipped"] == "transformers failed to load the model: ValueError: accelerate is required " \
+        "when loading a GGUF file"
+
+
 def test_a_run_past_the_context_says_what_can_change():
     """--ctx is offered only where raising it helps: never past the model's trained context."""
     bench.check_fits_context(100, 28, 128, 8192)
+    bench.check_fits_context(100, 29, 128, 8192)  # the last new token is never cached: 128 positions
+    with pytest.raises(LlmrunError, match=re.escape("need 129 positions (the last new token is not cached)")):
+        bench.check_fits_context(100, 30, 128, 8192)
     for ctx, trained, fix in [(128, 8192, "raise --ctx (up to 8192) or lower"), (128, None, "raise --ctx or lower"),
                               (8192, 8192, "lower --prompt-tokens/--new-tokens (the model was trained for 8192")]:
         with pytest.raises(LlmrunError, match=re.escape(fix)):

@@ -319,9 +319,10 @@ def _signal_one_turn(sig: int, *args: str) -> tuple[int, str, bytes]:
 
 
 def test_ctrl_c_in_one_turn_mode_exits_130():
-    code, _, err = _signal_one_turn(signal.SIGINT)
+    code, out, err = _signal_one_turn(signal.SIGINT)
     assert code == 130, err
     assert b"interrupted" in err
+    assert out.endswith("\n") and not out.endswith("\n\n")  # the part shown ends its line, as a whole reply does
 
 
 _CTRL_C_IN_AN_IMPORT = """

@@ -177,6 +177,25 @@ def test_interrupted_prefill_leaves_figures_that_say_so(smollm2, monkeypatch):
     assert "prefill interrupted" in line and "ctx 40/512" in line and "interrupted" in line
 
 
+def test_an_empty_reply_is_a_line_of_its_own_and_says_why(smollm2, monkeypatch, capsys):
+    """The model's first token an end token: stdout still gets its line (one-turn output ends with a newline),
+    and the status line says why nothing came."""
+    from llmrun.cli.console import status_line, stream_to_stdout
+    from llmrun.memory import memory_report
+
+    engine = Engine(smollm2, max_len=512)
+    prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    greedy_first = next(iter(Engine(smollm2, max_len=512).generate(prompt, GREEDY)), None)
+    assert greedy_first  # (the model's first piece of text, to make an end token of)
+    ids = smollm2.tokenizer.encode(greedy_first, add_bos=False)
+    monkeypatch.setattr(smollm2.tokenizer, "eos_ids", smollm2.tokenizer.eos_ids | {ids[0]})
+    reply = engine.generate(prompt, GREEDY)
+    stream_to_stdout(reply)
+    assert capsys.readouterr().out == "\n"
+    assert (reply.text, reply.stats.new_tokens, reply.stats.finish_reason) == ("", 0, "stop")
+    assert "stopped: an end token first (an empty reply)" in status_line(reply.stats, memory_report(engine)).plain
+
+
 def test_interrupt_before_the_first_token_drops_the_question(smollm2):
     chat = Conversation(Engine(smollm2, max_len=512), GREEDY)
     reply = chat.send("Hello")

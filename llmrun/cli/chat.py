@@ -178,8 +178,13 @@ def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool
             print_json_when_done(reply, conversation.engine, model=model)
         else:
             stream_to_stdout(reply)
-    except BaseException:  # Ctrl-C, SIGTERM, a closed terminal, a crash: keep the partial reply, as the chat does
+    except BaseException as e:  # Ctrl-C, SIGTERM, a closed terminal, a crash: keep the partial reply, as the chat does
         _keep(conversation, reply, saving)
+        if isinstance(e, KeyboardInterrupt) and not json_out and not reply.text.endswith("\n"):
+            try:  # stdout ends as a whole reply's does (stdout gone too: the interruption is what to report)
+                write_out("\n")
+            except OutputError:
+                pass
         raise
     _keep(conversation, reply, saving)
     if not json_out and not quiet:
@@ -329,6 +334,10 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
             raise LlmrunError("/load needs a FILE")
         path = _path(arg)
         saved = load_conversation(path)
+        every = saving.every_turn
+        if every is not None and conversation.messages and path.resolve() != every.resolve():
+            err.print(Text(f"note: {every} holds the conversation before until the next turn, which --save writes "
+                           f"over it", style="dim"))
         conversation.messages, conversation.system = list(saved.messages), saved.system
         saving.last = path
         saving.ours.add(path.resolve())

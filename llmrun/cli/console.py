@@ -352,6 +352,8 @@ def status_line(stats, memory: dict) -> Text:
     if stats.finish_reason in ("length", "context", "interrupted"):
         parts.append({"length": "stopped: --max-new-tokens", "context": "stopped: context full",
                       "interrupted": "interrupted"}[stats.finish_reason])
+    elif stats.finish_reason == "stop" and not stats.new_tokens:
+        parts.append("stopped: an end token first (an empty reply)")
     return Text(" · ".join(parts), style="dim")
 
 
@@ -388,5 +390,5 @@ def stream_to_stdout(reply) -> None:
                 write_out(piece)
     finally:
         pieces.close()
-    if reply.text and not reply.text.endswith("\n"):
+    if not reply.text.endswith("\n"):  # (an empty reply too: a line of its own)
         write_out("\n")
