@@ -32,9 +32,11 @@ load both, score both keys and pick per (row, key), and split each row's probabi
 of the values. The tiles below nq_lo, nearly all of a long cache, run first in a loop of their own that loads no
 ring (`_attend_tiles`' CODES), the rest after it. Nothing a step loads is waited on within the step: the codes are
 copied a stage ahead as dense tiles are, and the per-group scales (and INT4 values' minimums), too narrow for
-that, are fetched a tile ahead in the loop (`_attend_tiles`' AHEAD). sm_90 steps of 64 keys (Triton 3.6, head_dim
-128, 4 warps): bf16 404 instructions a thread, INT8 944, INT4's codes-only loop 1120 (2253 when every tile also
-loaded its ring entries, and its packed bytes one at a time).
+that, are fetched a tile ahead in the loop (`_attend_tiles`' AHEAD). No load masks a position (a tile's positions
+past its split's last key read that key, weighed 0), and a power-of-two head_dim masks no channel (EVEN_D). sm_90
+steps of 64 keys (Triton 3.8, head_dim 128, 4 warps, `bench/sass.py`): bf16 297 instructions a thread, INT8 810,
+INT4's codes-only loop 779 (359, 910 and 886 with every load masked; under Triton 3.6 404, 944 and 1120, and 2253
+for INT4 when every tile also loaded its ring entries, and its packed bytes one at a time).
 
 Attention mass (H2O), when asked for: the split kernel also writes its masked scores to a (B, Hkv, T * G, keys)
 scratch buffer, the combine (or, with one split, the split itself) writes each row's log2-sum-exp, and
@@ -181,35 +183,42 @@ def _attend_tiles(
     # INT8's scales and INT4's value scales and minimums, one per (position, group of channels), are too narrow for
     # Triton to copy ahead as it copies the codes: fetched a tile ahead here, so no step waits on their loads
     AHEAD: tl.constexpr = BITS == 8 or (BITS == 4 and CODES)
+    # No load masks a position: a tile's positions past `end` read the key at end - 1 (in the cache, and weighed
+    # 0: `visible` masks them from the scores), so the copies ahead carry no select, nor the tiles predicates
+    every = tl.full([BLOCK_N], True, tl.int1)
     if AHEAD:
-        offs_a = n_from + tl.arange(0, BLOCK_N)
-        vs_next = _group_tile(vs_base, stride_vss, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+        offs_a = tl.minimum(n_from + tl.arange(0, BLOCK_N), end - 1)
+        vs_next = _group_tile(vs_base, stride_vss, offs_a, every, D, BLOCK_D, GROUP)
         if BITS == 8:
-            ks_next = _group_tile(ks_base, stride_kss, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+            ks_next = _group_tile(ks_base, stride_kss, offs_a, every, D, BLOCK_D, GROUP)
         else:  # (INT4 keys' scales are per channel: copied ahead with the codes)
-            vm_next = _group_tile(vm_base, stride_vms, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+            vm_next = _group_tile(vm_base, stride_vms, offs_a, every, D, BLOCK_D, GROUP)
     for n0 in range(n_from, n_to, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
+        if CODES:  # (whole tiles, below nq_lo <= end)
+            at = offs_n
+        else:
+            at = tl.minimum(offs_n, end - 1)  # the positions the loads read
         if AHEAD:
             v_scales = vs_next
-            offs_a = offs_n + BLOCK_N
-            vs_next = _group_tile(vs_base, stride_vss, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+            offs_a = tl.minimum(offs_n + BLOCK_N, end - 1)
+            vs_next = _group_tile(vs_base, stride_vss, offs_a, every, D, BLOCK_D, GROUP)
             if BITS == 8:
                 k_scales = ks_next
-                ks_next = _group_tile(ks_base, stride_kss, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+                ks_next = _group_tile(ks_base, stride_kss, offs_a, every, D, BLOCK_D, GROUP)
             else:
                 v_minimums = vm_next
-                vm_next = _group_tile(vm_base, stride_vms, offs_a, offs_a < end, D, BLOCK_D, GROUP)
+                vm_next = _group_tile(vm_base, stride_vms, offs_a, every, D, BLOCK_D, GROUP)
         if BITS == 8:
-            k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d, n_ok, D,
+            k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, at, offs_d, every, D,
                          BITS, GROUP, False, q.dtype, ASM, k_scales)
         elif CODES:
-            k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, offs_n, offs_d, n_ok, D,
+            k = _load_kv(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, at, offs_d, every, D,
                          BITS, GROUP, True, q.dtype, ASM)
         else:
             k = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs, ring,
-                           offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, True, q.dtype, ASM)  # (BLOCK_N, BLOCK_D)
+                           at, offs_d, every, D, nq_lo, BITS, GROUP, True, q.dtype, ASM)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if BITS == 4 and not CODES:  # rows disagree on some positions here: codes up to nq_hi are loaded too
             mixed = (n0 < nq_hi) & (n0 + BLOCK_N > nq_lo)
@@ -218,7 +227,7 @@ def _attend_tiles(
         coded = offs_n[None, :] < row_nq[:, None]  # (BLOCK_M, BLOCK_N): what each row reads as codes
         if mixed:
             k_codes = _load_tile(k_base, stride_ks, ks_base, stride_kss, km_base, stride_kms, kr_base, stride_krs,
-                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, True, q.dtype, ASM)
+                                 ring, at, offs_d, every, D, nq_hi, BITS, GROUP, True, q.dtype, ASM)
             s_codes = tl.dot(q, tl.trans(k_codes), input_precision=PRECISION)
             s = tl.where(coded, s_codes, s)
         s = s * qk_scale
@@ -235,17 +244,17 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if BITS == 8:
-            v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, offs_n, offs_d, n_ok, D,
+            v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, at, offs_d, every, D,
                          BITS, GROUP, False, q.dtype, ASM, v_scales)
         elif CODES:
-            v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, offs_n, offs_d, n_ok, D,
+            v = _load_kv(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, at, offs_d, every, D,
                          BITS, GROUP, False, q.dtype, ASM, v_scales, v_minimums)
         else:
             v = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs, ring,
-                           offs_n, offs_d, n_ok, D, nq_lo, BITS, GROUP, False, q.dtype, ASM)
+                           at, offs_d, every, D, nq_lo, BITS, GROUP, False, q.dtype, ASM)
         if mixed:
             v_codes = _load_tile(v_base, stride_vs, vs_base, stride_vss, vm_base, stride_vms, vr_base, stride_vrs,
-                                 ring, offs_n, offs_d, n_ok, D, nq_hi, BITS, GROUP, False, q.dtype, ASM)
+                                 ring, at, offs_d, every, D, nq_hi, BITS, GROUP, False, q.dtype, ASM)
             pv = tl.dot(tl.where(coded, p, 0.0).to(v.dtype), v_codes, input_precision=PRECISION)
             pv += tl.dot(tl.where(coded, 0.0, p).to(v.dtype), v, input_precision=PRECISION)
         else:
@@ -272,8 +281,11 @@ def _split_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
     SCORES: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     common.pdl_wait(PDL)
+    if EVEN_D:  # head_dim a power of two: every channel mask is constant true
+        D = BLOCK_D
     n_keys, keys_lo = S - lo, lo  # Scores' rows: keys [lo, S) as the host counts them (with DEVICE_LEN all S)
     if DEVICE_LEN:  # a CUDA graph's step: S (the keys in use) is read here; the splits cover the buffer's capacity
         S = tl.load(SLen)
@@ -527,7 +539,7 @@ def _split_launcher(cuda: bool):
         return _split_kernel, {"BLOCK_N": 64, "num_warps": 4}
     # Nothing that T or S changes: one config serves a model's one-token steps and verification blocks, eager or
     # in a CUDA graph, with one split or more (DIRECT), so their rows round alike.
-    key = ["BLOCK_D", "BITS", "GROUP", "HAS_WINDOW", "SCORES", "PRECISION"]
+    key = ["BLOCK_D", "EVEN_D", "BITS", "GROUP", "HAS_WINDOW", "SCORES", "PRECISION"]
     prune = {"early_config_prune": _configs_that_fit}
     return triton.autotune(SPLIT_CONFIGS, key=key, prune_configs_by=prune)(_split_kernel), {}
 
@@ -657,7 +669,7 @@ def _attend(q, cache, bits, group, int4_rows, S, window, split_len, mass, length
         BITS=bits, GROUP=group, HAS_WINDOW=window is not None, DIRECT=direct, SCORES=mass is not None,
         DEVICE_LEN=length is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-        ASM=q.is_cuda and torch.version.hip is None, **settings, **pdl,
+        ASM=q.is_cuda and torch.version.hip is None, EVEN_D=D == BLOCK_D, **settings, **pdl,
     )
     if mass is not None:
         BLOCK_S = 128
