@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmrun.errors import LlmrunError, UsageError, parse_json, read_stdin, read_text_bytes
-from llmrun.grammar_checks import endless_rule, schema_warnings
+from llmrun.grammar_checks import (JUMP_FORWARD_MAX, check_counts, endless_rule, forced_bound, schema_patterns,
+                                   schema_warnings)
 
 if TYPE_CHECKING:
     import torch
@@ -148,6 +149,14 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     # One thread: a compile takes milliseconds, and a pool of xgrammar threads fighting the decode kernels' own
     # threads for the cores measured 100x slower decoding on a 2-core machine.
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1)
+    try:  # (xgrammar would read a count past 2^31 - 1 modulo 2^32, and enforce that)
+        if spec.kind == "json":
+            for pattern in schema_patterns(parse_json(spec.source)) if spec.source != ANY_JSON else ():
+                check_counts(pattern, "regex")
+        else:
+            check_counts(spec.source, spec.kind)
+    except ValueError as e:
+        raise LlmrunError(f"{spec.describe()}: {e}") from None
     said: list[str] = []
     try:
         with _stderr_lines(said):
@@ -169,10 +178,15 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     if spec.kind == "json" and spec.source != ANY_JSON:
         warnings += [f"{w} (not enforced)" for w in schema_warnings(parse_json(spec.source))]
     try:
-        endless = endless_rule(str(compiled.grammar))
+        printout = str(compiled.grammar)
+        endless, longest = endless_rule(printout), forced_bound(printout)
     except ValueError:  # a form of xgrammar's printout this reading does not know: no proof the forced text ends
-        endless, jump_forward = None, False
+        endless, longest, jump_forward = None, 0, False
         warnings.append("jump-forward is off for this constraint: llmrun could not read its compiled rules")
+    if jump_forward and longest > JUMP_FORWARD_MAX:  # xgrammar's search would build the whole run every step
+        jump_forward = False
+        warnings.append(f"jump-forward is off for this constraint: it can force up to {longest:,} characters in a"
+                        f" row, which the search for them would build whole at every step")
     if endless is not None:
         what = "JSON value" if spec.kind == "json" else "text"
         if endless == "root":

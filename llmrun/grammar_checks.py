@@ -13,6 +13,17 @@ when one of its alternatives does, a terminal or anything optional always does. 
 calls are taken to pass (they restrict, and never loop). A rule that derives nothing finite yet is reachable
 from the root is the one named.
 
+**Long forced runs.** When a constraint leaves one continuation, jump-forward asks xgrammar for the text it forces
+(`find_jump_forward_string`), which builds that whole text every step: `((a{1000}){1000}){1000}` forced 10^9
+characters, taking memory at ~200 MB/s inside one C call that no signal interrupts. `forced_bound` bounds the
+longest run any state can force, from the printout: a literal its length, a sequence the sum, a choice the
+largest, a repetition of at least m its body m times (plus one iteration if more may follow: past the least
+count each iteration is a choice), a rule within itself nothing more (a recursion passes a choice each level),
+an opaque `Regex(...)` by its pattern's counts. Past JUMP_FORWARD_MAX jump-forward is off for that constraint.
+
+**Repetition counts.** xgrammar reads a count past 2^31 - 1 into a 32-bit integer: `a{4294967298}` became
+`a{2}`, enforced without a word. `check_counts` refuses such a count in a regex, a grammar or a schema's patterns.
+
 **Ignored keywords.** xgrammar (0.2) compiles some JSON Schema keywords to nothing, without a word: `not`,
 `contains`, `uniqueItems`, `if`/`then`/`else`, `dependentRequired`... and a `required` name that `properties`
 does not define (it writes only the properties a schema lists). `schema_warnings` names them, for the user.
@@ -79,30 +90,38 @@ class _Parser:
 
     def parse(self) -> tuple[_Graph, dict[str, int], list[str]]:
         order = []
+        self.lengths: dict[str, tuple] = {}  # rule name -> its body's longest forced run, as an expression
         while self.peek() is not None:
             name = self.take()[1]
             self.take("::=")
             if name in self.rules:
                 raise ValueError(f"rule {name} defined twice")
-            self.rules[name] = self.choice()
+            self.rules[name], self.lengths[name] = self.choice()
             order.append(name)
         return self.graph, self.rules, order
 
-    def choice(self) -> int:
+    # Each method below returns (the and-or graph's node, the longest forced run's expression: ("n", count),
+    # ("sum", items), ("max", options), ("times", factor, expression) or ("ref", rule name)).
+
+    def choice(self) -> tuple[int, tuple]:
         options = [self.sequence()]
         while self.peek() is not None and self.peek()[1] == "|":
             self.take()
             options.append(self.sequence())
-        return options[0] if len(options) == 1 else self.graph.add("or", options)
+        if len(options) == 1:
+            return options[0]
+        return self.graph.add("or", [node for node, _ in options]), ("max", [length for _, length in options])
 
-    def sequence(self) -> int:
+    def sequence(self) -> tuple[int, tuple]:
         items = []
         while (token := self.peek()) is not None and token[1] not in (")", "|") and not self.at_rule_start():
             items.append(self.item())
-        return items[0] if len(items) == 1 else self.graph.add("and", items)
+        if len(items) == 1:
+            return items[0]
+        return self.graph.add("and", [node for node, _ in items]), ("sum", [length for _, length in items])
 
-    def item(self) -> int:
-        node = self.atom()
+    def item(self) -> tuple[int, tuple]:
+        node, length = self.atom()
         while (token := self.peek()) is not None and (token[1] in ("*", "+", "?") or token[0] == "repeat"):
             self.take()
             least, most = int(token[1] == "+"), -1  # -1: no bound
@@ -110,40 +129,134 @@ class _Parser:
                 bounds = token[1].strip("{} ").split(",")
                 least = int(bounds[0])
                 most = least if len(bounds) == 1 else int(bounds[1]) if bounds[1].strip() else -1
+            if token[1] == "?":
+                most = 1
+            length = ("times", least + (most != least), length)
             if most == 0:  # never there: it reaches nothing
                 node = self.empty
             elif least == 0:  # may be absent: derives the empty string; still reaches what it names
                 node = self.graph.add("or", [node, self.empty])
-        return node
+        return node, length
 
-    def atom(self) -> int:
+    def atom(self) -> tuple[int, tuple]:
         kind, text, _, end = self.take()
         if kind in ("string", "cls"):
-            return self.empty
+            return self.empty, ("n", len(text) - 2 if kind == "string" else 1)
         if text == "(":
             if self.peek() is not None and self.peek()[1] == "=":  # a lookahead assertion: never loops
                 self.take()
                 self.choice()
                 self.take(")")
-                return self.empty
+                return self.empty, ("n", 0)
             node = self.choice()
             self.take(")")
             return node
         if kind == "name":
             after = self.peek()
             if after is not None and after[1] == "(" and after[2] == end:  # Regex("..."), TagDispatch(...)
-                self.skip_call()
-                return self.empty
-            return self.graph.add("ref", text)
+                pattern = self.skip_call()
+                return self.empty, ("n", _regex_bound(pattern) if text == "Regex" else 0)
+            return self.graph.add("ref", text), ("ref", text)
         raise ValueError(f"unexpected {text!r}")
 
-    def skip_call(self) -> None:
-        depth = 0
+    def skip_call(self) -> str:
+        """Past a call's parentheses -> its first string argument ("" if none), as written (quotes dropped)."""
+        depth, first = 0, None
         while True:
-            text = self.take()[1]
+            kind, text, _, _ = self.take()
+            if kind == "string" and first is None:
+                first = text[1:-1]
             depth += (text == "(") - (text == ")")
             if depth == 0:
-                return
+                return first or ""
+
+
+JUMP_FORWARD_MAX = 1 << 16  # the longest forced run (characters) jump-forward may meet: ~10 ms of xgrammar's search
+_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # a repetition count, {m}, {m,} or {m,n}
+_BIG = 10 ** 12  # (bounds are capped here: past it, only "too long" matters)
+
+
+def _regex_bound(pattern: str) -> int:
+    """A bound on what a regex can force in a row: its length times each count's (m, or m + 1 when more may
+    follow), all multiplied (nested or not: a bound, not the figure)."""
+    bound = max(len(pattern), 1)
+    for m in _COUNT.finditer(pattern):
+        least = int(m.group(1)[:13])
+        more = m.group(2) is not None and m.group(2) != m.group(1)  # {m,} or {m,n}: iterations past m may follow
+        bound = min(bound * (least + more), _BIG)
+    return bound
+
+
+def forced_bound(ebnf: str, root: str = "root") -> int:
+    """An upper bound on the characters any state of the grammar (as xgrammar prints it) can force in a row: the
+    module's docstring. Raises ValueError where the text is not in the form expected."""
+    parser = _Parser(ebnf)
+    _, rules, order = parser.parse()
+    lengths, known, open_ = parser.lengths, {}, set()
+
+    def size(expr) -> int:
+        kind = expr[0]
+        if kind == "n":
+            return expr[1]
+        if kind == "sum":
+            return min(sum(size(e) for e in expr[1]), _BIG)
+        if kind == "max":
+            return max(size(e) for e in expr[1])
+        if kind == "times":
+            return min(expr[1] * size(expr[2]), _BIG) if expr[1] else 0
+        name = expr[1]
+        if name not in lengths:
+            raise ValueError(f"rule {name} is not defined")
+        if name not in known:
+            if name in open_:  # within itself: each level of a recursion passes a choice
+                return 0
+            open_.add(name)
+            known[name] = size(lengths[name])
+            open_.discard(name)
+        return known[name]
+
+    return size(("ref", root if root in rules else order[0])) if order else 0
+
+
+def check_counts(text: str, kind: str) -> None:
+    """Refuse (ValueError) a repetition count past 2^31 - 1 in a regex or a grammar (xgrammar wraps it to 32 bits);
+    counts inside a grammar's strings or either's character classes are text, not counts."""
+    at, in_class, in_string = 0, False, False
+    while at < len(text):
+        ch = text[at]
+        if ch == "\\":
+            at += 2
+            continue
+        if in_string:
+            in_string = ch != '"'
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == '"' and kind == "ebnf":
+            in_string = True
+        elif ch == "{" and (m := _COUNT.match(text, at)):
+            for count in m.groups():
+                if count and (len(count) > 10 or int(count) > 2 ** 31 - 1):
+                    raise ValueError(f"repetition count {count[:24]}{'...' if len(count) > 24 else ''} is too large "
+                                     f"(at most {2 ** 31 - 1:,})")
+        at += 1
+
+
+def schema_patterns(schema) -> list[str]:
+    """The regexes in a schema (parsed JSON): `pattern` values and `patternProperties` names, at any depth."""
+    found, todo = [], [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                found.extend(node["patternProperties"])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return found
 
 
 def endless_rule(ebnf: str, root: str = "root") -> str | None:

@@ -10,7 +10,7 @@ import torch
 from llmrun.errors import LlmrunError
 from llmrun.generate import Engine
 from llmrun.grammar import ANY_JSON, GrammarSpec, compile_grammar, grammar_spec
-from llmrun.grammar_checks import endless_rule
+from llmrun.grammar_checks import JUMP_FORWARD_MAX, endless_rule, forced_bound
 from llmrun.sampling import SamplingParams, token_probs
 from llmrun.speculative import DraftLength, ModelDrafter, NgramDrafter, Speculator
 
@@ -404,6 +404,7 @@ def test_every_form_xgrammar_prints_is_read():
     grammars += [xgr.Grammar.builtin_json_grammar(), xgr.Grammar.from_ebnf(EBNF)]
     for grammar in grammars:
         assert endless_rule(str(grammar)) is None, str(grammar)
+        assert 0 < forced_bound(str(grammar)) < JUMP_FORWARD_MAX, str(grammar)
     assert endless_rule('root ::= (("a" x))\nx ::= (("b" root))\n') == "root"
     assert endless_rule('root ::= (("a") | (x))\nx ::= (([b]* x)) (=("c"))\n') == "x"
     assert endless_rule('root ::= (("a" x{0, 0}))\nx ::= (("b" x))\n') is None  # never entered
@@ -414,15 +415,88 @@ def test_every_form_xgrammar_prints_is_read():
 
 
 def test_a_long_forced_text_is_tokenized_only_as_far_as_the_block_reaches(smollm2, monkeypatch):
-    """`"ab"{100000}` forces 200,000 characters; a block of 8 tokens needs a few hundred of them."""
+    """`"ab"{30000}` forces 60,000 characters; a block of 8 tokens needs a few hundred of them."""
     tokenizer = smollm2.tokenizer
-    grammar = compile_grammar(GrammarSpec("ebnf", 'root ::= "x" "ab"{100000}', "g"), tokenizer, smollm2.config.vocab_size)
-    whole = tokenizer.encode("x" + "ab" * 100000, special=False, add_bos=False)
+    grammar = compile_grammar(GrammarSpec("ebnf", 'root ::= "x" "ab"{30000}', "g"), tokenizer, smollm2.config.vocab_size)
+    assert grammar.jump_forward
+    whole = tokenizer.encode("x" + "ab" * 30000, special=False, add_bos=False)
     seen = []
     encode = tokenizer.encode
     monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
     assert grammar.start().forced_tokens(tokenizer, 8) == whole[:8]
     assert seen and max(seen) <= 9 * tokenizer.longest_token < 2000
+
+
+def test_forced_bound_reads_lengths_counts_choices_and_recursion():
+    """The longest run a state can force, bounded from the printout: literals' lengths summed along a sequence,
+    the largest alternative, a repetition of at least m its body m times plus one iteration when more may follow,
+    nothing more for a rule within itself, a lookahead nothing, a Regex call by its pattern's counts."""
+    assert forced_bound('root ::= (("ab" [c] x{3}))\nx ::= (("def"))\n') == 2 + 1 + 3 * 3
+    assert forced_bound('root ::= (("a") | ("bcd" x*))\nx ::= (("xy"))\n') == 5  # the star: one iteration
+    assert forced_bound('root ::= (("a" x{2, 5} x?))\nx ::= (("xy"))\n') == 1 + 3 * 2 + 2
+    assert forced_bound('root ::= (("(" root ")") | ("x"))\n') == 2  # (a recursion passes a choice each level)
+    assert forced_bound('root ::= (("ab")) (=("cdefgh"))\n') == 2
+    assert forced_bound('root ::= ((r))\nr ::= Regex("x{5000}", json_string=true)\n') == 7 * 5000
+    assert forced_bound('root ::= ((r{99999871, 99999871}))\nr ::= ((", " "1"))\n') == 3 * 99999871
+
+
+@pytest.mark.parametrize("spec, longest", [
+    (("regex", "((a{1000}){1000}){1000}"), "1,000,000,000"),  # took ~200 MB/s, deaf to signals, until the OOM killer
+    (("regex", "a{3000000}"), "3,000,000"),
+    (("json", '{"type": "array", "items": {"const": 1}, "minItems": 100000000, "maxItems": 100000000}'),
+     "300,000,000"),
+    (("ebnf", 'root ::= "x" "ab"{40000}'), "80,001"),
+])
+def test_a_constraint_that_can_force_a_long_run_turns_jump_forward_off(smollm2, spec, longest):
+    """xgrammar's search for the forced text builds the whole run every step: past JUMP_FORWARD_MAX characters
+    jump-forward is off for that constraint, with a warning; the reply is constrained as before."""
+    kind, source = spec
+    grammar = compile_grammar(GrammarSpec(kind, source, "(inline)"), smollm2.tokenizer, smollm2.config.vocab_size)
+    assert not grammar.jump_forward and grammar.start().forced_tokens(smollm2.tokenizer, 8) == []
+    assert grammar.warnings == (f"jump-forward is off for this constraint: it can force up to {longest} characters"
+                                f" in a row, which the search for them would build whole at every step",)
+
+
+def test_cli_a_long_forced_run_is_a_warning_not_a_runaway(monkeypatch, capsys):
+    """The helper's case: a reply of 5 tokens under a regex forcing 10^9 characters, in seconds (it took memory at
+    ~200 MB/s inside one C call until the OOM killer)."""
+    code, out, err = run_main(["generate", "--regex", "((a{1000}){1000}){1000}", "--temperature", "0", "-n", "5",
+                               "-q", "x"], monkeypatch, capsys)
+    assert code == 0 and out == "aaaaa\n", (out, err)
+    assert "warning: regex '((a{1000}){1000}){1000}': jump-forward is off for this constraint: it can force up to 1,000,000,000" in err
+
+
+@pytest.mark.parametrize("spec", [("regex", "a{60000}"), ("regex", "[a-z]{0,100000}"),
+                                  ("json", '{"type": "object", "properties": {"a": {"type": "string", "maxLength":'
+                                           ' 100000}}, "required": ["a"]}')])
+def test_long_but_unforced_or_short_runs_keep_jump_forward(smollm2, spec):
+    kind, source = spec
+    grammar = compile_grammar(GrammarSpec(kind, source, "(inline)"), smollm2.tokenizer, smollm2.config.vocab_size)
+    assert grammar.jump_forward and grammar.warnings == ()
+    assert JUMP_FORWARD_MAX == 1 << 16
+
+
+@pytest.mark.parametrize("spec, count", [
+    (("regex", "a{4294967298}"), "4294967298"),  # enforced as a{2}, without a word
+    (("regex", "(ab){2,4294967297}"), "4294967297"),
+    (("regex", "a{999999999999999999999999999999}"), "999999999999999999999999..."),
+    (("ebnf", 'root ::= "a"{2147483648}'), "2147483648"),
+    (("json", '{"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{4294967298}$"}}}'),
+     "4294967298"),
+    (("json", '{"type": "object", "patternProperties": {"^x{3000000000}$": {}}}'), "3000000000"),
+])
+def test_a_repetition_count_past_32_bits_is_refused(smollm2, spec, count):
+    """xgrammar reads a count past 2^31 - 1 modulo 2^32: refused before it compiles."""
+    kind, source = spec
+    with pytest.raises(LlmrunError, match=re.escape(f"repetition count {count} is too large (at most 2,147,483,647)")):
+        compile_grammar(GrammarSpec(kind, source, "(inline)"), smollm2.tokenizer, smollm2.config.vocab_size)
+
+
+@pytest.mark.parametrize("spec", [("regex", "[{4294967298}]"), ("regex", r"\{4294967298\}"),
+                                  ("ebnf", 'root ::= "{4294967298}"'), ("regex", "a{2147483647}")])
+def test_text_that_only_looks_like_a_large_count_compiles(smollm2, spec):
+    kind, source = spec
+    compile_grammar(GrammarSpec(kind, source, "(inline)"), smollm2.tokenizer, smollm2.config.vocab_size)
 
 
 def test_a_printout_the_check_cannot_read_turns_jump_forward_off(smollm2, monkeypatch):
