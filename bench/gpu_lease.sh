@@ -23,7 +23,9 @@
 #   tests    the kernel files it did not reach (test_triton_quant_matmul, test_triton_kv_write), and again the
 #            CUDA-graph file (a graph's span now starts at 256 keys), the INT4 writes and prompt-chunk attention
 #            (a chunk's write now the two fused launches, its mask made once a chunk) and the decode attention's
-#            file (its combine takes all of a program's rows at once): GPU_RETEST; 12 workers.
+#            file (its combine takes all of a program's rows at once; since, no load masks a position, nor a
+#            channel at a power-of-two head_dim: every split config's bits against the reference again):
+#            GPU_RETEST; 12 workers.
 #   half2    issue 4's W4A16 gap (8B: 47% of its floor, 75% asked): the GEMV's 4-bit weights dequantized and
 #            multiplied in fp16 pairs (LLMRUN_GEMV_HALF2=1, sm_90 SASS 282 instructions a step against 385): its
 #            tests (its PTX never ran), the 8B's matmuls alone against the fp32-weight GEMV, its 8B W4A16 step.
