@@ -417,7 +417,7 @@ def test_plot_without_matplotlib(cli, monkeypatch, tmp_path):
 
 
 def test_prompt_and_new_tokens_must_fit_the_context(cli, tiny_gguf):
-    assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "260", "holds 256",
+    assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "259", "holds 256",
                           "trained for 256", code=2)
     assert_one_error_line(cli(tiny_gguf, "--ctx", "64", "--prompt-tokens", "60", "--new-tokens", "8"), "holds 64",
                           "raise --ctx (up to 256)", code=2)

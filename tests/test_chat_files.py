@@ -261,6 +261,7 @@ def test_signals_held_drop_ctrl_c_and_deliver_the_others_after():
     from llmrun.cli.console import signals_held
 
     got = []
+    interrupt = signal.getsignal(signal.SIGINT)  # (Python's own handler; SIG_IGN in a shell's background job)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:
         with signals_held():
@@ -270,7 +271,7 @@ def test_signals_held_drop_ctrl_c_and_deliver_the_others_after():
         assert got == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is interrupt  # put back as it was
 
 
 def test_save_and_load_without_a_file_are_errors():
