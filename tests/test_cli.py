@@ -334,7 +334,8 @@ if sys.argv[2] == "held":
     hold_during_imports()
 try:
     import slow_module
-    print("imported", slow_module.DONE, flush=True)
+    sys.stdout.write(f"imported {slow_module.DONE}\\n")  # one write: the held Ctrl-C may come at any bytecode after
+    sys.stdout.flush()  # the import (a print's text and its newline are two writes: it once came between them)
     time.sleep(10)
     print("not interrupted", flush=True)
 except KeyboardInterrupt:
