@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmrun.errors import LlmrunError, UsageError, parse_json, read_stdin, read_text_bytes
-from llmrun.grammar_checks import (JUMP_FORWARD_MAX, check_counts, endless_rule, forced_bound, schema_patterns,
-                                   schema_warnings)
+from llmrun.grammar_checks import (JUMP_FORWARD_MAX, check_counts, endless_rule, forced_bound, read_rules,
+                                   schema_patterns, schema_warnings)
 
 if TYPE_CHECKING:
     import torch
@@ -149,9 +149,10 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     # One thread: a compile takes milliseconds, and a pool of xgrammar threads fighting the decode kernels' own
     # threads for the cores measured 100x slower decoding on a 2-core machine.
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1)
+    document = parse_json(spec.source) if spec.kind == "json" and spec.source != ANY_JSON else None  # (read once)
     try:  # (xgrammar would read a count past 2^31 - 1 modulo 2^32, and enforce that)
         if spec.kind == "json":
-            for pattern in schema_patterns(parse_json(spec.source)) if spec.source != ANY_JSON else ():
+            for pattern in schema_patterns(document) if document is not None else ():
                 check_counts(pattern, "regex")
         else:
             check_counts(spec.source, spec.kind)
@@ -175,11 +176,11 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     except UnicodeDecodeError:  # xgrammar's message quoted part of a character
         raise LlmrunError(f"{spec.describe()}: does not compile (xgrammar's message about it is not text)") from None
     warnings = [f"{m.group(1)} (not enforced)" for line in said if (m := re.search(r"Warning: (.*)", line))]
-    if spec.kind == "json" and spec.source != ANY_JSON:
-        warnings += [f"{w} (not enforced)" for w in schema_warnings(parse_json(spec.source))]
+    if document is not None:
+        warnings += [f"{w} (not enforced)" for w in schema_warnings(document)]
     try:
-        printout = str(compiled.grammar)
-        endless, longest = endless_rule(printout), forced_bound(printout)
+        rules = read_rules(str(compiled.grammar))  # (parsed once for both checks)
+        endless, longest = endless_rule(rules), forced_bound(rules)
     except ValueError:  # a form of xgrammar's printout this reading does not know: no proof the forced text ends
         endless, longest, jump_forward = None, 0, False
         warnings.append("jump-forward is off for this constraint: llmrun could not read its compiled rules")

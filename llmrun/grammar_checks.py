@@ -89,7 +89,9 @@ class _Parser:
         return first is not None and first[0] == "name" and second is not None and second[0] == "define"
 
     def parse(self) -> tuple[_Graph, dict[str, int], list[str]]:
-        order = []
+        if hasattr(self, "order"):  # (parsed already: `read_rules`)
+            return self.graph, self.rules, self.order
+        order = self.order = []
         self.lengths: dict[str, tuple] = {}  # rule name -> its body's longest forced run, as an expression
         while self.peek() is not None:
             name = self.take()[1]
@@ -187,10 +189,18 @@ def _regex_bound(pattern: str) -> int:
     return bound
 
 
-def forced_bound(ebnf: str, root: str = "root") -> int:
+def read_rules(ebnf: str) -> _Parser:
+    """xgrammar's printout of a grammar, parsed once for `endless_rule` and `forced_bound` (either also takes the
+    text). Raises ValueError where the text is not in the form expected."""
+    parser = _Parser(ebnf)
+    parser.parse()
+    return parser
+
+
+def forced_bound(ebnf: str | _Parser, root: str = "root") -> int:
     """An upper bound on the characters any state of the grammar (as xgrammar prints it) can force in a row: the
     module's docstring. Raises ValueError where the text is not in the form expected."""
-    parser = _Parser(ebnf)
+    parser = ebnf if isinstance(ebnf, _Parser) else read_rules(ebnf)
     _, rules, order = parser.parse()
     lengths, known, open_ = parser.lengths, {}, set()
 
@@ -259,10 +269,11 @@ def schema_patterns(schema) -> list[str]:
     return found
 
 
-def endless_rule(ebnf: str, root: str = "root") -> str | None:
+def endless_rule(ebnf: str | _Parser, root: str = "root") -> str | None:
     """The first rule, in breadth-first order from `root`, that derives no string of finite length, or None.
-    `ebnf`: a grammar as xgrammar prints it. Raises ValueError where the text is not in the form expected."""
-    graph, rules, order = _Parser(ebnf).parse()
+    `ebnf`: a grammar as xgrammar prints it (or `read_rules`' of it). Raises ValueError where the text is not in the
+    form expected."""
+    graph, rules, order = (ebnf if isinstance(ebnf, _Parser) else read_rules(ebnf)).parse()
     if root not in rules:
         if not order:
             raise ValueError("no rules")
