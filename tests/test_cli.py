@@ -34,10 +34,11 @@ QUESTION = "What is the capital of France?"
 GREEDY = ("--temperature", "0", "-n", "16")
 
 
-def _default_sigint():
-    # A shell runs background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored: the Ctrl-C
-    # tests need the handler a terminal session would give the process.
+def _as_in_a_terminal():
+    # A shell runs background jobs with SIGINT ignored (and nohup, SIGHUP), and llmrun keeps an ignored signal
+    # ignored, as Python does SIGINT: the Ctrl-C and hang-up tests need the handlers a terminal session would give.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def run(*args, input=None, timeout=LOAD_S) -> subprocess.CompletedProcess:
@@ -302,7 +303,7 @@ def _signal_one_turn(sig: int, *args: str) -> tuple[int, str, bytes]:
     proc = subprocess.Popen(
         [*LLMRUN, "chat", "-p", "Write a long story about a dragon.", "--temperature", "0", "-n", "400", *args],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
-        preexec_fn=_default_sigint,
+        preexec_fn=_as_in_a_terminal,
     )
     try:
         assert select.select([proc.stdout], [], [], LOAD_S)[0], "no reply before the deadline"
@@ -359,7 +360,7 @@ def test_ctrl_c_during_an_import_is_raised_once_the_import_is_done(tmp_path, hel
     (tmp_path / "slow_module.py").write_text(_SLOW_MODULE)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_AN_IMPORT, str(tmp_path), "held" if held else "plain"],
-                          capture_output=True, text=True, timeout=60, preexec_fn=_default_sigint)
+                          capture_output=True, text=True, timeout=60, preexec_fn=_as_in_a_terminal)
     assert proc.stdout.split("\n")[:-1] == (["imported True", "interrupted True"] if held else ["interrupted False"])
     assert time.monotonic() - start < 8  # the sleep after the import was cut short
 
@@ -389,7 +390,7 @@ class Terminal:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # rows, cols: no wrapping
         self.proc = subprocess.Popen(
             [*LLMRUN, *args], stdin=slave, stdout=slave, stderr=slave, env={**ENV, **(env or {})}, close_fds=True,
-            start_new_session=True, preexec_fn=_default_sigint,
+            start_new_session=True, preexec_fn=_as_in_a_terminal,
         )
         os.close(slave)
         self.master = master
