@@ -33,6 +33,20 @@ def _fused_fma():
 if not _cuda:
     _fused_fma()
 
+# Under pytest-xdist (the README's `-n auto`) the workers share the cores: each takes its share of PyTorch's threads,
+# and so do the llmrun processes the tests start (OMP_NUM_THREADS, inherited): two threads a core stall PyTorch's
+# parallel regions on a descheduled thread (a CLI test took 56 s instead of 5).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_share)
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker a core, but at most 4 (each loads its own models)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 # Tests never reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 # Nor does the thread governor (llmrun/threads.py) run in them: it judges the CPU busy by the forwards it times, and
