@@ -80,6 +80,8 @@ def read_text(spec: str) -> str:
     made `\\n` (the Canterbury texts have CRLF) and a byte-order mark, as some editors write, is dropped."""
     from llmrun import corpus
 
+    if not spec.strip():  # (as a Path, "" would be the working directory)
+        raise LlmrunError("the text file's name is empty; give a UTF-8 text file or 'canterbury'")
     path = corpus.corpus_path(spec) if corpus.is_corpus_spec(spec) else Path(spec)
     if path.is_dir():
         raise LlmrunError(f"{path} is a directory; give a text file")

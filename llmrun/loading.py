@@ -61,6 +61,8 @@ def resolve(spec: str, tqdm_class=None) -> ModelSource:
             if not (path / "config.json").is_file():
                 raise ModelNotFoundError(f"{path}: not a model directory (no config.json)")
             return ModelSource(spec, path, "safetensors")
+        if path.exists():  # a device, a pipe, a socket
+            raise ModelFormatError(f"{spec}: not a regular file; give a .gguf file or an HF model directory")
     except OSError as e:  # a directory on the way that may not be searched (no x permission), a name too long
         raise ModelNotFoundError(f"{spec}: cannot look there ({e.strerror or e}: {e.filename})") from None
     looks_local = spec.startswith((".", "/", "~")) or (path.suffix == ".gguf" and ":" not in spec)

@@ -157,6 +157,8 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
             raise LlmrunError(f"-o {out_dir}: its symbolic links go round in a loop") from None
     if out_dir.is_symlink():  # the checkpoint goes where the link points (made there if missing), the link leads to it
         out_dir = Path(os.path.realpath(out_dir))
+    if ".." in out_dir.parts:  # DIR/.. names DIR's parent, made or not: its name and parent are those of the path
+        out_dir = Path(os.path.abspath(out_dir))
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise LlmrunError(f"{out_dir} exists and is not an empty directory; choose another -o or remove it")
     _check_writable(out_dir)  # before the work, not after it
@@ -181,6 +183,7 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
         windows, note = calibration_windows(files.tokenizer, read_calibration(options.calib), options.samples,
                                             options.seq_len, options.seed)
         result.calibration_tokens = windows.numel()
+        options = replace(options, samples=windows.shape[0], seq_len=windows.shape[1])  # what config.json records
         result.notes += [note] if note else []
     if _stored_in_blocks(files):
         result.notes.append(f"{files.source.spec} is stored quantized ({', '.join(sorted(files.stored_bytes))}); its "
@@ -328,26 +331,33 @@ def _quantization_config(method: str, bits: int, group: int) -> dict:
 
 
 def _check_writable(out_dir: Path) -> None:
-    """`out_dir`'s parent exists (made if need be) and takes a new directory, as `_write` will need."""
+    """`_write` will be able to make `out_dir` (or fill it, an empty directory), judged without making anything: a
+    temporary directory in it, or in the nearest of its parents that exists."""
     blocking = next((p for p in out_dir.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise LlmrunError(f"-o {out_dir}: {blocking} is a file, not a directory")
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent).cleanup()
+        tempfile.TemporaryDirectory(prefix=".llmrun-quantize.", dir=existing).cleanup()
     except OSError as e:
         raise LlmrunError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
 
 
 def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, options: QuantizeOptions) -> None:
-    """config.json, model.safetensors and the tokenizer files, written beside `out_dir` and renamed into place."""
+    """config.json, model.safetensors and the tokenizer files, into `out_dir`."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from llmrun.models import config_to_hf
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    # An empty directory (checked before the work) is filled in place: it may be `.`, a mount point, or have an
+    # owner and modes of its own. Else the checkpoint is made beside it and renamed into place, whole or not at all.
+    in_place = out_dir.is_dir()
+    if not in_place:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".llmrun-quantize." if in_place else f".{out_dir.name}.",
+                                dir=out_dir if in_place else out_dir.parent))
+    moved = []
     try:
         if files.gguf is None:  # keep every field of the original config and its tokenizer files as they are
             config = parse_json((files.source.path / "config.json").read_text())
@@ -366,23 +376,36 @@ def _write(files, tensors: dict, out_dir: Path, quantization_config: dict, optio
         config["quantization_config"] = quantization_config
         config["llmrun"] = {"quantized_from": str(files.source.spec), "method": options.method,
                             **({"calibration": options.calib or "+".join(DEFAULT_CALIB), "samples": options.samples,
-                                "seq_len": options.seq_len} if options.method == "awq" else {})}
+                                "seq_len": options.seq_len, "seed": options.seed} if options.method == "awq" else {})}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         umask = os.umask(0)
         os.umask(umask)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp made the directory private; give it the usual modes
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked before starting
-        os.replace(tmp, out_dir)
+        if not in_place:
+            os.replace(tmp, out_dir)
+            return
+        if any(path != tmp for path in out_dir.iterdir()):
+            raise LlmrunError(f"-o {out_dir}: files appeared in it while quantizing; the checkpoint was not written")
+        for path in sorted(tmp.iterdir()):
+            os.replace(path, out_dir / path.name)
+            moved.append(out_dir / path.name)
+        tmp.rmdir()
     except OSError as e:  # a disk that filled up, say
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp, moved)
         raise LlmrunError(f"-o {out_dir}: writing failed ({e.strerror or e})") from None
     except SafetensorError as e:  # safetensors' own write: its OSError as a message ("No space left on device")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp, moved)
         reason = str(e).removeprefix("Error while serializing: ").split(" (os error")[0]
         raise LlmrunError(f"-o {out_dir}: writing failed ({reason})") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp, moved)
         raise
+
+
+def _remove(tmp: Path, moved: list[Path]) -> None:
+    """What a failed `_write` made: its temporary directory and the files it had moved into place."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    for path in moved:
+        path.unlink(missing_ok=True)

@@ -149,6 +149,7 @@ def hf_dir(tmp_path_factory):
         ("not a model", ["no such file"]),
         ("", ["MODEL is empty"]),  # (not the working directory)
         (" ", ["MODEL is empty"]),
+        ("/dev/null", ["/dev/null: not a regular file"]),  # (it exists: not "no such file")
         ("someone/not-a-model", ["someone/not-a-model", "cache", "offline"]),
         pytest.param(
             "someone/not-a-model:x.Q4_0.gguf", ["someone/not-a-model", "cache", "offline"], id="hub-gguf-offline",

@@ -287,6 +287,7 @@ def bad_inputs(tmp_path_factory, tiny):
     ([], 2, ["Missing option '--ppl'"]),
     (["--ppl", "{root}/missing.txt"], 1, ["missing.txt: no such file"]),
     (["--ppl", "{root}"], 1, ["is a directory"]),
+    (["--ppl", ""], 1, ["the text file's name is empty"]),
     (["--ppl", "{root}/latin1.txt"], 1, ["latin1.txt is not UTF-8 text (byte 0xe9 at offset 3)"]),
     (["--ppl", "{root}/empty.txt"], 1, ["empty.txt is empty"]),
     (["--ppl", "{root}/nul.txt"], 1, ["looks binary"]),
@@ -319,6 +320,17 @@ def test_bad_input_gives_one_error_line(cli, tiny, bad_inputs, args, code, fragm
         pytest.skip("a CUDA device is present")
     args = [a.format(root=bad_inputs, text=tiny[2]) for a in args]
     assert_error(cli("eval", tiny[0], *CPU, *args), code, *fragments)
+
+
+def test_a_reference_with_a_shorter_context_bounds_the_windows(cli, tiny, tmp_path):
+    """Both models score the same windows: the default --ctx is the shorter context's, and a --ctx past the
+    reference's is named as the reference's (not this model's) limit, before either model loads."""
+    path, _, text = tiny
+    short = write_hf_dir(tmp_path / "short", random_model(replace(CFG, max_seq_len=64), seed=1))
+    assert_error(cli("eval", path, *CPU, "--ppl", text, "--ctx", 128, "--kl-vs", f"model={short}"), 2,
+                 f"--ctx 128 exceeds the 64 tokens the reference (--kl-vs model={short}) was trained for")
+    doc = cli("eval", path, *CPU, "--ppl", text, "--json", "--kl-vs", f"model={short}").json
+    assert doc["ctx"] == 64 and doc["kl"] is not None
 
 
 def test_an_unreadable_file(cli, tiny, monkeypatch):

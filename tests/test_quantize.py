@@ -400,6 +400,10 @@ def test_a_checkpoint_reloads_close_to_the_float_model(tiny_source, tmp_path, me
     else:
         assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "zero_point", "version")} == \
             {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    if method == "awq":  # the calibration as it was used: as many windows as the text held, up to --samples
+        assert result.calibration_tokens == 8 * 64
+        assert {k: config["llmrun"][k] for k in ("samples", "seq_len", "seed")} == {"samples": 8, "seq_len": 64,
+                                                                                   "seed": 0}
     packed = load_model(str(tmp_path / "q"), device="cpu", dtype="fp32")
     plain = load_model(str(tmp_path / "q"), device="cpu", dtype="fp32", weights="dequant")
     assert packed.weights == "packed" and plain.weights == "dequant"
@@ -417,6 +421,16 @@ def test_a_checkpoint_reloads_close_to_the_float_model(tiny_source, tmp_path, me
             for name in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
                 w = theirs.get_submodule(name).weight
                 assert torch.equal(ours.get_submodule(name).weight, rounded(w).dequantize())
+
+
+def test_the_config_records_the_calibration_used_not_asked(tiny_source, tmp_path):
+    source, _, calib = tiny_source
+    result = quantize(str(source), tmp_path / "q", QuantizeOptions("awq", calib=str(calib), samples=100_000,
+                                                                   seq_len=64, seed=3), device="cpu")
+    used = result.calibration_tokens // 64
+    assert 0 < used < 100_000 and any(f"using {used}" in note for note in result.notes)
+    recorded = json.loads((tmp_path / "q" / "config.json").read_text())["llmrun"]
+    assert {k: recorded[k] for k in ("samples", "seq_len", "seed")} == {"samples": used, "seq_len": 64, "seed": 3}
 
 
 def test_progress_while_quantizing_and_loading_the_checkpoint(tiny_source, tmp_path):
@@ -585,10 +599,10 @@ def test_bad_input_is_one_line(tiny_source, tmp_path, monkeypatch, capsys, args,
     if "--calib" not in args and "--rtn" not in args and "--int8" not in args:
         args = [*args, "--calib", calib]
     args = [str(calib.with_name("short.txt")) if a == "SHORT" else a for a in args]
-    code, out, err = run_main(["quantize", source, "-o", tmp_path / "q", *args], monkeypatch, capsys)
+    code, out, err = run_main(["quantize", source, "-o", tmp_path / "new" / "q", *args], monkeypatch, capsys)
     assert code != 0 and out == ""
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "q").exists()
+    assert not (tmp_path / "new").exists()  # nothing made, the directories above -o neither
 
 
 def test_refuses_a_quantized_input_and_a_full_output_dir(tiny_source, tmp_path, monkeypatch, capsys):
@@ -600,6 +614,58 @@ def test_refuses_a_quantized_input_and_a_full_output_dir(tiny_source, tmp_path, 
     assert code == 1 and "not an empty directory" in err
     code, _, err = run_main(["quantize", source, "--rtn", "-o", ""], monkeypatch, capsys)  # (not ".")
     assert code == 2 and "'--out' / '-o': is empty" in err
+
+
+def test_an_empty_output_dir_is_filled_in_place(tiny_source, tmp_path, monkeypatch, capsys):
+    """-o . (or any existing empty directory: a mount point, one with modes of its own) receives the files; the
+    directory itself stays, its modes too, and no temporary directory is left in it. DIR/.. is DIR's parent."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    here = tmp_path / "here"
+    here.mkdir(mode=0o750)
+    inode = here.stat().st_ino
+    code, _, err = run_main(["quantize", tiny_source[0], "--int8", "-o", "."], monkeypatch, capsys, cwd=here)
+    assert code == 0, err
+    assert sorted(p.name for p in here.iterdir() if p.name.startswith(".")) == []
+    assert (here / "config.json").is_file() and (here / "model.safetensors").is_file()
+    assert here.stat().st_ino == inode and here.stat().st_mode & 0o777 == 0o750
+    assert run_main(["generate", ".", "w1", "-n", "2"], monkeypatch, capsys, cwd=here)[0] == 0
+    (tmp_path / "up").mkdir()
+    code, _, err = run_main(["quantize", tiny_source[0], "--int8", "-o", tmp_path / "up" / "missing" / ".."],
+                            monkeypatch, capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "up").iterdir()) == sorted(p.name for p in here.iterdir())
+
+
+def test_a_failed_write_into_an_empty_dir_leaves_it_empty(tiny_source, tmp_path, monkeypatch):
+    import llmrun.quantize as q
+
+    def fail_at(n):
+        real, calls = os.replace, []
+
+        def replace(src, dst):
+            calls.append(dst)
+            if len(calls) == n:
+                raise OSError(28, "No space left on device")
+            real(src, dst)
+        return replace
+
+    (tmp_path / "q").mkdir()
+    for n in (1, 2):  # the first file, or a later one after the first was moved in
+        monkeypatch.setattr(q.os, "replace", fail_at(n))
+        with pytest.raises(LlmrunError, match="writing failed \\(No space left on device\\)"):
+            quantize(str(tiny_source[0]), tmp_path / "q", QuantizeOptions("int8"), device="cpu")
+        assert list((tmp_path / "q").iterdir()) == []
+    monkeypatch.undo()
+    real = q._float_tensors
+
+    def appears(model):  # a file written into -o during the work: nothing is written beside or over it
+        (tmp_path / "q" / "late").write_text("")
+        return real(model)
+
+    monkeypatch.setattr(q, "_float_tensors", appears)
+    with pytest.raises(LlmrunError, match="files appeared in it while quantizing"):
+        quantize(str(tiny_source[0]), tmp_path / "q", QuantizeOptions("int8"), device="cpu")
+    assert [p.name for p in (tmp_path / "q").iterdir()] == ["late"]
 
 
 def test_the_output_dir_may_be_a_symlink(tiny_source, tmp_path, monkeypatch, capsys):

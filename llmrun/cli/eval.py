@@ -121,14 +121,20 @@ def eval_(
         _check_stride(stride, opts.ctx)  # before reading anything
     with spinner(f"reading {ppl}"):  # the Canterbury corpus is fetched with pip the first time
         text = read_text(ppl)
+    ref_model = reference.pop("model", model) if reference is not None else None
     trained = open_files(model).config.max_seq_len
     if opts.ctx is not None and opts.ctx > trained:
         raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+    if ref_model not in (None, model):  # both score the same windows: the shorter context of the two bounds them
+        ref_trained = open_files(ref_model).config.max_seq_len
+        if opts.ctx is not None and opts.ctx > ref_trained:
+            raise UsageError(f"--ctx {opts.ctx} exceeds the {ref_trained} tokens the reference (--kl-vs "
+                             f"model={ref_model}) was trained for")
+        trained = min(trained, ref_trained)
     ctx = opts.ctx or min(DEFAULT_CTX, trained)
     stride = _check_stride(stride, ctx)
-    ref_engine = ref_model = None
+    ref_engine = None
     if reference is not None:
-        ref_model = reference.pop("model", model)
         ref_opts = _reference_options(opts, reference)  # (its mistakes before any model loads)
     engine = _engine(model, opts, ctx)
     if reference is not None:

@@ -84,7 +84,7 @@ ModelArg = Annotated[
         autocompletion=complete_model,
     ),
 ]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of plain text.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout, and nothing else there (stderr keeps its lines).")]
 
 
 @dataclass(frozen=True)
