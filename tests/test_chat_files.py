@@ -190,7 +190,7 @@ def test_repl_saves_every_turn_and_runs_save_and_load(tmp_path):
         assert f"saved 1 turn to {copy}" in t.expect(PROMPT_MARK)
         assert json.loads(copy.read_text()) == first
         t.send(f"/load {copy}")  # over a conversation --save holds: said, as the next turn writes over it
-        assert f"note: {auto} holds the conversation before until the next turn" in t.expect(PROMPT_MARK)
+        assert f"note: {auto} keeps the conversation before this /load until the next turn" in t.expect(PROMPT_MARK)
         t.send("/reset")
         t.expect(PROMPT_MARK)
         t.send(f"/load {bad}")

@@ -22,7 +22,7 @@ from .options import JsonFlag, ModelArg, run_options
 
 HELP = """Commands: /reset (forget the conversation), /system TEXT (set the system prompt; no TEXT clears it),
 /stats (figures of the last reply and memory), /save [FILE] (write the conversation to FILE, JSON; no FILE: the
-last file saved or loaded), /load FILE (continue a saved conversation), /exit. A message of several lines: end a
+file the last /save FILE or /load named, else --save's or --load's), /load FILE (continue a saved conversation), /exit. A message of several lines: end a
 line with \\ to go on at the next, or open the message with \"\"\" and close it with \"\"\". Ctrl-C stops a reply
 (at a continuation prompt, drops the message); Ctrl-C or Ctrl-D at the prompt exits."""
 BLOCK = '"""'  # opens and closes a message of several lines
@@ -336,8 +336,8 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
         saved = load_conversation(path)
         every = saving.every_turn
         if every is not None and conversation.messages and path.resolve() != every.resolve():
-            err.print(Text(f"note: {every} holds the conversation before until the next turn, which --save writes "
-                           f"over it", style="dim"))
+            err.print(Text(f"note: {every} keeps the conversation before this /load until the next turn, when "
+                           f"--save writes the loaded one over it", style="dim"))
         conversation.messages, conversation.system = list(saved.messages), saved.system
         saving.last = path
         saving.ours.add(path.resolve())
