@@ -69,7 +69,13 @@ def _threads_given_back():
 _EMBEDDED_FIXTURES = {"embedded_path", "smollm2", "smollm2_dequant"}
 
 
+# The files that take longest, run first: under the README's `-n auto --dist loadfile` one of them taken up last
+# would run alone at the end while the other workers idle (the sm_80/89/90 compile sweep takes ~4 minutes).
+LONGEST_FILES = ("test_triton_compile.py", "test_quantize.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in LONGEST_FILES)  # (stable: each file's order stays)
     for item in items:  # bench/gpu.sh selects by it: a lent GPU has the embedded model in one call of two
         if _EMBEDDED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.embedded)
