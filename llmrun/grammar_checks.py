@@ -253,19 +253,28 @@ def check_counts(text: str, kind: str) -> None:
         at += 1
 
 
+_SCHEMA_DATA = frozenset(("const", "default", "enum", "examples"))  # keywords whose values are data, not schemas
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                          "dependencies"))  # keywords whose values map names to schemas
+
+
 def schema_patterns(schema) -> list[str]:
-    """The regexes in a schema (parsed JSON): `pattern` values and `patternProperties` names, at any depth."""
-    found, todo = [], [schema]
+    """The regexes in a schema (parsed JSON): `pattern` values and `patternProperties` names, at any depth, but
+    not inside data (`const`, `default`, `enum`, `examples`: a "pattern" there is a value, not a regex; a property
+    named "default" is still a schema)."""
+    found, todo = [], [(schema, False)]  # (node, whether it maps names to schemas)
     while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
+        node, names = todo.pop()
+        if isinstance(node, list):
+            todo.extend((item, False) for item in node)
+        elif isinstance(node, dict) and names:
+            todo.extend((value, False) for value in node.values())
+        elif isinstance(node, dict):
             if isinstance(node.get("pattern"), str):
                 found.append(node["pattern"])
             if isinstance(node.get("patternProperties"), dict):
                 found.extend(node["patternProperties"])
-            todo.extend(node.values())
-        elif isinstance(node, list):
-            todo.extend(node)
+            todo.extend((value, key in _SCHEMA_MAPS) for key, value in node.items() if key not in _SCHEMA_DATA)
     return found
 
 

@@ -10,7 +10,7 @@ import torch
 from llmrun.errors import LlmrunError
 from llmrun.generate import Engine
 from llmrun.grammar import ANY_JSON, GrammarSpec, compile_grammar, grammar_spec
-from llmrun.grammar_checks import JUMP_FORWARD_MAX, endless_rule, forced_bound
+from llmrun.grammar_checks import JUMP_FORWARD_MAX, endless_rule, forced_bound, schema_patterns
 from llmrun.sampling import SamplingParams, token_probs
 from llmrun.speculative import DraftLength, ModelDrafter, NgramDrafter, Speculator
 
@@ -490,6 +490,20 @@ def test_a_repetition_count_past_32_bits_is_refused(smollm2, spec, count):
     kind, source = spec
     with pytest.raises(LlmrunError, match=re.escape(f"repetition count {count} is too large (at most 2,147,483,647)")):
         compile_grammar(GrammarSpec(kind, source, "(inline)"), smollm2.tokenizer, smollm2.config.vocab_size)
+
+
+@pytest.mark.parametrize("data", ["const", "default", "enum", "examples"])
+def test_a_pattern_inside_a_schemas_data_is_not_read_as_a_regex(smollm2, data):
+    """A "pattern" key in a const/default/enum/examples value is data: its text is no regex, its counts no limit."""
+    value = {"pattern": "^a{4294967298}$", "patternProperties": {"^x{3000000000}$": 1}}
+    document = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^b{2}$"}},
+                data: [value] if data in ("enum", "examples") else value}
+    assert schema_patterns(document) == ["^b{2}$"]
+    named = {"type": "object", "properties": {data: {"type": "string", "pattern": "^a{4294967298}$"}}}
+    assert schema_patterns(named) == ["^a{4294967298}$"]  # a property of that name is a schema
+    with pytest.raises(LlmrunError, match="repetition count 4294967298 is too large"):
+        compile_grammar(GrammarSpec("json", json.dumps(named), "(inline)"), smollm2.tokenizer, smollm2.config.vocab_size)
+    compile_grammar(GrammarSpec("json", json.dumps(document), "(inline)"), smollm2.tokenizer, smollm2.config.vocab_size)
 
 
 @pytest.mark.parametrize("spec", [("regex", "[{4294967298}]"), ("regex", r"\{4294967298\}"),
