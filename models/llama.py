@@ -127,7 +127,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # The loaders build on the meta device, where nn.Embedding's own init (normal_) imports torch._dynamo: 2-3 s
+        # of every start. Its table is drawn here only on a real device (the same draw: tests' random models).
+        table = torch.empty(cfg.vocab_size, cfg.dim)
+        if table.device.type != "meta":
+            nn.init.normal_(table)
+        self.embed = nn.Embedding.from_pretrained(table, freeze=False)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)

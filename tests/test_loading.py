@@ -2,6 +2,8 @@
 block dequantization, and config validation."""
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -107,6 +109,18 @@ def test_block_dequantization_matches_gguf_reference(qtype):
     err = np.abs(expected - x).max()
     assert err < {"Q8_0": 0.03, "Q6_K": 0.1}.get(qtype, 0.5)  # quantization itself is coarse
     assert blocks.shape[1] == 512 // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1]
+
+
+def test_a_start_that_loads_and_decodes_imports_no_compiler():
+    """torch._dynamo takes 2-3 s to import (nn.Embedding's init on the meta device pulled it in): a start that loads
+    the embedded model and decodes must not import it."""
+    code = ("import sys\nfrom llmrun.entry import main\n"
+            "sys.argv = ['llmrun', 'generate', 'Hi', '-n', '2', '--device', 'cpu', '--threads', '1']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('\\ndynamo imported:', 'torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "dynamo imported: False"
 
 
 def test_embedded_model_config(smollm2):
