@@ -301,7 +301,8 @@ def weight_bytes_read_per_token(loaded) -> int:
     total = loaded.weight_bytes
     embed = getattr(loaded.model, "embed", None)
     if embed is not None and getattr(loaded.model, "lm_head", None) is not None:
-        total -= sum(t.nbytes for t in embed.parameters()) + sum(t.nbytes for t in embed.buffers())
+        table = sum(t.nbytes for t in embed.parameters()) + sum(t.nbytes for t in embed.buffers())
+        total -= table - table // loaded.model.config.vocab_size
     return total
 
 

@@ -39,7 +39,7 @@ AXES: dict[str, Axis] = {
                   lambda device: ("bf16", "fp16") if device == "cuda" else ("fp32", "bf16")),
     "weights": Axis("weights", "--weights", ("auto", "dequant", "int4"), lambda device: ("auto", "dequant")),
     "threads": Axis("threads", "--threads", None, lambda device: ()),
-    "kv": Axis("kv", "--kv", ("fp32", "bf16", "fp16", "int8", "int4"), lambda device: ()),
+    "kv": Axis("kv", "--kv", ("auto", "fp32", "bf16", "fp16", "int8", "int4"), lambda device: ()),
 }
 
 

@@ -394,6 +394,8 @@ def test_prompt_kinds_and_exact_lengths():
     (["--sweep", "--axis", "threads=0"], ["--axis", "positive integer"], 2),
     (["--sweep", "--axis", "dtype"], ["--axis", "NAME=VALUE"], 2),
     (["--sweep", "--axis", "dtype=fp32", "--axis", "dtype=bf16"], ["--axis", "dtype is given twice"], 2),
+    (["--sweep", "--threads", "1", "--axis", "threads=1,2"], ["--axis", "threads is set by --threads too"], 2),
+    (["--sweep", "--kv", "int8", "--axis", "kv=auto,int4"], ["--axis", "kv is set by --kv too"], 2),
     (["--ngram", "--temperature", "inf"], ["--temperature", "finite"], 2),
     (["--ngram", "--temperature", "1e-40"], ["--temperature", "too small to sample with"], 2),
     (["--kv-evict", "window", "--kv-budget", "64", "--ctx", "128"], ["--ctx 128", "--kv-evict", "drop --ctx"], 2),
@@ -436,6 +438,20 @@ def test_random_weights_that_do_not_fit_are_refused(cli, monkeypatch):
     # 4-bit: the matrices in blocks, one float block or head at a time; on a CPU it computes in fp32
     assert_one_error_line(cli("--random-weights", "llama3-8b", "--weights", "int4", "--device", "cpu"),
                           "needs 10.3 GiB (weights 8.3 GiB", "use a smaller shape, a smaller --ctx", code=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "smollm2"])
+def test_bytes_read_per_token_count_one_row_of_an_untied_embedding(arch):
+    from types import SimpleNamespace
+
+    from .tiny import CONFIGS, random_model
+
+    model = random_model(CONFIGS[arch])
+    every = sum(t.nbytes for t in model.state_dict().values())
+    table = model.embed.weight.nbytes
+    read = bench.weight_bytes_read_per_token(SimpleNamespace(model=model, weight_bytes=every))
+    # untied (llama): the table but the one row a token looks up; tied (smollm2): the table is the head, all read
+    assert read == (every - table + table // CONFIGS[arch].vocab_size if arch == "llama" else every)
 
 
 def test_int4_random_weight_bytes_follow_the_layout():
@@ -653,7 +669,9 @@ def test_sweep_cli(cli, tiny_gguf, tmp_path):
     check_schema(doc)
     rows = doc["sweep"]
     assert [r["rank"] for r in rows] == [1, 2, 3, 4]
-    assert {r["flags"] for r in rows} == {f"--dtype {d} --weights {w}" for d in ("fp32", "bf16") for w in ("auto", "dequant")}
+    # --threads 1 (FAST) keeps the threads at 1, and says so in each row's flags
+    assert {r["flags"] for r in rows} == {f"--dtype {d} --weights {w} --threads 1" for d in ("fp32", "bf16")
+                                          for w in ("auto", "dequant")}
     for r in rows:
         assert set(r) == SWEEP_KEYS and r["error"] is None
         if r["config"]["dtype"] == "fp32":  # the reference precision itself
@@ -682,8 +700,17 @@ def test_a_sweep_measures_each_configurations_own_memory(cli):
 
 def test_sweep_axes_and_table(cli, tiny_gguf):
     result = ok(cli(tiny_gguf, *FAST, "--sweep", "--axis", "dtype=bf16", "--axis", "weights=dequant", "--goal", "quality"))
-    assert "recommended for quality: --dtype bf16 --weights dequant" in result.stderr
-    assert f"llmrun chat {tiny_gguf} --dtype bf16 --weights dequant" in result.stderr.replace("\n", " ")
+    assert "recommended for quality: --dtype bf16 --weights dequant --threads 1" in result.stderr
+    assert f"llmrun chat {tiny_gguf} --dtype bf16 --weights dequant --threads 1" in result.stderr.replace("\n", " ")
+
+
+def test_a_given_option_keeps_its_sweep_axis_fixed(cli, tiny_gguf):
+    """--dtype bf16 with --sweep: the grid's dtypes are bf16 alone (the sweep went on to measure fp32 as well, and
+    recommended it); kv=auto is one of the kv axis's values, as --kv auto is an option's."""
+    doc = ok(cli(tiny_gguf, *FAST, "--sweep", "--dtype", "bf16", "--axis", "kv=auto,int8", "--json")).json()
+    assert sorted(r["flags"] for r in doc["sweep"]) == sorted(
+        f"--dtype bf16 --weights {w} --threads 1 --kv {kv}" for w in ("auto", "dequant") for kv in ("auto", "int8"))
+    assert doc["recommended"]["flags"].startswith("--dtype bf16 ")
 
 
 def test_a_failed_sweep_row_keeps_every_key(cli, tiny_gguf):
@@ -691,9 +718,9 @@ def test_a_failed_sweep_row_keeps_every_key(cli, tiny_gguf):
     rows = result.json()["sweep"]
     assert [set(r) for r in rows] == [SWEEP_KEYS] * 2
     failed = rows[-1]
-    assert failed["flags"] == "--dtype fp16 --weights int4" and "fp32 activations" in failed["error"]
+    assert failed["flags"] == "--dtype fp16 --weights int4 --threads 1" and "fp32 activations" in failed["error"]
     assert all(failed[key] is None for key in sweep.SWEEP_FIGURES)
-    assert f"#2 --dtype fp16 --weights int4 failed: {failed['error']}" in result.stderr.replace("\n", " ")
+    assert f"#2 --dtype fp16 --weights int4 --threads 1 failed: {failed['error']}" in result.stderr.replace("\n", " ")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")

@@ -17,7 +17,7 @@ from llmrun.shapes import SHAPES
 from llmrun.workloads import KINDS
 
 from . import app
-from .console import err, open_files, progress_bar, user_errors, write_out
+from .console import current_context, err, open_files, progress_bar, user_errors, write_out
 from .options import DEFAULT_CTX_CAP, SPECULATIVE, RunOptions, check_temperature, run_options
 
 WORKLOAD = "Workload"
@@ -78,6 +78,10 @@ def bench(
     settings = lib.resolve(lib.Settings(opts.device, opts.dtype, opts.weights, opts.threads, opts.ctx, opts.kv or "auto",
                                         ev and ev.policy, ev and ev.budget, ev.sinks if ev else 4),
                            default_ctx=min(trained, DEFAULT_CTX_CAP))
+    if sweep_axes is not None:  # an axis whose option is given stays at its value
+        from llmrun.sweep import AXES
+
+        sweep_axes.update({name: (getattr(settings, AXES[name].field),) for name in _given_axes()})
     if ev is None and prompt_tokens is not None:  # before the prompt is built: 10^8 tokens took 2 GB to refuse
         lib.check_fits_context(prompt_tokens, new_tokens, settings.ctx, trained)
     workload = make_workload(
@@ -155,12 +159,26 @@ def _drafting(opts, temperature: float, random_weights, compare: bool, sweep: bo
 
 
 def _sweep_axes(specs) -> dict:
-    from llmrun.sweep import parse_axes
+    from llmrun.sweep import AXES, parse_axes
 
     try:
-        return parse_axes(specs or [])
+        axes = parse_axes(specs or [])
     except LlmrunError as e:
         raise _bad("--axis", str(e).removeprefix("--axis ")) from None
+    for name in _given_axes():
+        if name in axes:
+            raise _bad("--axis", f"{name} is set by {AXES[name].flag} too; give its values in one place: "
+                                 f"--axis {name}=V1,V2, or {AXES[name].flag} alone to keep it fixed")
+    return axes
+
+
+def _given_axes() -> list[str]:
+    """The sweep's axes whose option the command line gives (`--dtype bf16`): the sweep keeps them at that value."""
+    from llmrun.sweep import AXES
+
+    context = current_context()
+    return [name for name, axis in AXES.items()
+            if (source := context.get_parameter_source(axis.field)) is not None and source.name != "DEFAULT"]
 
 
 # --- rendering --------------------------------------------------------------------------------------------------

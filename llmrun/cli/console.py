@@ -18,7 +18,7 @@ from llmrun import threads
 from llmrun.errors import LlmrunError, UsageError
 
 # click's context, or that of Typer's vendored copy of click (Typer >= 0.26)
-_current_context = importlib.import_module(sys.modules[typer.BadParameter.__module__].__package__ + ".globals").get_current_context
+current_context = importlib.import_module(sys.modules[typer.BadParameter.__module__].__package__ + ".globals").get_current_context
 
 # stdout carries only generated text and --json; everything else goes here.
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -73,7 +73,7 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except UsageError as e:  # as the parser's own usage errors read
-            ctx = _current_context(silent=True)
+            ctx = current_context(silent=True)
             fail(f"{e} (see: {ctx.command_path} --help)" if ctx else str(e), 2)
         except LlmrunError as e:
             fail(str(e))
