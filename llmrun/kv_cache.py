@@ -23,12 +23,20 @@ from dataclasses import dataclass
 import torch
 
 from llmrun import kernels
-from llmrun.errors import ContextOverflowError, LlmrunError, UsageError
+from llmrun.errors import ContextOverflowError, LlmrunError, UnsupportedModelError, UsageError
 from llmrun.kernels import ref
 
 KV_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 EVICTION_POLICIES = ("window", "h2o")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def unsupported(cfg, kv_format: str | None) -> str | None:
+    """Why a model cannot keep its KV cache in `kv_format`, or None."""
+    if kv_format in ("int8", "int4") and cfg.head_dim % 16:
+        return (f"an {kv_format} KV cache needs a head size divisible by 16 (a scale covers 16 or 32 channels); this "
+                f"model's heads have {cfg.head_dim}: use --kv fp32, bf16 or fp16")
+    return None
 
 
 def format_of(dtype) -> str:
@@ -432,6 +440,8 @@ class KVCache:
         cfg = model.config if hasattr(model, "config") else model
         if eviction is not None and cfg.sliding_window is not None:
             raise LlmrunError("--kv-evict cannot be used with a model that has its own sliding-window attention")
+        if (why := unsupported(cfg, kv_format)) is not None:
+            raise UnsupportedModelError(why)
         cache = cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype, device, kv_format, eviction,
                     cfg.max_seq_len)
         cache._rope = getattr(model, "rope_at", None)

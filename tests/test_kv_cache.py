@@ -639,3 +639,38 @@ def test_info_reports_the_rings_of_the_models_context(tmp_path):
     assert slots < ref.RING  # (a context shorter than the rings')
     assert doc["kv_int4_rings"]["slots"] == slots and doc["kv_int4_rings"]["positions"] == ref.ring_window(slots)
     assert doc["kv_int4_rings"]["fp32"] == int4_ring_bytes(model.config, 4, model.config.max_seq_len)
+
+
+def test_a_head_size_16_does_not_divide_keeps_float_caches_only(tmp_path, monkeypatch, capsys):
+    """head_dim 24: `info` gives its float formats' bytes and says n/a (null in --json) for int8/int4 (it failed
+    with a traceback), and --kv int8/int4 is one error line before the weights load; fp32 runs."""
+    import json
+    from dataclasses import replace
+
+    from llmrun.loading import load_model
+
+    from .conftest import run_main
+    from .tiny import CONFIGS, random_model, write_hf_dir
+
+    cfg = replace(CONFIGS["llama"], head_dim=24)
+    path = write_hf_dir(tmp_path / "m", random_model(cfg))
+    code, out, err = run_main(["info", path, "--json"], monkeypatch, capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["kv_int4_rings"] is None
+    assert doc["kv_bytes_per_token"] == {"fp32": cfg.kv_bytes_per_token(4), "bf16": cfg.kv_bytes_per_token(2),
+                                         "fp16": cfg.kv_bytes_per_token(2), "int8": None, "int4": None}
+    code, out, err = run_main(["info", path], monkeypatch, capsys)
+    cells = "".join(err.replace("│", "").split())  # (the table's cells, however narrow the terminal wraps them)
+    assert code == 0 and "int8n/a(headsize),int4n/a(headsize)" in cells and "kvint4ringsn/a(headsize)" in cells
+    for fmt in ("int8", "int4"):
+        monkeypatch.setattr("llmrun.loading.load_weights", lambda *a, **k: pytest.fail("loaded the weights"))
+        code, out, err = run_main(["generate", path, "w1", "-n", "2", "--kv", fmt, "--threads", "1"], monkeypatch,
+                                  capsys)
+        assert code == 1 and out == "" and err.strip().splitlines() == [
+            f"error: an {fmt} KV cache needs a head size divisible by 16 (a scale covers 16 or 32 channels); this "
+            f"model's heads have 24: use --kv fp32, bf16 or fp16"], err
+        monkeypatch.undo()
+        with pytest.raises(LlmrunError, match=f"an {fmt} KV cache needs a head size divisible by 16"):
+            Engine(load_model(str(path), device="cpu", dtype="fp32"), 64, kv_format=fmt)
+    code, out, err = run_main(["generate", path, "w1", "-n", "2", "--kv", "fp32", "--threads", "1"], monkeypatch, capsys)
+    assert code == 0, err

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llmrun import threads
-from llmrun.errors import LlmrunError, UsageError
+from llmrun.errors import LlmrunError, UnsupportedModelError, UsageError
 
 # click's context, or that of Typer's vendored copy of click (Typer >= 0.26)
 current_context = importlib.import_module(sys.modules[typer.BadParameter.__module__].__package__ + ".globals").get_current_context
@@ -279,10 +279,14 @@ def open_engine(model: str, opts):
         raise UsageError(f"--ctx {opts.ctx} with --kv-evict: an evicting cache holds --kv-budget tokens and the"
                          " conversation has no length limit; drop --ctx")
 
-    def check_ctx(files):
+    def check_ctx(files):  # (and the cache's format): before the weights load
+        from llmrun.kv_cache import unsupported
+
         trained = files.config.max_seq_len
         if opts.ctx is not None and opts.ctx > trained:
             raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+        if (why := unsupported(files.config, opts.kv)) is not None:
+            raise UnsupportedModelError(why)
 
     loaded = load_with_progress(model, opts, f"loading {model}", check=check_ctx)
     trained = loaded.config.max_seq_len

@@ -16,7 +16,7 @@ from .options import JsonFlag, ModelArg
 def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
     """Architecture, parameters, weight bytes by dtype, context, KV bytes per token, tokenizer and template."""
     from llmrun.kernels import ref
-    from llmrun.kv_cache import KV_FORMATS, int4_ring_bytes, int4_ring_slots
+    from llmrun.kv_cache import KV_FORMATS, int4_ring_bytes, int4_ring_slots, unsupported
     from llmrun.kv_cache import bytes_per_token as kv_bytes
     from llmrun.memory import human_bytes
 
@@ -43,9 +43,11 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         "sliding_window": cfg.sliding_window,
         "sliding_window_from_layer": cfg.sliding_window_from if cfg.sliding_window else None,
         "tied_embeddings": cfg.tie_embeddings,
-        "kv_bytes_per_token": {fmt: kv_bytes(cfg, fmt) for fmt in KV_FORMATS},
-        "kv_int4_rings": {"positions": ref.ring_window(int4_ring_slots(ctx)), "slots": int4_ring_slots(ctx),
-                          "bf16": int4_ring_bytes(cfg, 2, ctx), "fp32": int4_ring_bytes(cfg, 4, ctx)},
+        # (null: a format this model's heads cannot be kept in)
+        "kv_bytes_per_token": {fmt: None if unsupported(cfg, fmt) else kv_bytes(cfg, fmt) for fmt in KV_FORMATS},
+        "kv_int4_rings": None if unsupported(cfg, "int4") else {
+            "positions": ref.ring_window(int4_ring_slots(ctx)), "slots": int4_ring_slots(ctx),
+            "bf16": int4_ring_bytes(cfg, 2, ctx), "fp32": int4_ring_bytes(cfg, 4, ctx)},
         "tokenizer": tok.kind,
         "chat_template": tok.chat_template is not None,
     }
@@ -57,7 +59,9 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         if key == "weight_bytes":
             value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items()) + f" (total {human_bytes(sum(value.values()))})"
         elif key == "kv_bytes_per_token":
-            value = ", ".join(f"{k} {human_bytes(v)}" for k, v in value.items())
+            value = ", ".join(f"{k} {'n/a (head size)' if v is None else human_bytes(v)}" for k, v in value.items())
+        elif key == "kv_int4_rings" and value is None:
+            value = "n/a (head size)"
         elif key == "kv_int4_rings":
             value = (f"the last {value['positions']} positions' exact keys and values, in {value['slots']} slots: "
                      f"{human_bytes(value['bf16'])} in bf16, {human_bytes(value['fp32'])} in fp32 (fixed)")
