@@ -540,8 +540,16 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    tied = files
+    if files.config.tie_embeddings and files.gguf is None and \
+            "lm_head.weight" in (name for name, _ in _safetensors_headers(files.source.path)):
+        # config.json ties the head, yet the checkpoint stores one: read as a head of its own, and tied after all
+        # where it is the embedding's copy (as transformers does: it warns and keeps a head that differs)
+        files = replace(files, config=replace(files.config, tie_embeddings=False))
     cfg = files.config
     keep, notes = _packed_weights(files, weights, dev, dt)  # our tensor name -> planes' (bits, offsets)
+    if tied is not files and "lm_head.weight" in keep:  # the embedding may serve as the head after all
+        keep["embed.weight"] = keep["lm_head.weight"]
     with torch.device("meta"):
         model = build_model(cfg)
         for module, (bits, offsets) in {_fused_name(n)[0].removesuffix(".weight"): f for n, f in keep.items()}.items():
@@ -556,7 +564,7 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
         if name == "rope_freq_factors":
             model.rope_freq_factors = w.tolist()
             continue
-        name, index, count = _fused_name(name)
+        stored, (name, index, count) = name, _fused_name(name)
         if count > 1:  # one of q/k/v or gate/up: wait for the others, then concatenate their rows
             _check_part(files, cfg, name, index, w)
             got = parts.setdefault(name, [None] * count)
@@ -581,7 +589,8 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
                 state[f"{module}.{field}"] = plane.to(dev)
             continue
         if name not in expected:
-            raise ModelFormatError(f"{files.source.path}: tensor {name} does not belong to a {cfg.architecture}")
+            raise ModelFormatError(f"{files.source.path}: tensor {_file_name(files, stored)} does not belong to a "
+                                   f"{cfg.architecture}{_no_bias_hint(files, name)}")
         if tuple(w.shape) != tuple(expected[name].shape):
             raise _shape_error(files, name, tuple(w.shape), tuple(expected[name].shape))
         state[name] = w.to(device=dev, dtype=dt)
@@ -595,6 +604,16 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
         if missing == ["lm_head.weight"] and files.gguf is None:  # transformers reads an absent key as false too
             hint = " (a model whose head is its embedding says so: tie_word_embeddings true in config.json)"
         raise ModelFormatError(f"{files.source.path}: missing tensors {names}{' ...' if len(missing) > 4 else ''}{hint}")
+    if tied is not files:
+        head = {key.removeprefix("lm_head."): t for key, t in state.items() if key.startswith("lm_head.")}
+        table = {key.removeprefix("embed."): t for key, t in state.items() if key.startswith("embed.")}
+        if head.keys() == table.keys() and all(torch.equal(t, table[key]) for key, t in head.items()):
+            files, model.lm_head, model.config = tied, None, tied.config  # a copy: the model is tied
+            state = {key: t for key, t in state.items() if not key.startswith("lm_head.")}
+        else:
+            notes.append(f"{files.source.path}/config.json ties the output head to the embedding "
+                         "(tie_word_embeddings), but the checkpoint stores a different lm_head.weight: it is used, "
+                         "as transformers does")
     model.load_state_dict(state, assign=True)
     model.eval().requires_grad_(False)
     model.reference_ops = weights == "dequant"  # the plain-PyTorch path, every op from kernels.ref
@@ -637,6 +656,13 @@ def _check_part(files: ModelFiles, cfg, fused: str, index: int, w) -> None:
     shape = (outs[index], width) if kind == "weight" else (outs[index],)
     if tuple(w.shape) != shape:
         raise _shape_error(files, _part_name(fused, index), tuple(w.shape), shape)
+
+
+def _no_bias_hint(files: ModelFiles, ours: str) -> str:
+    if not ours.endswith(".bias"):
+        return ""
+    said = "attention_bias in config.json" if files.gguf is None else "the file's first layer"
+    return f" (its layer has no bias in this architecture as {said} gives it)"
 
 
 def _shape_error(files: ModelFiles, ours: str, shape: tuple, want: tuple) -> ModelFormatError:

@@ -100,6 +100,10 @@ def _check_source(files) -> None:
     if files.gguf is not None and "rope_freqs.weight" in files.gguf.tensors:
         raise LlmrunError(f"{files.source.spec} stores its RoPE scaling as a rope_freqs tensor, which config.json "
                           "cannot express; quantize the model's HF checkpoint instead")
+    if files.gguf is not None:  # its config.json is written last: one it cannot express fails now, not then
+        from llmrun.models import config_to_hf
+
+        config_to_hf(files.config)
     for name, (_, outs) in files.config.linear_widths().items():
         if any(w % 8 for w in outs):
             raise LlmrunError(f"output widths {outs} of {name} are not multiples of 8, which AWQ/GPTQ packing needs")

@@ -47,7 +47,8 @@ class ModelConfig:
     rope_theta: float
     max_seq_len: int  # the context the model was trained for
     tie_embeddings: bool = False  # output projection reuses the token embedding (SmolLM2, Llama 3.2 1B/3B)
-    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2)
+    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2; Llama's attention_bias)
+    attention_out_bias: bool = False  # the output projection carries one too (Llama's attention_bias)
     sliding_window: int | None = None  # each token sees only the last N positions (Mistral v0.1)
     sliding_window_from: int = 0  # layers before this one see the whole context (Qwen2's max_window_layers)
     rope_scaling: RopeScaling | None = None
@@ -92,6 +93,8 @@ class ModelConfig:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.attention_bias:
             attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+        if self.attention_out_bias:
+            attn += self.dim
         mlp = 3 * self.dim * self.ffn_dim
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + mlp + 2 * self.dim) + embed + self.dim
@@ -235,7 +238,10 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         rope_theta=rope_theta,
         max_seq_len=need("max_position_embeddings", 2048),
         tie_embeddings=flag("tie_word_embeddings"),
-        attention_bias=flag("attention_bias") or qwen2,
+        # as transformers builds them: Qwen2 biases q/k/v always and o never; Llama's attention_bias all four;
+        # Mistral none, whatever its config says
+        attention_bias=qwen2 or (arch == "LlamaForCausalLM" and flag("attention_bias")),
+        attention_out_bias=arch == "LlamaForCausalLM" and flag("attention_bias"),
         sliding_window=sliding,
         sliding_window_from=sliding_from,
         rope_scaling=rope_scaling,
@@ -260,6 +266,11 @@ def _window_from(cfg: dict, n_layers: int) -> int:
     return first
 
 
+# (q/k/v biases, output bias) as each family's config.json can say them
+_HF_BIASES = {"LlamaForCausalLM": ((False, False), (True, True)), "MistralForCausalLM": ((False, False),),
+              "Qwen2ForCausalLM": ((True, False),)}
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
     """The HF `config.json` fields of `cfg` (what `config_from_hf` reads back to an equal config)."""
     out = {
@@ -269,6 +280,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
     }
+    biases = (cfg.attention_bias, cfg.attention_out_bias)
+    if biases not in _HF_BIASES[cfg.architecture]:
+        raise UnsupportedModelError(
+            f"a {cfg.architecture} whose q/k/v projections {'have' if biases[0] else 'lack'} biases and whose output "
+            f"projection {'has' if biases[1] else 'lacks'} one cannot be written as an HF config.json")
     if cfg.architecture == "Qwen2ForCausalLM":
         out["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.sliding_window is not None:
@@ -326,6 +342,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         max_seq_len=get("context_length"),
         tie_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_out_bias="blk.0.attn_output.bias" in tensor_names,
         sliding_window=get("attention.sliding_window", 0) or None,
         rope_scaling=scaling,
     )

@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # q, k and v projections as one matmul: rows [q (Hq*D); k (Hkv*D); v (Hkv*D)]
         self.qkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.attention_bias)
-        self.o = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.o = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.attention_out_bias)
 
     def forward(self, x, cos, sin, start_pos: int, cache, window):
         B, T, _ = x.shape

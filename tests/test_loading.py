@@ -12,7 +12,7 @@ import torch
 
 from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from llmrun.loading import load_model, open_model, resolve, round_to_int4
-from llmrun.models import config_from_gguf, config_from_hf
+from llmrun.models import config_from_gguf, config_from_hf, config_to_hf
 
 from .tiny import CONFIGS, decode_in_steps, hf_config_json, random_model, write_gguf, write_hf_dir
 
@@ -262,6 +262,88 @@ def test_qwen2_window_from_a_layer_round_trips_and_matches_transformers(tmp_path
         theirs = hf(tokens).logits
         torch.testing.assert_close(model(tokens), theirs, atol=1e-4, rtol=1e-4)
         assert not torch.allclose(random_model(replace(cfg, sliding_window_from=0))(tokens), theirs, atol=1e-3)
+
+
+def test_llama_attention_bias_gives_all_four_projections_biases(tmp_path):
+    """Llama's attention_bias puts a bias on q, k, v and o (transformers' LlamaAttention), Qwen2's q/k/v alone and
+    Mistral none: each read back equal from an HF directory and a GGUF, its logits those of the model written,
+    packed ones too, and (where transformers is installed: locally, not in CI) those of transformers' Llama."""
+    cfg = replace(CONFIGS["llama"], attention_bias=True, attention_out_bias=True)
+    model = random_model(cfg)
+    path = write_hf_dir(tmp_path / "llama", model)
+    assert json.loads((path / "config.json").read_text())["attention_bias"] is True
+    for source in (path, write_gguf(tmp_path / "llama.gguf", model, "llama")):
+        loaded = load_model(str(source), device="cpu", dtype="fp32")
+        assert loaded.config == replace(cfg, norm_eps=loaded.config.norm_eps)  # (GGUF stores eps as float32)
+        _same_logits(model, loaded)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    packed = load_model(str(path), device="cpu", dtype="fp32", weights="int4").model
+    assert packed.layers[0].attn.o.bias is not None
+    with torch.no_grad():
+        torch.testing.assert_close(decode_in_steps(packed, tokens, 3), packed(tokens)[0], atol=1e-4, rtol=1e-4)
+    base = hf_config_json(CONFIGS["llama"])
+    assert config_from_hf({**base, "attention_bias": True}) == cfg
+    mistral = config_from_hf({**base, "architectures": ["MistralForCausalLM"], "attention_bias": True})
+    assert (mistral.attention_bias, mistral.attention_out_bias) == (False, False)  # transformers' Mistral has none
+    qwen2 = config_from_hf({**base, "architectures": ["Qwen2ForCausalLM"]})
+    assert (qwen2.attention_bias, qwen2.attention_out_bias) == (True, False)
+    with pytest.raises(UnsupportedModelError, match="whose q/k/v projections have biases and whose output projection "
+                                                    "lacks one cannot be written as an HF config.json"):
+        config_to_hf(replace(cfg, attention_out_bias=False))  # (a GGUF Llama may hold such biases)
+    transformers = pytest.importorskip("transformers")
+    (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), "model_type": "llama"}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    assert hf.model.layers[0].self_attn.o_proj.bias is not None
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_bias_the_config_does_not_give_is_named_as_stored(tmp_path):
+    model = random_model(replace(CONFIGS["llama"], attention_bias=True, attention_out_bias=True))
+    path = write_hf_dir(tmp_path / "llama", model)
+    (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()),
+                                                  "attention_bias": False}))
+    with pytest.raises(ModelFormatError, match=r"tensor model\.layers\.0\.self_attn\.\w_proj\.bias does not belong "
+                                               r"to a LlamaForCausalLM \(its layer has no bias .* attention_bias in "
+                                               r"config\.json"):
+        load_model(str(path), device="cpu", dtype="fp32")
+
+
+@pytest.mark.parametrize("stored", ["copy", "other"])
+def test_a_tied_config_whose_checkpoint_stores_a_head(tmp_path, stored):
+    """tie_word_embeddings true, and lm_head.weight in the checkpoint as well: a copy of the embedding is tied (one
+    matrix held), a head that differs is used (with a warning), as transformers 5 does; packed (an RTN checkpoint,
+    the head as 8-bit blocks) as well as in floats."""
+    from safetensors.torch import load_file, save_file
+
+    from llmrun.models.quant import QuantEmbedding
+    from llmrun.quantize import QuantizeOptions, quantize
+
+    cfg = replace(CONFIGS["llama"], tie_embeddings=True, ffn_dim=128)  # (input widths 32 divides: 4-bit groups)
+    tied = random_model(cfg)
+    untied = random_model(replace(cfg, tie_embeddings=False), seed=1)
+    with torch.no_grad():
+        untied.embed.weight.copy_(tied.embed.weight)
+        if stored == "copy":
+            untied.lm_head.weight.copy_(tied.embed.weight)
+        for name, p in untied.named_parameters():  # the rest as the tied model's
+            if not name.startswith(("embed.", "lm_head.")):
+                p.copy_(tied.get_parameter(name))
+    path = write_hf_dir(tmp_path / "float", tied)
+    save_file({**load_file(path / "model.safetensors"), "lm_head.weight": untied.lm_head.weight.contiguous()},
+              str(path / "model.safetensors"))
+    loaded = load_model(str(path), device="cpu", dtype="fp32")
+    assert (loaded.model.lm_head is None, loaded.config.tie_embeddings) == (stored == "copy",) * 2
+    assert loaded.model.config == loaded.config
+    _same_logits(tied if stored == "copy" else untied, loaded)
+    assert any("stores a different lm_head.weight: it is used" in n for n in loaded.notes) == (stored == "other")
+    quantize(str(write_hf_dir(tmp_path / "src", tied)), tmp_path / "q", QuantizeOptions("rtn"), device="cpu")
+    q = tmp_path / "q" / "model.safetensors"
+    save_file({**load_file(q), "lm_head.weight": untied.lm_head.weight.half().contiguous()}, str(q))
+    packed = load_model(str(tmp_path / "q"), device="cpu", dtype="fp32")
+    assert isinstance(packed.model.embed, QuantEmbedding) and packed.weights == "packed"
+    assert (packed.model.lm_head is None) == (stored == "copy")
 
 
 def test_invalid_gguf_metadata():

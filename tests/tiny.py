@@ -57,6 +57,8 @@ def hf_config_json(cfg: ModelConfig) -> dict:
     }
     if cfg.sliding_window:
         d["sliding_window"] = cfg.sliding_window
+    if cfg.architecture == "LlamaForCausalLM" and cfg.attention_bias:
+        d["attention_bias"] = True
     if cfg.architecture == "Qwen2ForCausalLM":
         d["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.sliding_window:
