@@ -165,13 +165,14 @@ def _int4_values_kernel(X, Codes, Scales, Mins, Ring, Slots, stride_xb, stride_x
 
 
 @triton.jit
-def _group_keys(x_at, ring_at, new, ok):
-    """A key group's keys of one channel parity (KEY_GROUP, BLOCK_P) fp32: the new ones from x, stored into the ring
-    as it holds them (its dtype), the older ones from the ring."""
-    fresh = tl.load(x_at, mask=new[:, None] & ok[None, :], other=0.0).to(ring_at.dtype.element_ty)
-    tl.store(ring_at, fresh, mask=new[:, None] & ok[None, :])
-    old = tl.load(ring_at, mask=(~new)[:, None] & ok[None, :], other=0.0)
-    return tl.where(new[:, None], fresh, old).to(tl.float32)
+def _group_keys(x_at, ring_at, new, fresh, ok):
+    """A key group's keys of one channel parity (KEY_GROUP, BLOCK_P) fp32, as the ring holds them (its dtype) once
+    this write is done: the `fresh` ones from x (at `x_at`), the group's `new` ones stored into the ring, the others
+    from ring slots this write leaves alone (no program reads a slot another one writes)."""
+    keys = tl.load(x_at, mask=fresh[:, None] & ok[None, :], other=0.0).to(ring_at.dtype.element_ty)
+    tl.store(ring_at, keys, mask=new[:, None] & ok[None, :])
+    old = tl.load(ring_at, mask=(~fresh)[:, None] & ok[None, :], other=0.0)
+    return tl.where(fresh[:, None], keys, old).to(tl.float32)
 
 
 @triton.jit
@@ -190,12 +191,18 @@ def _int4_keys_kernel(X, Codes, Scales, Mins, Ring, Slots, stride_xb, stride_xh,
     if group <= (first + T - 1) // _KEY_GROUP:
         pos = group * _KEY_GROUP + tl.arange(0, _KEY_GROUP)  # (KEY_GROUP,) the group's positions
         new = (pos >= first) & (pos < first + T)
+        # The position whose key pos's ring slot holds once the write is done: a new one where it is pos itself, or,
+        # past the buffer of a last group that cannot fill, a new position that shares pos's slot in a ring of fewer
+        # slots than the positions read (--ctx 100: the group of 96-127 reads slots 0-27, which this write fills).
+        # (pos >= first - 31: the dividend is positive, where Triton's % and the interpreter's would disagree)
+        src = first + (pos - first + _KEY_GROUP * ring) % ring
+        fresh = src < first + T
         pair = tl.arange(0, BLOCK_P)  # byte i holds channels 2i and 2i + 1
         ok = pair < D // 2
-        x_at = X + b * stride_xb + h * stride_xh + (pos - first)[:, None] * stride_xt + 2 * pair[None, :]
+        x_at = X + b * stride_xb + h * stride_xh + (src - first)[:, None] * stride_xt + 2 * pair[None, :]
         ring_at = Ring + b * stride_rb + h * stride_rh + (pos % ring)[:, None] * stride_rs + 2 * pair[None, :]
-        even = _group_keys(x_at, ring_at, new, ok)
-        odd = _group_keys(x_at + 1, ring_at + 1, new, ok)
+        even = _group_keys(x_at, ring_at, new, fresh, ok)
+        odd = _group_keys(x_at + 1, ring_at + 1, new, fresh, ok)
         lo_even, lo_odd = tl.min(even, 0).to(tl.float16), tl.min(odd, 0).to(tl.float16)  # (BLOCK_P,)
         scale_even, inv_even = _int4_scale(lo_even, tl.max(even, 0))
         scale_odd, inv_odd = _int4_scale(lo_odd, tl.max(odd, 0))
