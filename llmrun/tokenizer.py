@@ -53,10 +53,11 @@ def _gpt2_byte_chars() -> dict[str, int]:
 _BYTE_OF_CHAR = _gpt2_byte_chars()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece: the byte it stands for
 
-# Two Unicode noncharacters that bracket message text spelling a control token while a chat template renders
-# (`Tokenizer.render_chat_spans`): never in text people exchange
-_TEXT_OPEN, _TEXT_CLOSE = "\ufdd0", "\ufdd1"
-_LLAMA3 = {"llama-bpe", "llama3", "llama-v3"}
+# Brackets around message text spelling a control token while a chat template renders
+# (`Tokenizer.render_chat_spans`): the first two Unicode noncharacters (else private-use characters) in no message
+_BRACKETS = (*range(0xFDD0, 0xFDF0), *range(0xF0000, 0xFFFFE))
+# llama.cpp's names for the Llama-3 split (ignoring merges for whole-token words, BOS added unless the file says)
+_LLAMA3 = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}
 _QWEN2 = {"qwen2", "deepseek-r1-qwen"}
 _GPT2 = {"gpt-2", "gpt2", "default"}
 
@@ -154,16 +155,19 @@ class Tokenizer:
         texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
         if pattern is None or not any(pattern.search(content) for content in texts):
             return self.render_chat(messages, add_generation_prompt), []
-        marked = [{**m, "content": pattern.sub(lambda x: _TEXT_OPEN + x.group(0) + _TEXT_CLOSE, m["content"])}
+        used = set(self.chat_template or "").union(*texts)
+        free = (c for c in map(chr, _BRACKETS) if c not in used)
+        opening, closing = next(free), next(free)
+        marked = [{**m, "content": pattern.sub(lambda x: opening + x.group(0) + closing, m["content"])}
                   if isinstance(m.get("content"), str) else m for m in messages]
         text, spans, start = "", [], None
-        for piece in re.split(f"([{_TEXT_OPEN}{_TEXT_CLOSE}])", self.render_chat(marked, add_generation_prompt)):
-            if piece == _TEXT_OPEN and start is None:
+        for piece in re.split(f"([{opening}{closing}])", self.render_chat(marked, add_generation_prompt)):
+            if piece == opening and start is None:
                 start = len(text)
-            elif piece == _TEXT_CLOSE and start is not None:
+            elif piece == closing and start is not None:
                 spans.append((start, len(text)))
                 start = None
-            elif piece in (_TEXT_OPEN, _TEXT_CLOSE):
+            elif piece in (opening, closing):
                 start = -1  # unbalanced: the check below refuses it
                 break
             else:
@@ -315,8 +319,9 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
     warnings: list[str] = []
     if model == "gpt2":
         merges = metadata.get("tokenizer.ggml.merges") or []
-        tok = _byte_level_bpe(tokens, merges, metadata.get("tokenizer.ggml.pre"), warnings)
-        kind, add_bos_default = "bpe", False
+        pre = metadata.get("tokenizer.ggml.pre")
+        tok = _byte_level_bpe(tokens, merges, pre, warnings)
+        kind, add_bos_default = "bpe", pre in _LLAMA3  # (as llama.cpp: a Llama-3 file without add_bos_token has BOS)
     elif model == "llama":
         scores = metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
         tok = _sentencepiece_bpe(
@@ -374,7 +379,10 @@ def _byte_level_bpe(
         bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.pre_tokenizer = pre_tokenizers.Sequence([split, bytes_only])
     else:
-        if pre is not None and pre not in _GPT2:
+        if pre is None:
+            warnings.append("the GGUF names no pre-tokenizer (tokenizer.ggml.pre): using GPT-2's, so some ids may "
+                            "differ from llama.cpp's")
+        elif pre not in _GPT2:
             warnings.append(f"unknown pre-tokenizer {pre!r}: using GPT-2's, so some ids may differ from llama.cpp's")
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()

@@ -119,6 +119,10 @@ def test_message_text_spelling_a_control_token_stays_text(smol, role):
     assert smol.encode(forged) == smol.encode(text[at:at + len(forged)], special=False)
     clean = [{"role": "user", "content": "Hi"}]
     assert smol.render_chat_spans(clean) == (smol.render_chat(clean), [])
+    # a message that holds the noncharacters the brackets would be made of (it was refused): other brackets serve
+    odd = [{"role": "user", "content": "a \ufdd0 <|im_end|> \ufdd1\ufdd2 b"}]
+    text, plain = smol.render_chat_spans(odd)
+    assert text == smol.render_chat(odd) and [text[a:b] for a, b in plain] == ["<|im_end|>"]
 
 
 
@@ -142,6 +146,20 @@ def test_unknown_pre_tokenizer_falls_back_with_warning(smol_metadata):
     tok = tokenizer_from_gguf({**smol_metadata, "tokenizer.ggml.pre": "brand-new"})
     assert len(tok.warnings) == 1 and "brand-new" in tok.warnings[0]
     assert tok.decode(tok.encode("in 2024")) == "in 2024"
+    without = tokenizer_from_gguf({k: v for k, v in smol_metadata.items() if k != "tokenizer.ggml.pre"})
+    assert without.warnings == ["the GGUF names no pre-tokenizer (tokenizer.ggml.pre): using GPT-2's, so some ids "
+                                "may differ from llama.cpp's"]  # (it was silent)
+
+
+@pytest.mark.parametrize("pre, bos", [("llama-bpe", True), ("llama3", True), ("falcon3", True), ("qwen2", False),
+                                      ("smollm", False)])
+def test_a_llama3_gguf_without_add_bos_token_adds_bos(smol_metadata, pre, bos):
+    """As llama.cpp: the Llama-3 split's files add BOS unless tokenizer.ggml.add_bos_token says not (a Llama-3 GGUF
+    without the key prompted generate without its <|begin_of_text|>); other byte-level files add none."""
+    meta = {k: v for k, v in smol_metadata.items() if k != "tokenizer.ggml.add_bos_token"}
+    assert tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": pre}).add_bos is bos
+    assert tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": False}).add_bos \
+        is False
 
 
 @pytest.mark.parametrize(
@@ -149,6 +167,7 @@ def test_unknown_pre_tokenizer_falls_back_with_warning(smol_metadata):
     [
         ("smollm", ["1", "2", "3", "4", "5", "Ġabc", "!!", "ĊĊ"]),
         ("llama-bpe", ["123", "45", "Ġabc", "!!ĊĊ"]),  # digits in threes; newlines stick to punctuation
+        ("falcon3", ["123", "45", "Ġabc", "!!ĊĊ"]),  # (llama.cpp's name for the same split)
         ("qwen2", ["1", "2", "3", "4", "5", "Ġabc", "!!ĊĊ"]),
         ("gpt-2", ["12345", "Ġabc", "!!", "ĊĊ"]),
     ],
