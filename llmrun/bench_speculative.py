@@ -167,7 +167,9 @@ def measure_speculative(engine, speculator, workload, drafting: Drafting, replay
     if note is not None:
         figures["notes"].append(note)
     if figures["speculative"]["same_output"] is False:
-        figures["notes"].append("greedy speculative decoding gave different tokens from plain greedy decoding")
+        figures["notes"].append("greedy speculative decoding gave different tokens from plain greedy decoding" + (
+            " (expected with --kv-evict: a verification block evicts earlier than one-token steps do)"
+            if engine.eviction is not None else ""))
     return figures
 
 

@@ -10,7 +10,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -159,11 +159,13 @@ class Engine:
     def sibling(self, loaded: LoadedModel | None = None, model=None) -> Engine:
         """An engine with this one's context and KV-cache settings, for another model (a speculative draft)."""
         cfg = (model or (loaded or self.loaded).model).config
-        if self.eviction is not None and self.eviction.budget > cfg.max_seq_len:
-            raise UsageError(f"--kv-budget {self.eviction.budget} is more than the draft's context "
-                             f"({cfg.max_seq_len})")
-        return Engine(loaded or self.loaded, self.max_len, model=model, kv_format=self.kv_format,
-                      eviction=self.eviction)
+        eviction = self.eviction
+        if eviction is not None and eviction.budget > cfg.max_seq_len:  # it proposes from its context's last tokens
+            if cfg.max_seq_len < eviction.least_budget:
+                raise UsageError(f"--kv-budget: the draft's context ({cfg.max_seq_len}) is shorter than the least "
+                                 f"budget an evicting cache takes ({eviction.least_budget})")
+            eviction = replace(eviction, budget=cfg.max_seq_len)
+        return Engine(loaded or self.loaded, self.max_len, model=model, kv_format=self.kv_format, eviction=eviction)
 
     def reset(self) -> None:
         self.rollback(0)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.errors import OutsideVocabularyError
+from llmrun.errors import LlmrunError, OutsideVocabularyError
 from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, drawn_rows, fetch, not_finite, pick,
                              sample, sample_probs, survivors, to_device, token_probs, uniforms)
 
@@ -512,7 +512,11 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
         keep = self_draft_layers(n)
         sub, name = engine.model.with_layers(keep), f"self ({len(keep)}/{n} layers)"
         return _model_speculator(engine, engine.sibling(model=sub), name, length)
-    loaded = load(draft)
+    try:
+        loaded = load(draft)
+    except LlmrunError as e:  # (what the target's load would say, unless it is known for the draft's)
+        message = str(e) if str(e).startswith(draft) else f"{draft}: {e}"
+        raise type(e)(f"--draft {message}") from None
     check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
     return _model_speculator(engine, engine.sibling(loaded), draft, length)
 
@@ -520,6 +524,9 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
 def short_draft_note(engine, speculator) -> str | None:
     """What to say of a model draft whose context is shorter than the target's; None for any other drafter."""
     drafting = getattr(speculator and speculator.drafter, "engine", None)  # a model draft's own engine
+    if drafting is not None and engine.eviction is not None and drafting.eviction.budget < engine.eviction.budget:
+        return (f"draft: its context holds {drafting.eviction.budget} positions, fewer than --kv-budget "
+                f"{engine.eviction.budget}: its own cache keeps the last {drafting.eviction.budget} tokens")
     if drafting is None or drafting.max_len >= engine.max_len:
         return None
     return (f"draft: its context holds {drafting.max_len} positions, the target's {engine.max_len}: past "

@@ -394,19 +394,38 @@ def test_a_draft_of_another_vocabulary_size_proposes_only_the_targets_tokens(tin
         assert max(reply.token_ids) < target.model.config.vocab_size
 
 
-def test_a_budget_past_the_drafts_context_names_the_draft(tiny_pair):
+def test_a_budget_past_the_drafts_context_gives_the_draft_a_cache_of_its_context(tiny_pair):
+    """--kv-budget 128 with a draft of 64 positions (it was refused): the draft's own cache keeps its last 64 tokens
+    (said in a note) and it drafts past them; a reply the target's cache holds whole is plain greedy's. A draft whose
+    context is below the least budget is one error naming it."""
     import dataclasses
 
     from llmrun.errors import UsageError
     from llmrun.kv_cache import Eviction
+    from llmrun.speculative import short_draft_note
 
     from .tiny import random_model
 
     target = tiny_pair[0]
     short = random_model(dataclasses.replace(target.model.config, n_layers=1, max_seq_len=64))
+    params = SamplingParams(temperature=0, max_new_tokens=80, ignore_eos=True)
+    prompt = [5, 9, 17, 33, 2, 8, 70, 12, 19, 4]  # + 80: under 128, the target's cache evicts nothing
+    plain = Engine(target, eviction=Eviction("window", 128))
+    expected = plain.generate(prompt, params)
+    list(expected)
     engine = Engine(target, eviction=Eviction("window", 128))
-    with pytest.raises(UsageError, match=r"^--kv-budget 128 is more than the draft's context \(64\)$"):
-        engine.sibling(model=short)
+    draft = engine.sibling(model=short)
+    assert draft.eviction == Eviction("window", 64)
+    engine.speculator = Speculator(ModelDrafter(draft, "short"), DraftLength(4, adaptive=False))
+    assert short_draft_note(engine, engine.speculator) == ("draft: its context holds 64 positions, fewer than "
+                                                           "--kv-budget 128: its own cache keeps the last 64 tokens")
+    reply = engine.generate(prompt, params)
+    list(reply)
+    assert reply.token_ids == expected.token_ids and reply.stats.drafted > 0 and draft.cache.evicted > 0
+    shorter = random_model(dataclasses.replace(target.model.config, n_layers=1, max_seq_len=32))
+    with pytest.raises(UsageError, match=r"^--kv-budget: the draft's context \(32\) is shorter than the least budget "
+                                         r"an evicting cache takes \(64\)$"):
+        engine.sibling(model=shorter)
 
 
 def test_an_id_past_the_embedding_is_one_error(tiny_pair):
@@ -778,9 +797,16 @@ def test_cli_draft_model_from_a_file_is_lossless(monkeypatch, capsys, embedded_p
     (["--draft", "self", "--ngram", "2"], "pass one of them"),
     (["--ngram", "0"], "--ngram 0"),
     (["--draft-tokens", "0", "--ngram"], "--draft-tokens"),
-    (["--draft", "missing-draft.gguf"], "missing-draft.gguf"),
+    (["--draft", "missing-draft.gguf"], "--draft missing-draft.gguf: no such file"),
 ])
 def test_cli_speculative_bad_options_give_one_line_errors(monkeypatch, capsys, args, message):
     code, out, err = run_main(["chat", "-p", "hi", "-n", "4", *args], monkeypatch, capsys)
     assert code != 0 and out == ""
     assert message in err and "Traceback" not in err
+
+
+def test_a_draft_that_fails_to_load_is_named_as_the_draft(monkeypatch, capsys, tmp_path):
+    """The draft's load error says it is the draft's (it read as the target's: 'unsupported architecture')."""
+    (tmp_path / "config.json").write_text("{}")
+    code, out, err = run_main(["generate", "-n", "2", "--draft", tmp_path, "hi"], monkeypatch, capsys)
+    assert (code, out) == (1, "") and err.startswith(f"error: --draft {tmp_path}: unsupported architecture '?'"), err
