@@ -161,8 +161,10 @@ class Engine:
         cfg = (model or (loaded or self.loaded).model).config
         eviction = self.eviction
         if eviction is not None and eviction.budget > cfg.max_seq_len:  # it proposes from its context's last tokens
+            # (fewer sinks where --kv-sinks would ask for more than a quarter of its context)
+            eviction = replace(eviction, sinks=min(eviction.sinks, cfg.max_seq_len // 4))
             if cfg.max_seq_len < eviction.least_budget:
-                raise UsageError(f"--kv-budget: the draft's context ({cfg.max_seq_len}) is shorter than the least "
+                raise UsageError(f"--kv-evict: the draft's context ({cfg.max_seq_len}) is shorter than the least "
                                  f"budget an evicting cache takes ({eviction.least_budget})")
             eviction = replace(eviction, budget=cfg.max_seq_len)
         return Engine(loaded or self.loaded, self.max_len, model=model, kv_format=self.kv_format, eviction=eviction)

@@ -661,8 +661,8 @@ def _check_part(files: ModelFiles, cfg, fused: str, index: int, w) -> None:
 def _no_bias_hint(files: ModelFiles, ours: str) -> str:
     if not ours.endswith(".bias"):
         return ""
-    said = "attention_bias in config.json" if files.gguf is None else "the file's first layer"
-    return f" (its layer has no bias in this architecture as {said} gives it)"
+    said = "its config.json" if files.gguf is None else "the file's first layer"
+    return f" (this architecture, as {said} sets it up, gives that layer no bias)"
 
 
 def _shape_error(files: ModelFiles, ours: str, shape: tuple, want: tuple) -> ModelFormatError:

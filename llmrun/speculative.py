@@ -514,11 +514,12 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
         return _model_speculator(engine, engine.sibling(model=sub), name, length)
     try:
         loaded = load(draft)
+        sibling = engine.sibling(loaded)  # (its cache: a --kv format its heads cannot take, a context too short)
     except LlmrunError as e:  # (what the target's load would say, unless it is known for the draft's)
         message = str(e) if str(e).startswith(draft) else f"{draft}: {e}"
         raise type(e)(f"--draft {message}") from None
     check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
-    return _model_speculator(engine, engine.sibling(loaded), draft, length)
+    return _model_speculator(engine, sibling, draft, length)
 
 
 def short_draft_note(engine, speculator) -> str | None:

@@ -427,10 +427,10 @@ def test_a_draft_with_a_shorter_context_is_named(monkeypatch, capsys):
     import llmrun.speculative
     from llmrun.cli.console import _speculator
 
-    short = SimpleNamespace(drafter=SimpleNamespace(engine=SimpleNamespace(max_len=2048)))
+    short = SimpleNamespace(drafter=SimpleNamespace(engine=SimpleNamespace(max_len=2048, eviction=None)))
     monkeypatch.setattr(llmrun.speculative, "make_speculator", lambda engine, **kwargs: short)
     opts = SimpleNamespace(draft="small.gguf", ngram=None, draft_tokens=8, adaptive=True)
-    assert _speculator(SimpleNamespace(max_len=8192), opts) is short
+    assert _speculator(SimpleNamespace(max_len=8192, eviction=None), opts) is short
     assert "warning: draft: its context holds 2048 positions, the target's 8192" in capsys.readouterr().err
-    assert _speculator(SimpleNamespace(max_len=2048), opts) is short
+    assert _speculator(SimpleNamespace(max_len=2048, eviction=None), opts) is short
     assert capsys.readouterr().err == ""

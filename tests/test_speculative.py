@@ -422,8 +422,11 @@ def test_a_budget_past_the_drafts_context_gives_the_draft_a_cache_of_its_context
     reply = engine.generate(prompt, params)
     list(reply)
     assert reply.token_ids == expected.token_ids and reply.stats.drafted > 0 and draft.cache.evicted > 0
+    # more --kv-sinks than a quarter of its context: the draft keeps fewer (it was refused, --kv-budget blamed)
+    many_sinks = Engine(target, eviction=Eviction("window", 128, 20))
+    assert many_sinks.sibling(model=short).eviction == Eviction("window", 64, 16)
     shorter = random_model(dataclasses.replace(target.model.config, n_layers=1, max_seq_len=32))
-    with pytest.raises(UsageError, match=r"^--kv-budget: the draft's context \(32\) is shorter than the least budget "
+    with pytest.raises(UsageError, match=r"^--kv-evict: the draft's context \(32\) is shorter than the least budget "
                                          r"an evicting cache takes \(64\)$"):
         engine.sibling(model=shorter)
 
@@ -806,7 +809,18 @@ def test_cli_speculative_bad_options_give_one_line_errors(monkeypatch, capsys, a
 
 
 def test_a_draft_that_fails_to_load_is_named_as_the_draft(monkeypatch, capsys, tmp_path):
-    """The draft's load error says it is the draft's (it read as the target's: 'unsupported architecture')."""
+    """The draft's load error says it is the draft's (it read as the target's: 'unsupported architecture'), and so
+    does its cache's: a --kv format the target takes and the draft's heads do not."""
+    import dataclasses
+
+    from .tiny import CONFIGS, random_model, write_hf_dir
+
     (tmp_path / "config.json").write_text("{}")
     code, out, err = run_main(["generate", "-n", "2", "--draft", tmp_path, "hi"], monkeypatch, capsys)
     assert (code, out) == (1, "") and err.startswith(f"error: --draft {tmp_path}: unsupported architecture '?'"), err
+    target = write_hf_dir(tmp_path / "t", random_model(CONFIGS["llama"]))
+    draft = write_hf_dir(tmp_path / "d", random_model(dataclasses.replace(CONFIGS["llama"], head_dim=24)))
+    code, out, err = run_main(["generate", target, "w1", "-n", "2", "--kv", "int8", "--draft", draft, "--threads", "1"],
+                              monkeypatch, capsys)
+    assert (code, out) == (1, "") and err.startswith(f"error: --draft {draft}: an int8 KV cache needs a head size "
+                                                     "divisible by 16"), err

@@ -136,7 +136,8 @@ def int4_layer(B, H, C, D, R, dtype):
     (1, 1, 512, 1024, 1600, 608, 64),  # a prompt chunk of PREFILL_ROWS far into a long cache: rings wrapped
     (1, 2, 65, 31, 200, 96, 64),  # at the edge the cache allows (slot % 32 + T = the ring): three groups, none lost
     # a whole short cache in one chunk (--ctx 100): the last group's positions past the buffer read ring slots 0-27,
-    # which the same launch fills (their keys come from the input: on a GPU, another program's store raced the read)
+    # which the same launch fills (their keys come from the input: on a GPU, another program's store raced the read;
+    # the interpreter runs the programs in order, so only a GPU run can catch that race)
     (1, 2, 100, 0, 100, 100, 64),
 ])
 def test_int4_write_is_the_reference_bit_for_bit(dtype, B, H, T, slot, C, R, D):
