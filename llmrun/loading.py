@@ -524,6 +524,12 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", weights: st
     return load_weights(open_model(spec), device, dtype, weights)
 
 
+def stores_a_tied_head(files: ModelFiles) -> bool:
+    """Whether config.json ties the output head to the embedding while the checkpoint stores lm_head.weight too."""
+    return files.config.tie_embeddings and files.gguf is None and \
+        "lm_head.weight" in (name for name, _ in _safetensors_headers(files.source.path))
+
+
 def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", weights: str = "auto",
                  on_progress: Callable[[int, int, str], None] | None = None) -> LoadedModel:
     """Build the model of `files` on `device`. Float weights are converted to `dtype`; quantized ones stay packed
@@ -541,8 +547,7 @@ def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", w
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     tied = files
-    if files.config.tie_embeddings and files.gguf is None and \
-            "lm_head.weight" in (name for name, _ in _safetensors_headers(files.source.path)):
+    if stores_a_tied_head(files):
         # config.json ties the head, yet the checkpoint stores one: read as a head of its own, and tied after all
         # where it is the embedding's copy (as transformers does: it warns and keeps a head that differs)
         files = replace(files, config=replace(files.config, tie_embeddings=False))

@@ -312,7 +312,7 @@ def test_a_bias_the_config_does_not_give_is_named_as_stored(tmp_path):
 
 
 @pytest.mark.parametrize("stored", ["copy", "other"])
-def test_a_tied_config_whose_checkpoint_stores_a_head(tmp_path, stored):
+def test_a_tied_config_whose_checkpoint_stores_a_head(tmp_path, stored, monkeypatch, capsys):
     """tie_word_embeddings true, and lm_head.weight in the checkpoint as well: a copy of the embedding is tied (one
     matrix held), a head that differs is used (with a warning), as transformers 5 does; packed (an RTN checkpoint,
     the head as 8-bit blocks) as well as in floats."""
@@ -339,6 +339,12 @@ def test_a_tied_config_whose_checkpoint_stores_a_head(tmp_path, stored):
     assert loaded.model.config == loaded.config
     _same_logits(tied if stored == "copy" else untied, loaded)
     assert any("stores a different lm_head.weight: it is used" in n for n in loaded.notes) == (stored == "other")
+    from .conftest import run_main
+
+    code, out, err = run_main(["info", path, "--json"], monkeypatch, capsys)  # (info reads no weights: it says so)
+    assert code == 0 and json.loads(out)["tied_embeddings"] is True
+    assert " ".join(err.split()).startswith("warning: config.json ties the output head to the embedding, but the "
+                                            "checkpoint stores lm_head.weight too")
     quantize(str(write_hf_dir(tmp_path / "src", tied)), tmp_path / "q", QuantizeOptions("rtn"), device="cpu")
     q = tmp_path / "q" / "model.safetensors"
     save_file({**load_file(q), "lm_head.weight": untied.lm_head.weight.half().contiguous()}, str(q))

@@ -3,8 +3,9 @@
 import json
 
 from rich.table import Table
+from rich.text import Text
 
-from llmrun.loading import DEFAULT_MODEL
+from llmrun.loading import DEFAULT_MODEL, stores_a_tied_head
 
 from . import app
 from .console import err, open_files, user_errors, write_out
@@ -22,6 +23,10 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
 
     files = open_files(model)
     cfg, tok = files.config, files.tokenizer
+    if stores_a_tied_head(files):  # (told before the table: what follows is config.json's)
+        err.print(Text("warning: config.json ties the output head to the embedding, but the checkpoint stores "
+                       "lm_head.weight too: loading uses it where it differs from the embedding (then not tied, "
+                       "one more matrix than the parameters below count)", style="yellow"))
     ctx = cfg.max_seq_len  # an INT4 cache of the whole context: a shorter one (--ctx) may have shorter rings
     doc = {
         "model": model,
