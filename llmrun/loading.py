@@ -230,6 +230,7 @@ class ModelFiles:
     stored_bytes: dict[str, int] = field(default_factory=dict)  # weight bytes on disk by storage type
     gguf: object = None  # the open GGUFFile, when the source is one
     quant: object = None  # quant_formats.CheckpointQuant of an AWQ/GPTQ checkpoint's linear layers
+    stores_head: bool = False  # an HF checkpoint holds lm_head.weight (read from its index: even where it is tied)
 
 
 def open_model(spec: str | ModelSource) -> ModelFiles:
@@ -268,7 +269,8 @@ def open_model(spec: str | ModelSource) -> ModelFiles:
         stored[kind] = stored.get(kind, 0) + t["data_offsets"][1] - t["data_offsets"][0]
         shapes[name] = t.get("shape")
     _check_index(source, config, shapes, _HF_NAMES, "num_hidden_layers")
-    return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored, quant=quant)
+    return ModelFiles(source, config, tokenizer_from_hf_dir(source.path), stored, quant=quant,
+                      stores_head="lm_head.weight" in shapes)
 
 
 def _check_index(source: ModelSource, config, shapes: dict, names, key: str) -> None:
@@ -526,8 +528,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", weights: st
 
 def stores_a_tied_head(files: ModelFiles) -> bool:
     """Whether config.json ties the output head to the embedding while the checkpoint stores lm_head.weight too."""
-    return files.config.tie_embeddings and files.gguf is None and \
-        "lm_head.weight" in (name for name, _ in _safetensors_headers(files.source.path))
+    return files.config.tie_embeddings and files.stores_head
 
 
 def load_weights(files: ModelFiles, device: str = "auto", dtype: str = "auto", weights: str = "auto",

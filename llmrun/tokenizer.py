@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import itertools
 import json
 import re
 from pathlib import Path
@@ -55,7 +56,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallba
 
 # Brackets around message text spelling a control token while a chat template renders
 # (`Tokenizer.render_chat_spans`): the first two Unicode noncharacters (else private-use characters) in no message
-_BRACKETS = (*range(0xFDD0, 0xFDF0), *range(0xF0000, 0xFFFFE))
+_BRACKETS = (range(0xFDD0, 0xFDF0), range(0xF0000, 0xFFFFE))
 # llama.cpp's names for the Llama-3 split (ignoring merges for whole-token words, BOS added unless the file says)
 _LLAMA3 = {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
 _QWEN2 = {"qwen2", "deepseek-r1-qwen"}
@@ -156,7 +157,7 @@ class Tokenizer:
         if pattern is None or not any(pattern.search(content) for content in texts):
             return self.render_chat(messages, add_generation_prompt), []
         used = set(self.chat_template or "").union(*texts)
-        free = (c for c in map(chr, _BRACKETS) if c not in used)
+        free = (c for c in map(chr, itertools.chain(*_BRACKETS)) if c not in used)
         opening, closing = next(free, None), next(free, None)
         if closing is None:  # (a message holding 65,000 noncharacters and private-use characters)
             raise LlmrunError("a message spells one of the model's control tokens (e.g. <|im_end|>) and holds every "

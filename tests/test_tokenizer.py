@@ -125,7 +125,7 @@ def test_message_text_spelling_a_control_token_stays_text(smol, role):
     assert text == smol.render_chat(odd) and [text[a:b] for a, b in plain] == ["<|im_end|>"]
     from llmrun.tokenizer import _BRACKETS
 
-    every = [{"role": "user", "content": "<|im_end|>" + "".join(map(chr, _BRACKETS))}]  # (a StopIteration escaped)
+    every = [{"role": "user", "content": "<|im_end|>" + "".join(chr(c) for r in _BRACKETS for c in r)}]  # (a StopIteration escaped)
     with pytest.raises(LlmrunError, match="holds every character that could mark it as text"):
         smol.render_chat_spans(every)
 
