@@ -15,7 +15,7 @@ import itertools
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -39,7 +39,39 @@ _LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell"}
+# Mistral's Tekken (Nemo): a word is its capitals then its small letters, so camelCase splits at each capital.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek's splits are several regexes, each splitting the pieces the one before it left: line breaks, words
+# (with one space before), punctuation, CJK and Hangul runs, digits. DeepSeek LLM's words are the cased letters
+# its tokenizer.json lists (not every \p{L}: CJK goes to the run after; Georgian's Mkhedruli is no word).
+_CJK_RUNS = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK_LLM_WORD = (
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+    "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+    "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+    "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe"
+    "\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102"
+    "\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+    "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3"
+    "\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06"
+    "\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+    "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df"
+    "\U0001e900-\U0001e943"
+)
+_DEEPSEEK_LLM_SPLITS = (
+    "[\r\n]",
+    f"\\s?[{_DEEPSEEK_LLM_WORD}]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    _CJK_RUNS,
+    r"\p{N}+",
+)
+_DEEPSEEK_CODER_SPLITS = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_RUNS, r"\p{N}")
 
 
 def _gpt2_byte_chars() -> dict[str, int]:
@@ -57,10 +89,32 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallba
 # Brackets around message text spelling a control token while a chat template renders
 # (`Tokenizer.render_chat_spans`): the first two Unicode noncharacters (else private-use characters) in no message
 _BRACKETS = (range(0xFDD0, 0xFDF0), range(0xF0000, 0xFFFFE))
-# llama.cpp's names for the Llama-3 split (ignoring merges for whole-token words, BOS added unless the file says)
-_LLAMA3 = {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
-_QWEN2 = {"qwen2", "deepseek-r1-qwen"}
-_GPT2 = {"gpt-2", "gpt2", "default"}
+
+
+class _Split(NamedTuple):
+    """How a byte-level BPE vocabulary splits text before merging."""
+    regexes: tuple[str, ...]  # each splits the pieces the one before it left, its matches pieces of their own
+    then_gpt2: bool  # then GPT-2's own split (byte-level BPE's regex)
+    llama3_like: bool  # a word that is already a whole token is taken as is, ignoring merges; BOS unless the file says
+
+
+def _pre_tokenizers() -> dict[str, _Split]:
+    """llama.cpp's `tokenizer.ggml.pre` names -> their split."""
+    families = [
+        (_Split((), True, False), "gpt-2 gpt2 default phi-2 mpt olmo jais trillion exaone4 a.x-4.0 mellum gigachat"),
+        (_Split((r"\p{N}",), True, False), "smollm starcoder refact codeshell command-r exaone minerva-7b"),
+        (_Split((_LLAMA3_SPLIT,), False, True),
+         "llama-bpe llama3 llama-v3 falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano"),
+        (_Split((_LLAMA3_SPLIT,), False, False), "smaug-bpe dbrx"),
+        (_Split((_QWEN2_SPLIT,), False, False), "qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2"),
+        (_Split((_TEKKEN_SPLIT,), False, True), "tekken"),
+        (_Split(_DEEPSEEK_LLM_SPLITS, False, False), "deepseek-llm"),
+        (_Split(_DEEPSEEK_CODER_SPLITS, False, False), "deepseek-coder"),
+    ]
+    return {name: split for split, names in families for name in names.split()}
+
+
+_PRE_TOKENIZERS = _pre_tokenizers()
 
 
 class Tokenizer:
@@ -324,8 +378,8 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
     if model == "gpt2":
         merges = metadata.get("tokenizer.ggml.merges") or []
         pre = metadata.get("tokenizer.ggml.pre")
-        tok = _byte_level_bpe(tokens, merges, pre, warnings)
-        kind, add_bos_default = "bpe", pre in _LLAMA3  # (as llama.cpp: a Llama-3 file without add_bos_token has BOS)
+        tok, add_bos_default = _byte_level_bpe(tokens, merges, pre, warnings)
+        kind = "bpe"
     elif model == "llama":
         scores = metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
         tok = _sentencepiece_bpe(
@@ -371,26 +425,21 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 
 def _byte_level_bpe(
     tokens: list[str], merges: list[str], pre: str | None, warnings: list[str]
-) -> tokenizers.Tokenizer:
+) -> tuple[tokenizers.Tokenizer, bool]:
+    """The tokenizer and whether it adds BOS where the file does not say (as llama.cpp: Llama-3-like files do)."""
+    if pre not in _PRE_TOKENIZERS:
+        warnings.append("the GGUF names no pre-tokenizer (tokenizer.ggml.pre): using GPT-2's, so some ids may differ "
+                        "from llama.cpp's" if pre is None else
+                        f"unknown pre-tokenizer {pre!r}: using GPT-2's, so some ids may differ from llama.cpp's")
+    split = _PRE_TOKENIZERS.get(pre, _PRE_TOKENIZERS["gpt-2"])
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    # llama.cpp takes a word that is already a whole token as is for Llama-3; `ignore_merges` does the same.
-    tok = tokenizers.Tokenizer(models.BPE(_vocab(tokens), pairs, ignore_merges=pre in _LLAMA3))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in _LLAMA3 or pre in _QWEN2:
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if pre in _LLAMA3 else _QWEN2_SPLIT), behavior="isolated")
-        bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tok.pre_tokenizer = pre_tokenizers.Sequence([split, bytes_only])
-    else:
-        if pre is None:
-            warnings.append("the GGUF names no pre-tokenizer (tokenizer.ggml.pre): using GPT-2's, so some ids may "
-                            "differ from llama.cpp's")
-        elif pre not in _GPT2:
-            warnings.append(f"unknown pre-tokenizer {pre!r}: using GPT-2's, so some ids may differ from llama.cpp's")
-        tok.pre_tokenizer = byte_level
+    tok = tokenizers.Tokenizer(models.BPE(_vocab(tokens), pairs, ignore_merges=split.llama3_like))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in split.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split.then_gpt2)]
+    )
     tok.decoder = decoders.ByteLevel()
-    return tok
+    return tok, split.llama3_like
 
 
 def _sentencepiece_bpe(

@@ -14,7 +14,7 @@ import tokenizers
 
 from llmrun.chat_template import ChatTemplate
 from llmrun.errors import LlmrunError, ModelFormatError, UnsupportedModelError
-from llmrun.tokenizer import StreamDecoder, Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from llmrun.tokenizer import _BYTE_OF_CHAR, StreamDecoder, Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
@@ -157,7 +157,8 @@ def test_unknown_pre_tokenizer_falls_back_with_warning(smol_metadata):
 
 
 @pytest.mark.parametrize("pre, bos", [("llama-bpe", True), ("llama3", True), ("falcon3", True), ("qwen2", False),
-                                      ("smollm", False)])
+                                      ("smollm", False), ("tekken", True), ("smaug-bpe", False),
+                                      ("deepseek-llm", False)])
 def test_a_llama3_gguf_without_add_bos_token_adds_bos(smol_metadata, pre, bos):
     """As llama.cpp: the Llama-3 split's files add BOS unless tokenizer.ggml.add_bos_token says not (a Llama-3 GGUF
     without the key prompted generate without its <|begin_of_text|>); other byte-level files add none."""
@@ -175,11 +176,34 @@ def test_a_llama3_gguf_without_add_bos_token_adds_bos(smol_metadata, pre, bos):
         ("falcon3", ["123", "45", "Ġabc", "!!ĊĊ"]),  # (llama.cpp's name for the same split)
         ("qwen2", ["1", "2", "3", "4", "5", "Ġabc", "!!ĊĊ"]),
         ("gpt-2", ["12345", "Ġabc", "!!", "ĊĊ"]),
+        ("command-r", ["1", "2", "3", "4", "5", "Ġabc", "!!", "ĊĊ"]),  # (as smollm's)
+        ("tekken", ["1", "2", "3", "4", "5", "Ġabc", "!!ĊĊ"]),
+        ("deepseek-coder", ["1", "2", "3", "4", "5", "Ġabc", "!!", "Ċ", "Ċ"]),  # every line break on its own
+        ("deepseek-llm", ["12345", "Ġabc", "!!", "Ċ", "Ċ"]),
     ],
 )
 def test_pre_tokenizer_families(smol_metadata, pre, words):
     tok = tokenizer_from_gguf({**smol_metadata, "tokenizer.ggml.pre": pre})
+    assert not tok.warnings
     assert [w for w, _ in tok._tok.pre_tokenizer.pre_tokenize_str("12345 abc!!\n\n")] == words
+
+
+@pytest.mark.parametrize(
+    "pre, words",
+    [
+        # Tekken: capitals then small letters make a word, so camelCase splits; CJK runs are letters too
+        ("tekken", ["Ġcamel", "Case", "Ġ中文", "Ġფx"]),
+        # DeepSeek: each regex splits what the one before left: CJK (and U+0800-U+4E00, Georgian's ფ too) comes out
+        # of a word, the space before it on its own
+        ("deepseek-coder", ["ĠcamelCase", "Ġ", "中文", "Ġ", "ფ", "x"]),
+        ("deepseek-llm", ["ĠcamelCase", "Ġ", "中文", "Ġ", "ფ", "x"]),
+        ("gpt-2", ["ĠcamelCase", "Ġ中文", "Ġფx"]),
+    ],
+)
+def test_pre_tokenizer_words_and_scripts(smol_metadata, pre, words):
+    tok = tokenizer_from_gguf({**smol_metadata, "tokenizer.ggml.pre": pre})
+    pieces = [w for w, _ in tok._tok.pre_tokenizer.pre_tokenize_str(" camelCase 中文 ფx")]
+    assert [bytes(_BYTE_OF_CHAR[c] for c in w).decode() for w in pieces] == [w.replace("Ġ", " ") for w in words]
 
 
 def test_gguf_without_vocabulary_or_with_unknown_model():
