@@ -151,6 +151,10 @@ def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None]:
     else:
         theta = cfg.get("rope_theta")
     theta = 10000.0 if theta is None else _number(theta, "rope_theta", float)
+    partial = (rs if isinstance(rs, dict) else {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and _number(partial, "partial_rotary_factor", float) != 1.0:
+        raise UnsupportedModelError(f"config.json: partial_rotary_factor {partial} (RoPE on part of each head) is "
+                                    f"not supported; llmrun rotates whole heads")
     try:
         return theta, _rope_scaling_fields(rs)
     except KeyError as e:
@@ -216,8 +220,8 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     qwen2 = arch == "Qwen2ForCausalLM"
     n_layers = need("num_hidden_layers")
     sliding, sliding_from = cfg.get("sliding_window"), 0
-    if qwen2 and not flag("use_sliding_window"):
-        sliding = None  # Qwen2 configs list a window they do not use
+    if (qwen2 and not flag("use_sliding_window")) or arch == "LlamaForCausalLM":
+        sliding = None  # Qwen2 configs list a window they do not use; Llama has none (as transformers: it reads none)
     if sliding is not None:
         sliding = _number(sliding, "sliding_window")
         if qwen2:  # as transformers: the window is only in the layers from max_window_layers on, or as layer_types say
@@ -285,6 +289,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         raise UnsupportedModelError(
             f"a {cfg.architecture} whose q/k/v projections {'have' if biases[0] else 'lack'} biases and whose output "
             f"projection {'has' if biases[1] else 'lacks'} one cannot be written as an HF config.json")
+    if cfg.architecture == "LlamaForCausalLM" and cfg.sliding_window is not None:  # (a GGUF's window)
+        raise UnsupportedModelError("a LlamaForCausalLM with a sliding window cannot be written as an HF config.json: "
+                                    "transformers' Llama reads none")
     if cfg.architecture == "Qwen2ForCausalLM":
         out["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.sliding_window is not None:
@@ -328,6 +335,11 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         raise ModelFormatError(f"the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing) and no "
                                f"{gguf_arch}.vocab_size")
     vocab = get("vocab_size", len(tokens or ()))
+    head_dim = get("attention.key_length", dim // max(n_heads, 1))
+    for key, what in (("rope.dimension_count", "RoPE on part of each head"), ("attention.value_length", "values")):
+        if get(key, head_dim) != head_dim:
+            raise UnsupportedModelError(f"GGUF {gguf_arch}.{key} {get(key)} differs from the head size {head_dim} "
+                                        f"({what}); llmrun runs whole heads of one size")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -335,7 +347,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         n_layers=get("block_count"),
         n_heads=n_heads,
         n_kv_heads=get("attention.head_count_kv", n_heads),
-        head_dim=get("attention.key_length", dim // max(n_heads, 1)),
+        head_dim=head_dim,
         ffn_dim=get("feed_forward_length"),
         norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
         rope_theta=get("rope.freq_base", 10000.0, kind=float),
@@ -360,7 +372,7 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors=None):
     if freq_factors is not None:
         return [f / float(d) for f, d in zip(inv, freq_factors)]
     if rs is None or rs.kind == "linear":
-        return inv  # linear scaling divides positions, see positions_scale
+        return inv  # linear scaling divides the positions instead (Transformer.rope_at)
     low_wavelen = rs.original_max_position / rs.low_freq_factor
     high_wavelen = rs.original_max_position / rs.high_freq_factor
     out = []

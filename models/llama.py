@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 
 import torch
 import torch.nn as nn
@@ -220,7 +221,13 @@ class Transformer(nn.Module):
                 layers, **kv, scores=scores, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                 dim=cfg.dim, ffn_dim=cfg.ffn_dim, eps=cfg.norm_eps, window=cfg.sliding_window)
         self._stack = (key, stack)
+        # the stack holds the cache's buffers: it goes when the cache does, not at the next cache's first step
+        weakref.finalize(cache, self._forget_stack, key)
         return stack
+
+    def _forget_stack(self, key) -> None:
+        if self._stack is not None and self._stack[0] == key:
+            self._stack = None
 
     def forward(self, tokens: torch.Tensor, start_pos: int | torch.Tensor = 0, cache=None, last_only: bool = False):
         """tokens (B, T) at positions start_pos..start_pos+T-1 -> logits (B, T, V) fp32 ((B, 1, V) if last_only).

@@ -315,6 +315,30 @@ def test_packed_model_matches_dequantized_and_is_batch_invariant(tiny_quantized,
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def test_the_decode_stack_lives_as_long_as_its_cache(smollm2):
+    """The model keeps one stack for the cache it decodes into across steps; once that cache is gone, the stack (and
+    with it the cache's buffers, which it holds) goes too, not at the next cache's first step (a dropped engine's
+    cache stayed in memory)."""
+    import gc
+    import weakref
+
+    from llmrun.kv_cache import KVCache
+
+    model = smollm2.model
+    cache = KVCache.for_model(model, 64, torch.float32, "cpu")
+    stacks = []
+    with torch.no_grad():
+        for position in range(4):
+            model(torch.tensor([[position + 5]]), position, cache)
+            cache.length += 1
+            stacks.append(model._stack[1])
+    assert stacks[0] is not None and all(s is stacks[0] for s in stacks)
+    buffer = weakref.ref(cache.dense[0])
+    del cache, stacks
+    gc.collect()
+    assert buffer() is None and model._stack is None
+
+
 @pytest.mark.parametrize("kv_format, evict", [("int8", None), ("int4", None), ("fp32", "h2o"), ("int4", "h2o")])
 def test_the_decode_stack_writes_and_reads_the_cache_as_the_layer_loop(smollm2, monkeypatch, kv_format, evict):
     """The embedded model: the whole-stack C call writes the cache the layer-by-layer forward writes (INT8 codes as

@@ -234,6 +234,20 @@ def test_qwen2_window_only_from_max_window_layers():
         replace(CONFIGS["llama"], sliding_window_from=1)  # no window
 
 
+def test_llama_has_no_window_and_rotates_whole_heads():
+    """As transformers: LlamaForCausalLM reads no sliding_window (it windowed every layer); RoPE on part of each head
+    (partial_rotary_factor) is refused, not run as whole-head RoPE."""
+    base = hf_config_json(CONFIGS["llama"])
+    assert config_from_hf({**base, "sliding_window": 4}).sliding_window is None
+    assert config_from_hf({**hf_config_json(CONFIGS["mistral"]), "sliding_window": 4}).sliding_window == 4
+    assert config_from_hf({**base, "partial_rotary_factor": 1.0}) == CONFIGS["llama"]
+    for where in ({"partial_rotary_factor": 0.5}, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}):
+        with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5 .* not supported"):
+            config_from_hf({**base, **where})
+    with pytest.raises(UnsupportedModelError, match="sliding window cannot be written"):
+        config_to_hf(replace(CONFIGS["llama"], sliding_window=4))
+
+
 def test_qwen2_window_from_a_layer_round_trips_and_matches_transformers(tmp_path):
     """A Qwen2 directory whose second layer alone is windowed: read back equal, its logits those of the model
     written, and (where transformers is installed: locally, not in CI) those of transformers' Qwen2 (windowing
@@ -363,6 +377,12 @@ def test_invalid_gguf_metadata():
                               ("tokenizer.ggml.tokens", None, "no tokenizer .* and no llama.vocab_size")]:
         with pytest.raises(ModelFormatError, match=words):
             config_from_gguf({k: v for k, v in {**meta, key: value}.items() if v is not None}, set())
+    # RoPE on part of each head, values of another size than keys: refused (RoPE on part was run on the whole head)
+    assert config_from_gguf({**meta, "llama.rope.dimension_count": 16, "llama.attention.value_length": 16},
+                            set()).head_dim == 16
+    for key in ("llama.rope.dimension_count", "llama.attention.value_length"):
+        with pytest.raises(UnsupportedModelError, match=f"{key} 8 differs from the head size 16"):
+            config_from_gguf({**meta, key: 8}, set())
 
 
 def test_model_type_without_architectures():
