@@ -74,16 +74,25 @@ def _lib():
         return None
     key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_signature()]).encode())
     path = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if not path.exists():
+    fresh = not path.exists()
+    while True:
+        if fresh:
+            try:
+                _compile(cc, path)
+            except subprocess.CalledProcessError as e:
+                _reason = f"compiling {SOURCE.name} failed: {(e.stderr or '').strip().splitlines()[-1:] or e}"
+                return None
+            except OSError as e:
+                _reason = f"cannot build the CPU kernels in {path.parent}: {e}"
+                return None
         try:
-            _compile(cc, path)
-        except subprocess.CalledProcessError as e:
-            _reason = f"compiling {SOURCE.name} failed: {(e.stderr or '').strip().splitlines()[-1:] or e}"
-            return None
-        except OSError as e:
-            _reason = f"cannot build the CPU kernels in {path.parent}: {e}"
-            return None
-    lib = ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(path))
+            break
+        except OSError as e:  # a cache on a noexec mount; a cached library cut short is built again, once
+            if fresh:
+                _reason = f"cannot load the CPU kernels from {path}: {e}"
+                return None
+            fresh = True
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.quant_matmul.argtypes = [i, p, p, p, i, i, p, i, p, i]
     lib.quant_dequantize.argtypes = [i, p, p, p, i, p, i, p]

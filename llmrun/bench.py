@@ -476,7 +476,6 @@ def environment(device: str) -> dict:
     """What produced the figures: the device's name, the versions, the commit ($LLMRUN_COMMIT, else `git`: a
     copy of the tree, as a lent GPU machine gets, may carry a stale .git)."""
     import platform
-    import subprocess
 
     import torch
 
@@ -497,17 +496,26 @@ def environment(device: str) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    commit = os.environ.get("LLMRUN_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            commit = None
+    commit = os.environ.get("LLMRUN_COMMIT") or _source_commit()
     settings = {k: v for k, v in sorted(os.environ.items())  # a profile's variant, or a path turned off
                 if k.startswith("LLMRUN_GEMV_") or k in ("LLMRUN_PDL", "LLMRUN_PIPELINE", "LLMRUN_NO_CUDA_GRAPHS")}
     return {"device_name": name, "cpu_count": os.cpu_count(), "torch": torch.__version__, "triton": triton_version,
             "llmrun": __version__, "commit": commit, "python": platform.python_version(), **settings}
+
+
+def _source_commit(root: Path = Path(__file__).resolve().parent.parent) -> str | None:
+    """The commit of the checkout llmrun runs from (`root`: the folder holding the package, the checkout's own top
+    in an editable install), or None: an installed package has none, even inside someone else's git work tree (a
+    wheel in `myproject/.venv`)."""
+    import subprocess
+
+    try:
+        git = [["git", "-C", str(root), "rev-parse", "--show-toplevel"], ["git", "-C", str(root), "rev-parse",
+                                                                          "--short", "HEAD"]]
+        top, commit = (subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout.strip() for cmd in git)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit or None if top and Path(top).resolve() == root else None
 
 
 def write_run(out: Path, doc: dict, table: str) -> None:

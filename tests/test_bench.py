@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -779,6 +780,23 @@ def test_the_commit_named_in_the_environment_wins_over_git(monkeypatch):
     assert bench.environment("cpu")["commit"] == "abc1234"
     monkeypatch.delenv("LLMRUN_COMMIT")
     assert bench.environment("cpu")["commit"] != "abc1234"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_is_llmruns_own_checkouts_only(tmp_path):
+    """The commit is the checkout's that llmrun runs from; a package installed inside another git work tree (a
+    wheel in `myproject/.venv`) has none (it named that project's HEAD)."""
+    import subprocess
+
+    run = dict(cwd=tmp_path, check=True, capture_output=True)
+    subprocess.run(["git", "init", "-q"], **run)
+    (tmp_path / "site").mkdir()
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"],
+                   **run)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run, text=True).stdout.strip()
+    assert bench._source_commit(tmp_path) == head
+    assert bench._source_commit(tmp_path / "site") is None
+    assert bench._source_commit(tmp_path.parent) is None  # no work tree at all
 
 
 def test_the_environment_names_the_variant_that_ran(monkeypatch):

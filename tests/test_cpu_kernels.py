@@ -6,6 +6,7 @@ speculative decoding (which verifies several tokens in one call) emits exactly w
 """
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -409,6 +410,34 @@ def test_no_compiler_is_reported_not_raised(monkeypatch):
     try:
         assert not cpu.available()
         assert "no C compiler" in cpu.unavailable_reason()
+    finally:
+        monkeypatch.undo()
+        cpu._lib.cache_clear()
+    assert cpu.available()
+
+
+def test_a_library_that_does_not_load_is_reported_and_a_cached_one_built_again(tmp_path, monkeypatch):
+    """A library just built that does not load (a cache on a noexec mount; here one cut short) is the reason the
+    kernels are off, not an OSError traceback; found in the cache at the next start, it is built again, once.
+    (The builds copy this session's library: no compiler runs.)"""
+    import shutil
+
+    built = cpu._lib()._name
+    builds = []
+
+    def build(cc, out):  # the first build is cut short, the next whole
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(Path(built).read_bytes()[: 100 if not builds else None])
+        builds.append(out)
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "_compile", build)
+    try:
+        cpu._lib.cache_clear()
+        assert not cpu.available() and len(builds) == 1
+        assert cpu.unavailable_reason().startswith(f"cannot load the CPU kernels from {builds[0]}: ")
+        cpu._lib.cache_clear()
+        assert cpu.available() and len(builds) == 2 and builds[1] == builds[0]
     finally:
         monkeypatch.undo()
         cpu._lib.cache_clear()
