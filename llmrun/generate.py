@@ -16,13 +16,15 @@ import torch
 
 from llmrun import cuda_graphs, threads
 from llmrun.errors import ContextOverflowError, LlmrunError, OutsideVocabularyError, UsageError, not_finite
+from llmrun.kernels import ref
 from llmrun.kv_cache import Eviction, KVCache
 from llmrun.loading import LoadedModel
 from llmrun.sampling import Ahead, Randomness, SamplingParams, sample
 from llmrun.speculative import Proposal, verify
 from llmrun.tokenizer import StreamDecoder
 
-PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the (T, S) attention scores of long prompts
+# prompt tokens per forward: bounds the (T, S) attention scores of long prompts; INT4's rings hold one whole
+PREFILL_CHUNK = ref.PREFILL_ROWS
 UNREAD = -1  # in an engine's token list: a token fed from the device whose value the host has not read yet
 
 

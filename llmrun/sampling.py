@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import not_finite
 
 
 @dataclass(frozen=True)
@@ -216,11 +216,6 @@ def pick(ids: torch.Tensor | None, weights: torch.Tensor, u: float | torch.Tenso
     index = torch.minimum(index, last.amax(-1, keepdim=True)).clamp_(min=0)
     tokens = index if ids is None else ids.gather(-1, index)
     return tokens[:, 0], (total[:, 0] > 0) & torch.isfinite(total[:, 0])
-
-
-def not_finite() -> LlmrunError:
-    # NaN or inf: the logits were not finite (checked once a prompt, not every step)
-    return LlmrunError("cannot sample the next token: the model's output is not finite")
 
 
 def uniforms(generator: torch.Generator | None) -> list[float]:

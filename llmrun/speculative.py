@@ -22,9 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmrun.errors import LlmrunError, OutsideVocabularyError
-from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, drawn_rows, fetch, not_finite, pick,
+from llmrun.errors import LlmrunError, OutsideVocabularyError, not_finite
+from llmrun.kernels import ref
+from llmrun.sampling import (Ahead, Randomness, SamplingParams, draw_at, drawn_rows, fetch, pick,
                              sample, sample_probs, survivors, to_device, token_probs, uniforms)
+
+# The most draft tokens a step verifies: INT4's rings keep whole what a rolled-back block wrote, up to this many.
+MAX_DRAFT_TOKENS = ref.ROLLBACK
 
 
 @dataclass
@@ -497,8 +501,8 @@ def make_speculator(engine, *, draft: str | None = None, ngram: int | None = Non
         raise UsageError("--draft and --ngram both choose the drafter; pass one of them")
     if draft is None and ngram is None:
         return None
-    if not 1 <= draft_tokens <= 32:
-        raise UsageError(f"--draft-tokens {draft_tokens}: choose 1 to 32 tokens per step")
+    if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UsageError(f"--draft-tokens {draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS} tokens per step")
     length = DraftLength(draft_tokens, adaptive)
     if ngram is not None:
         if not 1 <= ngram <= 8:

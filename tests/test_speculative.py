@@ -4,8 +4,9 @@ rollback leaving the caches as if the rejected tokens never came, and the drafte
 import pytest
 import torch
 
-from llmrun.errors import LlmrunError
+from llmrun.errors import LlmrunError, UsageError
 from llmrun.generate import Engine
+from llmrun.kernels import ref
 from llmrun.sampling import Randomness, SamplingParams, token_probs, uniforms
 from llmrun.speculative import (
     DraftLength, ModelDrafter, NgramDrafter, Proposal, Speculator, _verify_rows, check_same_vocabulary, make_speculator,
@@ -824,3 +825,14 @@ def test_a_draft_that_fails_to_load_is_named_as_the_draft(monkeypatch, capsys, t
                               monkeypatch, capsys)
     assert (code, out) == (1, "") and err.startswith(f"error: --draft {draft}: an int8 KV cache needs a head size "
                                                      "divisible by 16"), err
+
+
+def test_the_clis_draft_tokens_bound_is_the_speculators():
+    """--draft-tokens' range (the CLI's, which imports no torch) is the one the speculator and INT4's rollback take."""
+    from llmrun.cli.options import _SPECULATIVE
+    from llmrun.speculative import MAX_DRAFT_TOKENS
+
+    option = next(opt for name, *_, opt in _SPECULATIVE if name == "draft_tokens")
+    assert (option.min, option.max) == (1, MAX_DRAFT_TOKENS) == (1, ref.ROLLBACK)
+    with pytest.raises(UsageError, match=f"choose 1 to {MAX_DRAFT_TOKENS} tokens"):
+        make_speculator(None, ngram=2, draft_tokens=MAX_DRAFT_TOKENS + 1)
