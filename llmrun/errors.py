@@ -54,15 +54,15 @@ def read_text_bytes(path, name: str) -> bytes:
     return data
 
 
-def check_utf8(text: str) -> None:
+def check_utf8(text: str, what: str = "the text") -> None:
     """Text from argv or a pipe that was not UTF-8 reaches us with its bad bytes as lone surrogates (Python's
-    surrogateescape); say so rather than let the tokenizer fail on them."""
+    surrogateescape); say so (naming it as `what`) rather than let the tokenizer or a compiler fail on them."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         code = ord(text[e.start])
-        what = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"lone surrogate U+{code:04X}"
-        raise LlmrunError(f"the text is not UTF-8 ({what} at character {e.start})") from None
+        bad = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"lone surrogate U+{code:04X}"
+        raise LlmrunError(f"{what} is not UTF-8 ({bad} at character {e.start})") from None
 
 
 def not_finite(dtype=None) -> LlmrunError:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmrun.errors import LlmrunError, UsageError, parse_json, read_stdin, read_text_bytes
+from llmrun.errors import LlmrunError, UsageError, check_utf8, parse_json, read_stdin, read_text_bytes
 from llmrun.grammar_checks import (JUMP_FORWARD_MAX, check_counts, endless_rule, forced_bound, read_rules,
                                    schema_patterns, schema_warnings)
 
@@ -63,6 +63,7 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
             text, origin = json_schema, "(inline)"
         else:
             text, origin = _read("--json-schema", json_schema), json_schema
+        check_utf8(text, f"--json-schema {origin}")
         try:
             schema = parse_json(text)
         except ValueError as e:
@@ -74,9 +75,12 @@ def grammar_spec(json_schema: str | None = None, regex: str | None = None, gramm
     if regex is not None:
         if not regex:
             raise UsageError("--regex is empty; give a pattern the whole output must match")
+        check_utf8(regex, "--regex")
         return GrammarSpec("regex", regex, "--regex")
     if grammar is not None:
-        return GrammarSpec("ebnf", _read("--grammar", grammar), grammar)
+        text = _read("--grammar", grammar)
+        check_utf8(text, f"--grammar {grammar}")
+        return GrammarSpec("ebnf", text, grammar)
     return None
 
 

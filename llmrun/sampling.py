@@ -38,6 +38,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def mass_limit(self) -> float:
+        """top_p as the probabilities' fp32 compares it: a top_p that fp32 rounds to 0 (below ~1e-45) would drop
+        the top token too; any below fp32's smallest normal keeps the top token alone (its ties with it), as p does."""
+        return max(self.top_p, 1.1754944e-38)
+
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
     """logits (V,); history (N,) token ids. Positive logits of seen tokens are divided by the penalty,
@@ -81,7 +87,7 @@ def mass_before(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 def vocabulary_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The definition: the filters over the whole vocabulary of logits (..., V) (penalized already)."""
-    return filter_logits(logits.float() / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+    return filter_logits(logits.float() / params.temperature, params.top_k, params.mass_limit, params.min_p).softmax(-1)
 
 
 @dataclass
@@ -114,7 +120,7 @@ def survivors(logits: torch.Tensor, params: SamplingParams) -> Survivors:
     logits = logits.float() / params.temperature
     k, V = params.top_k, logits.shape[-1]
     if not 0 < k < V:
-        probs = filter_logits(logits, 0, params.top_p, params.min_p).softmax(-1)
+        probs = filter_logits(logits, 0, params.mass_limit, params.min_p).softmax(-1)
         return Survivors(None, probs, torch.ones(len(logits), dtype=torch.bool, device=logits.device))
     n = min(2 * k, V)
     values, ids = torch.topk(logits, n)  # (R, n), largest first
@@ -124,7 +130,7 @@ def survivors(logits: torch.Tensor, params: SamplingParams) -> Survivors:
     values = values.masked_fill(values < kth, float("-inf"))
     # filter_logits's top-p and min-p on values sorted already: no sort, and the top token's probability is the first
     if params.top_p < 1.0:
-        values = values.masked_fill(mass_before(values, values.softmax(-1)) >= params.top_p, float("-inf"))
+        values = values.masked_fill(mass_before(values, values.softmax(-1)) >= params.mass_limit, float("-inf"))
     if params.min_p > 0.0:
         probs = values.softmax(-1)
         values = values.masked_fill(probs < params.min_p * probs[:, :1], float("-inf"))

@@ -208,6 +208,35 @@ def test_generate_json(greedy):
     assert greedy["memory"]["weights"] > 0 and greedy["memory"]["kv_allocated"] > 0
 
 
+@pytest.mark.parametrize("sig, json_out", [(signal.SIGINT, False), (signal.SIGTERM, True), (signal.SIGHUP, True),
+                                          (signal.SIGINT, True)])
+def test_generate_cut_short_ends_its_line_or_prints_its_json(monkeypatch, capsys, greedy, sig, json_out):
+    """A signal in the middle of `generate`: the text shown ends its line, as a whole reply's does (it stopped
+    mid-line); with --json the partial reply's document is printed after SIGTERM or SIGHUP too (`timeout N llmrun
+    ... --json` printed nothing), as after Ctrl-C."""
+    from llmrun.generate import Generation
+
+    from .conftest import run_main
+
+    pieces = Generation.__iter__
+
+    def cut(self):
+        for n, piece in enumerate(pieces(self)):
+            if n == 3:
+                os.kill(os.getpid(), sig)
+            yield piece
+
+    monkeypatch.setattr(Generation, "__iter__", cut)
+    code, out, err = run_main(["generate", *GREEDY, *(["--json"] if json_out else []), PROMPT], monkeypatch, capsys)
+    assert code == 128 + sig and "Traceback" not in err, err
+    if json_out:
+        doc = json.loads(out)
+        assert doc["finish_reason"] == "interrupted" and 3 <= doc["new_tokens"] < greedy["new_tokens"]
+        assert greedy["text"].startswith(doc["text"])
+    else:
+        assert out.endswith("\n") and not out.endswith("\n\n") and greedy["text"].startswith(out[:-1])
+
+
 def test_generate_stdout_is_only_the_text_and_deterministic(cli, greedy):
     first = cli("generate", *GREEDY, PROMPT)
     second = cli("generate", *GREEDY, PROMPT)

@@ -303,6 +303,27 @@ def test_text_that_is_not_utf8(cli, args):
     assert "character 2" in line if args[0] == "generate" else "character 0" in line
 
 
+@pytest.mark.parametrize("args, code, where", [
+    (["--regex", "a\udcff"], 1, "--regex is not UTF-8 (byte 0xff at character 1)"),
+    (["--json-schema", '{"enum": ["\udcff"]}'], 1, "--json-schema (inline) is not UTF-8 (byte 0xff at character 11)"),
+    (["--stop", "\udcff"], 2, "'--stop': it is not UTF-8 (byte 0xff at character 0)"),
+], ids=["regex", "json-schema", "stop"])
+def test_a_constraint_or_stop_string_that_is_not_utf8(cli, args, code, where, monkeypatch):
+    """Refused in one line before the model loads (xgrammar's UnicodeEncodeError escaped as a traceback after it;
+    a stop string that is not UTF-8 could never match)."""
+    import llmrun.cli.generate
+
+    monkeypatch.setattr(llmrun.cli.generate, "open_engine", lambda *a, **k: pytest.fail("the model loaded"))
+    assert where in assert_one_error_line(cli("generate", "x", *args), code=code)
+
+
+def test_a_grammar_on_stdin_that_is_not_utf8(monkeypatch, capsys):
+    from .conftest import run_main
+
+    code, _, err = run_main(["generate", "x", "--grammar", "-"], monkeypatch, capsys, stdin='root ::= "\udcff"\n')
+    assert code == 1 and err == "error: --grammar - is not UTF-8 (byte 0xff at character 10)\n"
+
+
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_chat_with_empty_stdin(cli, json_flag):
     assert_one_error_line(cli("chat", *json_flag), "stdin was empty")

@@ -275,3 +275,14 @@ def test_a_sampled_token_waits_for_the_device_once():
             verify(logits, Proposal(drafts, q), params, Randomness(3), position=10, draws=draws)  # replayed rule
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_a_top_p_fp32_rounds_to_zero_keeps_the_top_token(top_k):
+    """A top_p below fp32's smallest number (1e-46) keeps the top token, as any tiny top_p does: the probabilities'
+    fp32 compare read it as 0 and dropped every token, which read as a model whose output is not finite."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    for top_p in (1e-46, 1e-40, 1e-6):
+        params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=0.0)
+        assert torch.equal(token_probs(logits, params), torch.nn.functional.one_hot(logits.argmax(), 50).float())
+        assert all(sample(logits, params, torch.Generator().manual_seed(s)) == int(logits.argmax()) for s in range(5))

@@ -41,20 +41,11 @@ def _root(
 from . import bench, chat, completions, eval, generate, info, models, quantize  # noqa: E402  (they register their commands on `app`)
 
 completions.install_responders()
+from .console import Terminated  # noqa: E402
 
 
 # Typer >= 0.26 vendors click; find its exception classes where BadParameter is defined, whichever it is.
 _click_errors = sys.modules[typer.BadParameter.__module__]
-
-
-class Terminated(BaseException):
-    """SIGTERM, or SIGHUP (the terminal closed): unwinds like Ctrl-C, so that the reply under way is kept (and
-    saved, with --save), the spinner gives the cursor back and the process exits 128 + the signal's number,
-    instead of dying in the middle of a write."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 # what a write to stdout fails with where the fault is stdout's: a disk full or failing

@@ -361,9 +361,20 @@ def status_line(stats, memory: dict) -> Text:
     return Text(" · ".join(parts), style="dim")
 
 
+class Terminated(BaseException):
+    """SIGTERM, or SIGHUP (the terminal closed): unwinds like Ctrl-C, so that the reply under way is kept (and
+    saved, with --save), the spinner gives the cursor back and the process exits 128 + the signal's number,
+    instead of dying in the middle of a write."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def print_json_when_done(reply, engine, **fields) -> None:
     """Run the reply to its end, then print one JSON document: `fields`, its text, stats and memory. After
-    Ctrl-C the partial reply is still printed; after an error, nothing is (the error line says it all)."""
+    Ctrl-C, SIGTERM or SIGHUP (`timeout N llmrun ... --json`) the partial reply is still printed; after an error,
+    nothing is (the error line says it all)."""
     import json
 
     from llmrun.memory import memory_report
@@ -375,10 +386,20 @@ def print_json_when_done(reply, engine, **fields) -> None:
     try:
         for _ in reply:
             pass
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
         emit()
         raise
     emit()
+
+
+def end_line(reply) -> None:
+    """After a reply cut short (Ctrl-C), stdout ends its line as a whole reply's does (stdout gone too: the
+    interruption is what to report)."""
+    if not reply.text.endswith("\n"):
+        try:
+            write_out("\n")
+        except OutputError:
+            pass
 
 
 def stream_to_stdout(reply) -> None:

@@ -9,7 +9,7 @@ from llmrun.errors import LlmrunError, UsageError, check_utf8, read_stdin
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors
+from .console import end_line, err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors
 from .options import JsonFlag, run_options
 
 
@@ -60,6 +60,10 @@ def generate(
     if json_out:
         print_json_when_done(reply, engine, model=model, token_ids=reply.token_ids)
         return
-    stream_to_stdout(reply)
+    try:
+        stream_to_stdout(reply)
+    except KeyboardInterrupt:
+        end_line(reply)
+        raise
     if not quiet:
         err.print(status_line(reply.stats, memory_report(engine)))

@@ -16,7 +16,7 @@ import typer
 
 from llmrun.bench import MAX_THREADS
 from llmrun.catalog import complete_model
-from llmrun.errors import UsageError
+from llmrun.errors import LlmrunError, UsageError, check_utf8
 from llmrun.grammar import ANY_JSON, grammar_spec
 from llmrun.loading import DEFAULT_MODEL
 
@@ -175,6 +175,11 @@ def _build(values: dict) -> RunOptions:
                                  param_hint="'--repetition-penalty'")
     if "" in (values["stop"] or ()):
         raise typer.BadParameter("an empty stop string would stop before the first token", param_hint="'--stop'")
+    for stop in values["stop"] or ():  # (text that is not UTF-8 could never match)
+        try:
+            check_utf8(stop, "it")
+        except LlmrunError as e:
+            raise typer.BadParameter(str(e), param_hint="'--stop'") from None
     params = SamplingParams(
         temperature=values["temperature"], top_k=values["top_k"], top_p=values["top_p"], min_p=values["min_p"],
         repetition_penalty=values["repetition_penalty"], seed=values["seed"],
