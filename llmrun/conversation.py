@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.errors import ContextOverflowError, LlmrunError, check_utf8, parse_json, read_text_bytes
+from llmrun.errors import ContextOverflowError, LlmrunError, check_utf8, parse_json, read_text_file
 from llmrun.generate import Engine, Generation
 from llmrun.sampling import SamplingParams
 
@@ -122,14 +122,9 @@ def save_conversation(path: str | Path, saved: SavedConversation) -> None:
 def load_conversation(path: str | Path) -> SavedConversation:
     """Read a file `save_conversation` wrote; anything else is one LlmrunError saying what is wrong with it."""
     path = Path(path)
+    text = read_text_file(path, str(path), "; give a file saved with --save or /save")
     try:
-        doc = parse_json(read_text_bytes(path, str(path)).decode("utf-8"))
-    except FileNotFoundError:
-        raise LlmrunError(f"{path}: no such file") from None
-    except UnicodeDecodeError:
-        raise LlmrunError(f"{path} is not UTF-8 text; give a file saved with --save or /save") from None
-    except OSError as e:
-        raise LlmrunError(f"cannot read {path}: {e.strerror or e}") from e
+        doc = parse_json(text)
     except ValueError as e:
         raise LlmrunError(f"{path} is not JSON ({e}); give a file saved with --save or /save") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:

@@ -54,6 +54,23 @@ def read_text_bytes(path, name: str) -> bytes:
     return data
 
 
+def read_text_file(path, name: str, hint: str = "") -> str:
+    """The UTF-8 text of the file `path` (a byte-order mark, as some editors write, dropped), at most MAX_TEXT
+    bytes; whatever goes wrong is one LlmrunError naming the file as `name`, `hint` ("; give ...") after it."""
+    try:
+        data = read_text_bytes(path, name)
+    except FileNotFoundError:
+        raise LlmrunError(f"{name}: no such file{hint}") from None
+    except IsADirectoryError:
+        raise LlmrunError(f"{name} is a directory{hint or '; give a text file'}") from None
+    except OSError as e:
+        raise LlmrunError(f"cannot read {name} ({e.strerror or e}){hint}") from None
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise LlmrunError(f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}){hint}") from None
+
+
 def check_utf8(text: str, what: str = "the text") -> None:
     """Text from argv or a pipe that was not UTF-8 reaches us with its bad bytes as lone surrogates (Python's
     surrogateescape); say so (naming it as `what`) rather than let the tokenizer or a compiler fail on them."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from llmrun.errors import LlmrunError, not_finite, read_text_bytes
+from llmrun.errors import LlmrunError, not_finite, read_text_file
 
 DEFAULT_CTX = 512  # window length when --ctx is not given (or the model's context, if shorter)
 
@@ -83,18 +83,7 @@ def read_text(spec: str) -> str:
     if not spec.strip():  # (as a Path, "" would be the working directory)
         raise LlmrunError("the text file's name is empty; give a UTF-8 text file or 'canterbury'")
     path = corpus.corpus_path(spec) if corpus.is_corpus_spec(spec) else Path(spec)
-    if path.is_dir():
-        raise LlmrunError(f"{path} is a directory; give a text file")
-    try:
-        data = read_text_bytes(path, str(path))
-    except FileNotFoundError:
-        raise LlmrunError(f"{path}: no such file; give a UTF-8 text file or 'canterbury'") from None
-    except OSError as e:
-        raise LlmrunError(f"cannot read {path} ({e.strerror or e})") from e
-    try:
-        text = data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        raise LlmrunError(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); give a plain text file") from None
+    text = read_text_file(path, str(path), "; give a UTF-8 text file or 'canterbury'")
     if "\x00" in text:
         raise LlmrunError(f"{path} looks binary (it holds NUL bytes); give a plain text file")
     if not text:

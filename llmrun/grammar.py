@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmrun.errors import LlmrunError, UsageError, check_utf8, parse_json, read_stdin, read_text_bytes
+from llmrun.errors import LlmrunError, UsageError, check_utf8, parse_json, read_stdin, read_text_file
 from llmrun.grammar_checks import (JUMP_FORWARD_MAX, check_counts, endless_rule, forced_bound, read_rules,
                                    schema_patterns, schema_warnings)
 
@@ -117,14 +117,7 @@ def _read(option: str, name: str) -> str:
         if sys.stdin.isatty():
             raise LlmrunError(f"{option} - reads stdin, but stdin is a terminal; pipe the text in or name a file")
         return read_stdin()
-    try:  # (a pipe works too: --grammar <(...))
-        return read_text_bytes(Path(name), f"{option} {name}").decode("utf-8-sig")  # (a byte-order mark is not text)
-    except FileNotFoundError:
-        raise LlmrunError(f"{option} {name}: no such file") from None
-    except IsADirectoryError:
-        raise LlmrunError(f"{option} {name}: a directory, not a file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise LlmrunError(f"{option} {name}: cannot read it ({e})") from None
+    return read_text_file(Path(name), f"{option} {name}")  # (a pipe works too: --grammar <(...))
 
 
 class Grammar:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.errors import LlmrunError, read_text_bytes
+from llmrun.errors import LlmrunError, read_text_file
 
 _CODE = '''"""Read a CSV file of orders and print what each customer spent, largest first."""
 
@@ -108,14 +108,7 @@ class Workload:
 
 
 def read_prompt_file(path: Path) -> str:
-    try:
-        text = read_text_bytes(path, f"--prompt-file {path}").decode("utf-8-sig")  # (a byte-order mark is not text)
-    except FileNotFoundError:
-        raise LlmrunError(f"--prompt-file {path}: no such file") from None
-    except IsADirectoryError:
-        raise LlmrunError(f"--prompt-file {path} is a directory; give a text file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise LlmrunError(f"--prompt-file {path}: cannot read it as UTF-8 text ({e})") from None
+    text = read_text_file(path, f"--prompt-file {path}")
     if not text.strip():
         raise LlmrunError(f"--prompt-file {path} is empty; give it some text to prefill")
     return text

@@ -336,12 +336,12 @@ def test_a_reference_with_a_shorter_context_bounds_the_windows(cli, tiny, tmp_pa
 def test_an_unreadable_file(cli, tiny, monkeypatch):
     path, _, text = tiny
 
-    import llmrun.eval
+    import llmrun.errors
 
     def denied(path, name):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(llmrun.eval, "read_text_bytes", denied)  # chmod would not stop root
+    monkeypatch.setattr(llmrun.errors, "read_text_bytes", denied)  # chmod would not stop root
     assert_error(cli("eval", path, *CPU, "--ppl", text), 1, f"cannot read {text} (Permission denied)")
 
 

@@ -330,7 +330,7 @@ def test_grammar_spec_reads_inline_files_and_the_any_keyword(tmp_path, monkeypat
     (dict(json_schema="[" * 100_000), "is not valid JSON: nested too deeply to parse"),  # (no file of that name)
     (dict(regex=""), "--regex is empty"),
     (dict(grammar="nowhere.gbnf"), "--grammar nowhere.gbnf: no such file"),
-    (dict(grammar="/"), "--grammar /: a directory, not a file"),
+    (dict(grammar="/"), "--grammar / is a directory; give a text file"),
     (dict(json_schema='{"type": "integer", "minimum": 1e400}'), "holds a number that is not finite"),
     (dict(json_schema='{"enum": [NaN]}'), "holds a number that is not finite"),
 ])
