@@ -453,7 +453,9 @@ class LoadedModel:
     model: object  # torch.nn.Module
     device: object  # torch.device
     dtype: object  # torch.dtype
-    weights: str = "dequant"  # "packed": quantized tensors kept in blocks for llmrun's kernels
+    # "packed": quantized tensors kept in blocks for llmrun's kernels; "dequant": weights in `dtype` (expanded, or
+    # float already), run by plain PyTorch where `model.reference_ops` (--weights dequant), else by llmrun's kernels
+    weights: str = "dequant"
     notes: list[str] = field(default_factory=list)  # worth telling the user (e.g. why the fast path is off)
 
     @property
