@@ -252,15 +252,53 @@ class Tokenizer:
             ids = self.encode(text, special=True, add_bos=False)
         else:  # the control tokens outside the spans as their ids; the text between them, spans and all, as text
             # (one run encoded whole, as the tokenizer splits it at control tokens: a span encoded on its own
-            # would begin a word of its own, a SentencePiece "▁" before it)
+            # would begin a word of its own, a SentencePiece "▁" before it). Each run is read as the tokenizer
+            # reads text between control tokens: a token that strips the whitespace beside it (Phi-3's rstrip)
+            # takes it, and only a run at the start of the text gets a Metaspace's "first" "▁".
+            check_utf8(text)
+            strips = {t.content: (t.lstrip, t.rstrip) for t in self._tok.get_added_tokens_decoder().values()}
             ids, at = [], 0
             for found in self._control_text.finditer(text):
-                if not any(a <= found.start() < b for a, b in plain):
-                    ids += self.encode(text[at:found.start()], special=False, add_bos=False)
-                    ids.append(self._tok.token_to_id(found.group(0)))
-                    at = found.end()
-            ids += self.encode(text[at:], special=False, add_bos=False)
+                if any(a <= found.start() < b for a, b in plain) or found.start() < at:
+                    continue
+                lstrip, rstrip = strips.get(found.group(0), (False, False))
+                run = text[at:found.start()]
+                ids += self._encode_run(run.rstrip() if lstrip else run, first=at == 0)
+                ids.append(self._tok.token_to_id(found.group(0)))
+                at = found.end()
+                if rstrip:
+                    at = len(text) - len(text[at:].lstrip())
+            ids += self._encode_run(text[at:], first=at == 0)
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def _encode_run(self, run: str, first: bool) -> list[int]:
+        """The ids of `run`, text between control tokens (those it spells read as text), `first` if it begins the
+        whole text."""
+        tok = self._tok if first else self._after_control
+        tok.encode_special_tokens = True
+        return tok.encode(run, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _after_control(self) -> tokenizers.Tokenizer:
+        """The tokenizer as it reads text that follows a control token: a Metaspace whose "▁" goes before the first
+        word of the text only (prepend_scheme "first", as transformers writes Llama's and Mistral's) puts none
+        there. (Built at the first message that spells a control token.)"""
+        doc = json.loads(self._tok.to_str())
+        found = []
+
+        def never(node):
+            if isinstance(node, dict):
+                if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                    node["prepend_scheme"] = "never"
+                    found.append(node)
+                for value in node.values():
+                    never(value)
+            elif isinstance(node, list):
+                for value in node:
+                    never(value)
+
+        never(doc.get("pre_tokenizer"))
+        return tokenizers.Tokenizer.from_str(json.dumps(doc)) if found else self._tok
 
     def cut_bytes(self, ids: list[int]) -> int:
         """How many bytes at the end of what `ids` spell begin a UTF-8 character without the rest of it (0 if none),
@@ -494,7 +532,8 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
             raise ModelFormatError(f"cannot read {path / 'tokenizer.json'}: {exc}") from None
         kind = _kind_of(tok)
     elif (path / "tokenizer.model").is_file():
-        tok, kind = _from_sentencepiece_file(path / "tokenizer.model"), "spm"
+        tok, kind = _from_sentencepiece_file(path / "tokenizer.model", legacy=config.get("legacy") is not False), "spm"
+        _add_declared_tokens(tok, path, config)
     else:
         raise ModelFormatError(f"{path} has neither tokenizer.json nor tokenizer.model")
 
@@ -513,10 +552,11 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
                 raise ModelFormatError(f"{path / file}: {key} {i!r} is not a token id (0 to {vocab_size - 1})")
         return ids
 
-    bos_id = token_id(config.get("bos_token"))
+    tokens_map = _read_json(path / "special_tokens_map.json")  # (older directories name them only there)
+    bos_id = token_id(config.get("bos_token", tokens_map.get("bos_token")))
     if bos_id is None:
         bos_id = next(iter(declared_ids(model_config, "config.json", "bos_token_id")), None)
-    eos_id = token_id(config.get("eos_token"))
+    eos_id = token_id(config.get("eos_token", tokens_map.get("eos_token")))
     declared = [eos_id] + declared_ids(generation, "generation_config.json", "eos_token_id") + \
         declared_ids(model_config, "config.json", "eos_token_id")
     if eos_id is None:
@@ -538,6 +578,32 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
         add_bos=bool(add_bos),
         chat_template=_hf_chat_template(path, config),
     )
+
+
+def _add_declared_tokens(tok: tokenizers.Tokenizer, path: Path, config: dict) -> None:
+    """A bare tokenizer.model's added tokens, as transformers reads them: tokenizer_config.json's
+    `added_tokens_decoder` (id -> {content, special, lstrip, rstrip, ...}), else added_tokens.json (content -> id).
+    Each takes its id: a piece of the model already, or the next id after the vocabulary."""
+    declared = config.get("added_tokens_decoder")
+    if declared is None:
+        declared = {str(i): {"content": text} for text, i in _read_json(path / "added_tokens.json").items()
+                    if type(i) is int}
+    if not isinstance(declared, dict):
+        raise ModelFormatError(f"{path / 'tokenizer_config.json'}: added_tokens_decoder is not an object")
+    entries = []
+    for key, value in declared.items():
+        text = value.get("content") if isinstance(value, dict) else None
+        if not (isinstance(key, str) and key.isdigit() and isinstance(text, str) and text):
+            raise ModelFormatError(f"{path}: added token {key!r}: {str(value)[:60]} is not an id and a content")
+        entries.append((int(key), text, value))
+    for i, text, value in sorted(entries, key=lambda e: e[0]):
+        size, held = tok.get_vocab_size(with_added_tokens=True), tok.token_to_id(text)
+        if held != i and (held is not None or i != size):
+            where = f"the vocabulary has {size} tokens" if held is None else f"the vocabulary holds it as id {held}"
+            raise ModelFormatError(f"{path}: added token {text!r} takes id {i}, but {where}")
+        flags = {k: bool(value.get(k)) for k in ("lstrip", "rstrip", "single_word")}
+        token = AddedToken(text, special=value.get("special", True) is not False, normalized=False, **flags)
+        (tok.add_special_tokens if token.special else tok.add_tokens)([token])
 
 
 def _read_json(path: Path) -> dict:
@@ -583,7 +649,9 @@ def _hf_chat_template(path: Path, config: dict) -> str | None:
     return template
 
 
-def _from_sentencepiece_file(file: Path) -> tokenizers.Tokenizer:
+def _from_sentencepiece_file(file: Path, legacy: bool = True) -> tokenizers.Tokenizer:
+    """`legacy` (LlamaTokenizer's flag, true unless tokenizer_config.json says false): the text after a control
+    token begins with a "▁" as the text's start does; without it, only the start does (as transformers reads it)."""
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
@@ -608,6 +676,9 @@ def _from_sentencepiece_file(file: Path) -> tokenizers.Tokenizer:
         add_space_prefix=add_space_prefix,
     )
     _add_special_tokens(tok, pieces, types)
+    if add_space_prefix and not legacy:
+        tok.normalizer = None  # (the Metaspace writes spaces as "▁" too)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     # A model trained with a normalizer (NFKC, collapsing spaces) would tokenize differently: check.
     probe = "Hello world, 12 naïve 🙂\n  x"
     if tok.encode(probe, add_special_tokens=False).ids != sp.encode(probe):

@@ -532,6 +532,33 @@ def test_hf_dir_matches_gguf(smol, tmp_path):
         assert hf.encode(text, special=True) == smol.encode(text, special=True)
 
 
+@pytest.mark.parametrize("variant", ["metaspace-first", "rstrip"])
+def test_hf_dir_message_spelling_a_control_token_keeps_the_markup_as_the_tokenizer_reads_it(spm, tmp_path, variant):
+    """Where a message spells a control token, the text between the template's own control tokens is encoded run by
+    run; each run reads as the tokenizer reads text between control tokens: a Metaspace with prepend_scheme "first"
+    (as transformers writes Llama's) puts no "▁" after a control token, and a token that strips the whitespace after
+    it (Phi-3's rstrip) takes it. Reference: the tokenizer itself, with the spelled token no control token."""
+    doc = json.loads(spm._tok.to_str())
+    doc["normalizer"] = None
+    doc["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    if variant == "rstrip":
+        doc["added_tokens"] = [{**a, "rstrip": a["content"] == "</s>"} for a in doc["added_tokens"]]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(doc))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}ab"
+    config = {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = tokenizer_from_hf_dir(tmp_path)
+    reference = tokenizers.Tokenizer.from_str(json.dumps(
+        {**doc, "added_tokens": [a for a in doc["added_tokens"] if a["content"] != "<s>"]}))
+    for messages in ([{"role": "user", "content": "ab <s> ab"}],
+                     [{"role": "system", "content": "<s>ab"}, {"role": "user", "content": " ab\n<s>"}]):
+        text, plain = tok.render_chat_spans(messages, add_generation_prompt=False)
+        assert [text[a:b] for a, b in plain] == ["<s>"] * len(messages)
+        ids = tok.encode_chat(messages, add_generation_prompt=False)
+        assert ids[0] == tok.bos_id and ids[1:] == reference.encode(text, add_special_tokens=False).ids
+        assert ids.count(2) == len(messages)  # the template's own </s>, and only those
+
+
 def test_hf_dir_named_templates_and_jinja_file(spm, tmp_path):
     spm._tok.save(str(tmp_path / "tokenizer.json"))
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
@@ -609,6 +636,35 @@ def test_hf_dir_sentencepiece_model_file(tmp_path):
     for text in ROUND_TRIP + ["the lazy dog is better than the quick fox"]:
         assert tok.encode(text, add_bos=False) == sp.encode(text), text
         assert tok.decode(tok.encode(text, add_bos=False)) == text
+
+
+def test_hf_dir_sentencepiece_model_file_with_added_tokens_and_legacy(tmp_path):
+    """A bare tokenizer.model takes the tokens tokenizer_config.json's added_tokens_decoder adds (ids after the
+    vocabulary; they were text, the vocabulary short and EOS back to </s>), or added_tokens.json's; `legacy: false`
+    puts no "▁" after a control token (transformers' reading); EOS named only in special_tokens_map.json is read."""
+    _train_sentencepiece(tmp_path, "bpe")
+    n = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model")).get_piece_size()
+    flags = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False, "special": True}
+    added = {str(n): {"content": "<|im_start|>", **flags}, str(n + 1): {"content": "<|im_end|>", **flags}}
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    config = {"bos_token": "<s>", "chat_template": template, "added_tokens_decoder": added}
+    messages = [{"role": "user", "content": "the dog"}]
+    for legacy in (True, False):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "legacy": legacy}))
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+        tok = tokenizer_from_hf_dir(tmp_path)
+        assert (tok.vocab_size, tok.eos_id) == (n + 2, n + 1)
+        ids = tok.encode_chat(messages)
+        assert ids[:2] == [tok.bos_id, n] and ids.count(n) == 1 and ids.count(n + 1) == 1
+        after = tok.id_to_piece(ids[2])
+        assert after.startswith("\u2581") == legacy  # "user" after <|im_start|>: "▁u..." only in legacy
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|im_start|>": n}))
+    assert tokenizer_from_hf_dir(tmp_path).encode("<|im_start|>the", special=True, add_bos=False)[0] == n
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|im_start|>": n + 5}))
+    with pytest.raises(ModelFormatError, match=f"added token '<\\|im_start\\|>' takes id {n + 5}, but the vocabulary"
+                                               f" has {n} tokens"):
+        tokenizer_from_hf_dir(tmp_path)
 
 
 def test_hf_dir_rejects_unigram_and_empty_dirs(tmp_path):
