@@ -62,7 +62,9 @@ class RecordingLength(DraftLength):
 
     def choose(self, room: int) -> int:
         k = super().choose(room)
-        if room >= min(self.max_k, self.cap):
+        if not self.adaptive:  # --fixed-k: the policy's K is known whatever the budget left each step
+            self.settled_k = int(min(self.max_k, self.cap))
+        elif room >= min(self.max_k, self.cap):
             self.settled_k = k
         return k
 

@@ -244,13 +244,17 @@ def test_draft_model_sampling_fixed_k(cli, tiny_gguf):
 
 def test_final_k_is_what_the_steps_could_draft(cli, tiny_gguf, tmp_path):
     """K fixed at 32 under a budget of 64 tokens, which lets a step verify 15: the final K is 15, not the last
-    step's; a draft whose context the prompt outruns drafts nothing, its final K is 0, and a note says why."""
+    step's, and 32 without the budget where the new tokens cut every step; a draft whose context the prompt outruns drafts nothing, its final K is 0, and a note says why."""
     import dataclasses
 
     doc = ok(cli("--kind", "code-edit", "--ngram", "--prompt-tokens", "64", "--new-tokens", "24", "--repeat", "1",
                  "--no-warmup", "--kv-evict", "window", "--kv-budget", "64", "--draft-tokens", "32", "--fixed-k",
                  "--json")).json()
     assert doc["speculative"]["drafted_tokens"] > 0 and doc["speculative"]["mean_final_k"] == 15
+    # every step cut by the 8 new tokens: the fixed K is still 32 (it read 10, or 0, from the last step)
+    doc = ok(cli("--kind", "code-edit", "--ngram", "1", "--prompt-tokens", "64", "--new-tokens", "8", "--repeat", "1",
+                 "--no-warmup", "--draft-tokens", "32", "--fixed-k", "--json")).json()
+    assert doc["speculative"]["drafted_tokens"] > 0 and doc["speculative"]["mean_final_k"] == 32
     short = write_gguf(tmp_path / "short.gguf", random_model(dataclasses.replace(CONFIGS["llama"], max_seq_len=16)))
     doc = ok(cli(tiny_gguf, "--prompt-tokens", "20", "--new-tokens", "4", "--repeat", "1", "--no-warmup",
                  "--draft", short, "--fixed-k", "--json")).json()
