@@ -227,7 +227,12 @@ def test_generate_cut_short_ends_its_line_or_prints_its_json(monkeypatch, capsys
             yield piece
 
     monkeypatch.setattr(Generation, "__iter__", cut)
-    code, out, err = run_main(["generate", *GREEDY, *(["--json"] if json_out else []), PROMPT], monkeypatch, capsys)
+    # as in a terminal: a run under nohup ignores SIGHUP (main() leaves it so), a background job SIGINT
+    before = signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    try:
+        code, out, err = run_main(["generate", *GREEDY, *(["--json"] if json_out else []), PROMPT], monkeypatch, capsys)
+    finally:
+        signal.signal(sig, before)
     assert code == 128 + sig and "Traceback" not in err, err
     if json_out:
         doc = json.loads(out)
