@@ -74,6 +74,8 @@ def _lib():
         return None
     key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_signature()]).encode())
     path = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    # a library built here that would not load (a cache on a noexec mount): not built again at every start
+    unloadable = path.with_suffix(".unloadable")
     fresh = not path.exists()
     while True:
         if fresh:
@@ -87,10 +89,16 @@ def _lib():
                 return None
         try:
             lib = ctypes.CDLL(str(path))
+            unloadable.unlink(missing_ok=True)
             break
         except OSError as e:  # a cache on a noexec mount; a cached library cut short is built again, once
-            if fresh:
-                _reason = f"cannot load the CPU kernels from {path}: {e}"
+            if fresh or unloadable.exists():
+                _reason = (f"cannot load the CPU kernels: {e} (on a noexec mount, set XDG_CACHE_HOME to a folder "
+                           f"that allows running code)")
+                try:
+                    unloadable.touch()
+                except OSError:
+                    pass
                 return None
             fresh = True
     p, i = ctypes.c_void_p, ctypes.c_int

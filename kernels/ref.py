@@ -121,7 +121,8 @@ def quant_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
 KEY_GROUP = 32  # positions per INT4 key scale
 PREFILL_ROWS = 512  # a prompt chunk (llmrun.generate.PREFILL_CHUNK): the rings hold it and the groups before it
 RECENT = PREFILL_ROWS + 2 * KEY_GROUP  # the positions INT4's rings hold exact (at most)
-ROLLBACK = KEY_GROUP  # the most tokens a write rolled back may have added: a block of --draft-tokens' 32 and one kept
+# the most tokens a write rolled back may have added: a block's drafts, its first token kept (MAX_DRAFT_TOKENS)
+ROLLBACK = KEY_GROUP
 RING = RECENT + ROLLBACK  # the rings' slots (at most)
 
 

@@ -84,6 +84,10 @@ def _gpt2_byte_chars() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _gpt2_byte_chars()
+# What an added token's lstrip/rstrip takes: Unicode's White_Space, as the tokenizers library (Rust's
+# char::is_whitespace) reads it; Python's str.strip takes U+001C-U+001F too.
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_SPACES_AT_START, _SPACES_AT_END = re.compile(f"[{_WHITE_SPACE}]*"), re.compile(f"[{_WHITE_SPACE}]+$")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece: the byte it stands for
 
 # Brackets around message text spelling a control token while a chat template renders
@@ -263,11 +267,11 @@ class Tokenizer:
                     continue
                 lstrip, rstrip = strips.get(found.group(0), (False, False))
                 run = text[at:found.start()]
-                ids += self._encode_run(run.rstrip() if lstrip else run, first=at == 0)
+                ids += self._encode_run(_SPACES_AT_END.sub("", run) if lstrip else run, first=at == 0)
                 ids.append(self._tok.token_to_id(found.group(0)))
                 at = found.end()
                 if rstrip:
-                    at = len(text) - len(text[at:].lstrip())
+                    at = _SPACES_AT_START.match(text, at).end()
             ids += self._encode_run(text[at:], first=at == 0)
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 

@@ -208,8 +208,8 @@ def test_generate_json(greedy):
     assert greedy["memory"]["weights"] > 0 and greedy["memory"]["kv_allocated"] > 0
 
 
-@pytest.mark.parametrize("sig, json_out", [(signal.SIGINT, False), (signal.SIGTERM, True), (signal.SIGHUP, True),
-                                          (signal.SIGINT, True)])
+@pytest.mark.parametrize("sig, json_out", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True),
+                                          (signal.SIGHUP, True), (signal.SIGINT, True)])
 def test_generate_cut_short_ends_its_line_or_prints_its_json(monkeypatch, capsys, greedy, sig, json_out):
     """A signal in the middle of `generate`: the text shown ends its line, as a whole reply's does (it stopped
     mid-line); with --json the partial reply's document is printed after SIGTERM or SIGHUP too (`timeout N llmrun

@@ -557,6 +557,14 @@ def test_hf_dir_message_spelling_a_control_token_keeps_the_markup_as_the_tokeniz
         ids = tok.encode_chat(messages, add_generation_prompt=False)
         assert ids[0] == tok.bos_id and ids[1:] == reference.encode(text, add_special_tokens=False).ids
         assert ids.count(2) == len(messages)  # the template's own </s>, and only those
+    # right after the control token: what its rstrip takes is Unicode's White_Space, not Python's (U+001F stays)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "chat_template": "{% for m in messages %}</s>{{ m['content'] }}{% endfor %}"}))
+    tok = tokenizer_from_hf_dir(tmp_path)
+    for content in ("\x1fab <s>", " \u3000ab<s>", "\n\x1c<s>"):
+        text, plain = tok.render_chat_spans([{"role": "user", "content": content}], add_generation_prompt=False)
+        assert tok.encode_chat([{"role": "user", "content": content}], add_generation_prompt=False)[1:] == \
+            reference.encode(text, add_special_tokens=False).ids
 
 
 def test_hf_dir_named_templates_and_jinja_file(spm, tmp_path):

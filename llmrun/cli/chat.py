@@ -16,8 +16,8 @@ from llmrun.errors import LlmrunError, UsageError, check_utf8, read_stdin
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import (OutputError, end_line, err, open_engine, print_json_when_done, signals_held, status_line,
-                      stream_to_stdout, user_errors, write_out)
+from .console import (OutputError, Terminated, end_line, err, open_engine, print_json_when_done, signals_held,
+                      status_line, stream_to_stdout, user_errors, write_out)
 from .options import JsonFlag, ModelArg, run_options
 
 HELP = """Commands: /reset (forget the conversation), /system TEXT (set the system prompt; no TEXT clears it),
@@ -181,7 +181,7 @@ def _one_turn(conversation, prompt: str, model: str, json_out: bool, quiet: bool
             stream_to_stdout(reply)
     except BaseException as e:  # Ctrl-C, SIGTERM, a closed terminal, a crash: keep the partial reply, as the chat does
         _keep(conversation, reply, saving)
-        if isinstance(e, KeyboardInterrupt) and not json_out:
+        if isinstance(e, (KeyboardInterrupt, Terminated)) and not json_out:
             end_line(reply)
         raise
     _keep(conversation, reply, saving)

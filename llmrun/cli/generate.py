@@ -9,7 +9,7 @@ from llmrun.errors import LlmrunError, UsageError, check_utf8, read_stdin
 from llmrun.loading import DEFAULT_MODEL
 
 from . import app
-from .console import end_line, err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors
+from .console import Terminated, end_line, err, open_engine, print_json_when_done, status_line, stream_to_stdout, user_errors
 from .options import JsonFlag, run_options
 
 
@@ -62,7 +62,7 @@ def generate(
         return
     try:
         stream_to_stdout(reply)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
         end_line(reply)
         raise
     if not quiet:
