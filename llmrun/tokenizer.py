@@ -39,6 +39,8 @@ _LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Qwen3.5's: Qwen2's, with a letter's combining marks part of its word
+_QWEN35_SPLIT = _QWEN2_SPLIT.replace(r"\p{L}+", r"[\p{L}\p{M}]+").replace(r"[^\s\p{L}\p{N}]+", r"[^\s\p{L}\p{M}\p{N}]+")
 # Mistral's Tekken (Nemo): a word is its capitals then its small letters, so camelCase splits at each capital.
 _TEKKEN_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
@@ -111,6 +113,7 @@ def _pre_tokenizers() -> dict[str, _Split]:
          "llama-bpe llama3 llama-v3 falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano"),
         (_Split((_LLAMA3_SPLIT,), False, False), "smaug-bpe dbrx"),
         (_Split((_QWEN2_SPLIT,), False, False), "qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2"),
+        (_Split((_QWEN35_SPLIT,), False, False), "qwen35"),
         (_Split((_TEKKEN_SPLIT,), False, True), "tekken"),
         (_Split(_DEEPSEEK_LLM_SPLITS, False, False), "deepseek-llm"),
         (_Split(_DEEPSEEK_CODER_SPLITS, False, False), "deepseek-coder"),

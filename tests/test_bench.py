@@ -999,3 +999,28 @@ def test_the_compiled_kernel_cache_keeps_what_fits_the_first_compiled_first(tmp_
     assert 4 <= len(kernels) < 12 and kernels == {f"k{i:02}" for i in range(len(kernels))}
     kernels, said = save(10)  # not even one
     assert kernels is None and "not saved" in said
+
+
+def test_tokenizers_vs_llamacpp_script_reads_llamacpps_vocabulary_tests(tmp_path, embedded_path):
+    """bench/tokenizers_vs_llamacpp.py on a vocabulary folder as llama.cpp's models/ holds it: a row per vocabulary,
+    the texts whose ids differ counted, exit 1 where any does (here one .out line is wrong on purpose)."""
+    import subprocess
+    from pathlib import Path
+
+    from llmrun.gguf_file import write_metadata_only
+    from llmrun.loading import open_model
+
+    gguf = tmp_path / "ggml-vocab-smollm.gguf"
+    write_metadata_only(embedded_path, gguf)
+    tok = open_model(str(embedded_path)).tokenizer
+    texts = ["Hello world", " 12345 naïve\r\n\tcafé", "<|im_start|> as text"]
+    with open(f"{gguf}.inp", "w", encoding="utf-8", newline="") as f:
+        f.write("".join(text + "\n__ggml_vocab_test__\n" for text in texts))
+    ids = [tok.encode(text, add_bos=False) for text in texts]
+    script = Path(__file__).resolve().parent.parent / "bench" / "tokenizers_vs_llamacpp.py"
+    for wrong in (False, True):
+        lines = [" ".join(map(str, i + [0] * (wrong and n == 1))) for n, i in enumerate(ids)]
+        Path(f"{gguf}.out").write_text("\n".join(lines) + "\n")
+        done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == int(wrong), done.stderr
+        assert f"| smollm | gpt2 | smollm | - | {int(wrong)}/3 | - |" in done.stdout

@@ -206,6 +206,17 @@ def test_pre_tokenizer_words_and_scripts(smol_metadata, pre, words):
     assert [bytes(_BYTE_OF_CHAR[c] for c in w).decode() for w in pieces] == [w.replace("Ġ", " ") for w in words]
 
 
+def test_qwen35_keeps_combining_marks_in_their_word(smol_metadata):
+    """Qwen3.5's split is Qwen2's with a letter's combining marks part of its word (Qwen2 splits them off)."""
+    def words(pre):
+        tok = tokenizer_from_gguf({**smol_metadata, "tokenizer.ggml.pre": pre})
+        return [bytes(_BYTE_OF_CHAR[c] for c in w).decode() for w, _ in tok._tok.pre_tokenizer.pre_tokenize_str(
+            " cafe\u0301 नमस्ते 12")]
+
+    assert words("qwen35") == [" cafe\u0301", " नमस्ते", " ", "1", "2"]
+    assert words("qwen2")[:3] == [" cafe", "\u0301", " नमस"]
+
+
 def test_gguf_without_vocabulary_or_with_unknown_model():
     with pytest.raises(ModelFormatError, match="tokenizer.ggml.tokens"):
         tokenizer_from_gguf({"general.architecture": "llama"})
