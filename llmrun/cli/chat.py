@@ -23,7 +23,7 @@ from .options import JsonFlag, ModelArg, run_options
 HELP = """Commands: /reset (forget the conversation), /system TEXT (set the system prompt; no TEXT clears it),
 /stats (figures of the last reply and memory), /save [FILE] (write the conversation to FILE, JSON; no FILE: the
 file the last /save FILE or /load named, else --save's or --load's), /load FILE (continue a saved conversation),
-/exit. A message of several lines: end a line with \\ to go on at the next, or open the message with \"\"\" and
+/help (this), /exit. A message of several lines: end a line with \\ to go on at the next, or open the message with \"\"\" and
 close it with \"\"\". Ctrl-C stops a reply (at a continuation prompt, drops the message); Ctrl-C or Ctrl-D at the
 prompt exits."""
 BLOCK = '"""'  # opens and closes a message of several lines
