@@ -656,6 +656,43 @@ def _hf_chat_template(path: Path, config: dict) -> str | None:
     return template
 
 
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        value, shift, pos = value | (byte & 0x7F) << shift, shift + 7, pos + 1
+        if not byte & 0x80:
+            return value, pos
+
+
+def _fields(data: bytes):
+    """A protobuf message's fields in order: (field number, value: an int, or the bytes of a length-delimited one)."""
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(data, pos)
+        elif wire in (1, 5):  # fixed 64 or 32 bits
+            value, pos = data[pos : pos + (8 if wire == 1 else 4)], pos + (8 if wire == 1 else 4)
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            value, pos = data[pos : pos + length], pos + length
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+        yield field, value
+
+
+def _user_defined_pieces(model: bytes) -> set[int]:
+    """The ids of a SentencePiece model file's USER_DEFINED pieces (ModelProto.pieces = 1, each a SentencePiece
+    message whose type = 3). The file loaded in sentencepiece already: malformed bytes here mean none."""
+    try:
+        pieces = [value for field, value in _fields(model) if field == 1]
+        return {i for i, piece in enumerate(pieces) if dict(_fields(piece)).get(3) == USER_DEFINED}
+    except (ValueError, IndexError):
+        return set()
+
+
 def _from_sentencepiece_file(file: Path, legacy: bool = True) -> tokenizers.Tokenizer:
     """`legacy` (LlamaTokenizer's flag, true unless tokenizer_config.json says false): the text after a control
     token begins with a "▁" as the text's start does; without it, only the start does (as transformers reads it)."""
@@ -663,9 +700,11 @@ def _from_sentencepiece_file(file: Path, legacy: bool = True) -> tokenizers.Toke
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
     n = sp.get_piece_size()
+    # (sentencepiece's Python API cannot tell a user-defined piece from a normal one; the file can)
+    user_defined = _user_defined_pieces(file.read_bytes())
     types = [
         UNKNOWN if sp.is_unknown(i) else CONTROL if sp.is_control(i) else BYTE if sp.is_byte(i)
-        else UNUSED if sp.is_unused(i) else NORMAL
+        else UNUSED if sp.is_unused(i) else USER_DEFINED if i in user_defined else NORMAL
         for i in range(n)
     ]
     pieces = [sp.id_to_piece(i) for i in range(n)]

@@ -629,7 +629,7 @@ def test_hf_dir_without_add_bos_flag_follows_post_processor(spm, tmp_path):
     assert tokenizer_from_hf_dir(tmp_path).add_bos is True
 
 
-def _train_sentencepiece(tmp_path: Path, model_type: str) -> Path:
+def _train_sentencepiece(tmp_path: Path, model_type: str, **options) -> Path:
     corpus = [
         "the quick brown fox jumps over the lazy dog",
         "simple is better than complex, and flat is better than nested",
@@ -641,7 +641,7 @@ def _train_sentencepiece(tmp_path: Path, model_type: str) -> Path:
         sentence_iterator=iter(corpus), model_writer=model, vocab_size=360, model_type=model_type,
         byte_fallback=True, character_coverage=1.0, hard_vocab_limit=False, minloglevel=3,
         # Llama's settings: no normalization, spaces kept as written.
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, **options,
     )
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
     return tmp_path / "tokenizer.model"
@@ -684,6 +684,24 @@ def test_hf_dir_sentencepiece_model_file_with_added_tokens_and_legacy(tmp_path):
     with pytest.raises(ModelFormatError, match=f"added token '<\\|im_start\\|>' takes id {n + 5}, but the vocabulary"
                                                f" has {n} tokens"):
         tokenizer_from_hf_dir(tmp_path)
+
+
+def test_hf_dir_sentencepiece_user_defined_pieces_are_matched_whole(tmp_path):
+    """A tokenizer.model's user-defined pieces (read from the file: sentencepiece's API does not tell them from
+    normal ones) are matched whole wherever the text holds them, as transformers reads them; they were spelled out
+    byte by byte."""
+    from llmrun.tokenizer import _user_defined_pieces
+
+    file = _train_sentencepiece(tmp_path, "bpe", user_defined_symbols=["<|im_start|>", "<tool>"])
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    ids = {sp.piece_to_id("<|im_start|>"), sp.piece_to_id("<tool>")}
+    assert _user_defined_pieces(file.read_bytes()) == ids and _user_defined_pieces(b"\xff\xff") == set()
+    tok = tokenizer_from_hf_dir(tmp_path)
+    for text in ("<|im_start|>the dog", "a<tool>b", "the <tool> dog"):
+        got = tok.encode(text, add_bos=False)
+        # (legacy, the default: text after the piece begins a word, "▁" and all, as transformers reads it)
+        assert len(ids & set(got)) == 1 and tok.decode(got).replace(" ", "") == text.replace(" ", "")
+    assert tok.encode("the dog", add_bos=False) == sp.encode("the dog")
 
 
 def test_hf_dir_rejects_unigram_and_empty_dirs(tmp_path):
