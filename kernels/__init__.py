@@ -50,7 +50,8 @@ _failed: set[str] = set()  # Triton kernels that failed to build here: their ref
 
 
 def failed() -> list[str]:
-    """The Triton kernels that failed here so far, whose PyTorch reference ops run instead (a benchmark's note)."""
+    """The GPU kernels (Triton's, or a fused PyTorch path) that failed here so far, whose PyTorch reference ops run
+    instead (a benchmark's note)."""
     return sorted(_failed)
 
 
@@ -144,7 +145,7 @@ def attention(q, k, v, window: int | None = None, mass=None, length=None):
             and (mass is None or mass.stride(-1) == 1):
         return cpu.attention(q, k, v, window, mass)
     if _use_triton(q) and window is None and mass is None and q.dtype in (torch.float16, torch.bfloat16):
-        return _triton("causal_lower_right", lambda: _chunk_attention(q, k, v), lambda: ref.attention(q, k, v))
+        return _triton("SDPA causal_lower_right", lambda: _chunk_attention(q, k, v), lambda: ref.attention(q, k, v))
     y = ref.attention(q, k, v, window)
     if mass is not None:
         mass.add_(ref.attention_mass(q, k, window))

@@ -381,7 +381,7 @@ def run_notes(engine) -> list[str]:
     """What a run's figures should say of how it ran, beyond the settings: fallbacks taken while it ran."""
     from llmrun import kernels
 
-    notes = [f"the Triton kernel {name} failed here: its PyTorch reference ran instead" for name in kernels.failed()]
+    notes = [f"the GPU kernel {name} failed here: its PyTorch reference ran instead" for name in kernels.failed()]
     graphs = getattr(engine, "graphs", None)
     if graphs is not None and graphs.failed:
         notes.append(f"capturing CUDA graphs failed ({graphs.failed}): decode steps ran eagerly")
