@@ -151,10 +151,11 @@ def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None]:
     else:
         theta = cfg.get("rope_theta")
     theta = 10000.0 if theta is None else _number(theta, "rope_theta", float)
-    partial = (rs if isinstance(rs, dict) else {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if partial is not None and _number(partial, "partial_rotary_factor", float) != 1.0:
-        raise UnsupportedModelError(f"config.json: partial_rotary_factor {partial} (RoPE on part of each head) is "
-                                    f"not supported; llmrun rotates whole heads")
+    given = rs if isinstance(rs, dict) else {}
+    for partial in (given.get("partial_rotary_factor"), cfg.get("partial_rotary_factor")):
+        if partial is not None and _number(partial, "partial_rotary_factor", float) != 1.0:
+            raise UnsupportedModelError(f"config.json: partial_rotary_factor {partial} (RoPE on part of each head) is "
+                                        f"not supported; llmrun rotates whole heads")
     try:
         return theta, _rope_scaling_fields(rs)
     except KeyError as e:

@@ -241,7 +241,9 @@ def test_llama_has_no_window_and_rotates_whole_heads():
     assert config_from_hf({**base, "sliding_window": 4}).sliding_window is None
     assert config_from_hf({**hf_config_json(CONFIGS["mistral"]), "sliding_window": 4}).sliding_window == 4
     assert config_from_hf({**base, "partial_rotary_factor": 1.0}) == CONFIGS["llama"]
-    for where in ({"partial_rotary_factor": 0.5}, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}):
+    default = {"rope_type": "default"}
+    for where in ({"partial_rotary_factor": 0.5}, {"rope_parameters": {**default, "partial_rotary_factor": 0.5}},
+                  {"partial_rotary_factor": 0.5, "rope_parameters": {**default, "partial_rotary_factor": None}}):
         with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5 .* not supported"):
             config_from_hf({**base, **where})
     with pytest.raises(UnsupportedModelError, match="sliding window cannot be written"):
