@@ -108,7 +108,10 @@ class StopMatcher:
         if hits:
             out, self.pending, self.stopped = self.pending[: min(hits)], "", True
             return out
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        keep = 0  # the longest end of the text that begins a stop string, held back: only up to the text's length
+        for stop in self.stops:  # (every length of a 100k-character stop string, every token, cost 130 ms a token)
+            keep = next((k for k in range(min(len(stop) - 1, len(self.pending)), keep, -1)
+                         if self.pending.endswith(stop[:k])), keep)
         cut = len(self.pending) - keep
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out

@@ -178,7 +178,8 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, jump_forward:
     try:
         rules = read_rules(str(compiled.grammar))  # (parsed once for both checks)
         endless, longest = endless_rule(rules), forced_bound(rules)
-    except ValueError:  # a form of xgrammar's printout this reading does not know: no proof the forced text ends
+    except (ValueError, RecursionError):  # a form of xgrammar's printout this reading does not know (or nested past
+        # Python's recursion limit): no proof the forced text ends
         endless, longest, jump_forward = None, 0, False
         warnings.append("jump-forward is off for this constraint: llmrun could not read its compiled rules")
     if jump_forward and longest > JUMP_FORWARD_MAX:  # xgrammar's search would build the whole run every step

@@ -204,6 +204,9 @@ def forced_bound(ebnf: str | _Parser, root: str = "root") -> int:
     _, rules, order = parser.parse()
     lengths, known, open_ = parser.lengths, {}, set()
 
+    class Needs(Exception):  # a rule whose bound is not known yet: computed first, then the one asking again
+        pass
+
     def size(expr) -> int:
         kind = expr[0]
         if kind == "n":
@@ -217,15 +220,30 @@ def forced_bound(ebnf: str | _Parser, root: str = "root") -> int:
         name = expr[1]
         if name not in lengths:
             raise ValueError(f"rule {name} is not defined")
-        if name not in known:
-            if name in open_:  # within itself: each level of a recursion passes a choice
-                return 0
-            open_.add(name)
-            known[name] = size(lengths[name])
-            open_.discard(name)
-        return known[name]
+        if name in known:
+            return known[name]
+        if name in open_:  # within itself: each level of a recursion passes a choice
+            return 0
+        raise Needs(name)
 
-    return size(("ref", root if root in rules else order[0])) if order else 0
+    if not order:
+        return 0
+    # Depth first from the root, as a recursion would go but on a list: a chain of thousands of rules (a large
+    # schema's) would pass Python's recursion limit.
+    path = [root if root in rules else order[0]]
+    while path:
+        name = path[-1]
+        if name not in lengths:
+            raise ValueError(f"rule {name} is not defined")
+        open_.add(name)
+        try:
+            known[name] = size(lengths[name])
+        except Needs as needs:
+            path.append(needs.args[0])
+            continue
+        open_.discard(name)
+        path.pop()
+    return known[root if root in rules else order[0]]
 
 
 def check_counts(text: str, kind: str) -> None:

@@ -264,9 +264,12 @@ class Tokenizer:
             # takes it, and only a run at the start of the text gets a Metaspace's "first" "▁".
             check_utf8(text)
             strips = {t.content: (t.lstrip, t.rstrip) for t in self._tok.get_added_tokens_decoder().values()}
-            ids, at = [], 0
-            for found in self._control_text.finditer(text):
-                if any(a <= found.start() < b for a, b in plain) or found.start() < at:
+            ids, at, spans = [], 0, iter(sorted(plain))
+            span = next(spans, None)
+            for found in self._control_text.finditer(text):  # (in order, as the spans: one pass over both)
+                while span is not None and span[1] <= found.start():
+                    span = next(spans, None)
+                if (span is not None and span[0] <= found.start()) or found.start() < at:
                     continue
                 lstrip, rstrip = strips.get(found.group(0), (False, False))
                 run = text[at:found.start()]

@@ -231,6 +231,39 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.stopped
 
 
+def test_stop_matcher_against_its_definition_and_long_stop_strings():
+    """Random pieces and stop strings: what is shown and when is the definition's (hold back the longest end of the
+    text that begins a stop string; cut at the first stop string); a 100k-character stop string costs per token what
+    the text held back does, not its length squared (a cost this test does not time: bench/ measures speed)."""
+    import random
+
+    def reference(stops, pieces):
+        shown, pending = [], ""
+        for piece in pieces:
+            pending += piece
+            hits = [i for i in (pending.find(s) for s in stops) if i >= 0]
+            if hits:
+                return shown + [pending[: min(hits)]]
+            keep = max((k for s in stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
+            shown.append(pending[: len(pending) - keep])
+            pending = pending[len(pending) - keep:]
+        return shown
+
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+        pieces = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 12))]
+        m = StopMatcher(stops)
+        got = []
+        for piece in pieces:
+            got.append(m.feed(piece))
+            if m.stopped:
+                break
+        assert got == reference(stops, pieces), (stops, pieces)
+    m = StopMatcher(("Z" * 100_000,))
+    assert "".join(m.feed("word Z") for _ in range(200)) == "word Z" * 199 + "word " and m.pending == "Z"
+
+
 def test_empty_prompt_is_refused(engine):
     from llmrun.errors import LlmrunError
 

@@ -440,6 +440,13 @@ def test_forced_bound_reads_lengths_counts_choices_and_recursion():
     assert forced_bound('root ::= ((r{99999871, 99999871}))\nr ::= ((", " "1"))\n') == 3 * 99999871
 
 
+def test_forced_bound_of_a_chain_of_thousands_of_rules():
+    """A large schema's or grammar's chain of rules (each naming the next) passed Python's recursion limit: a
+    RecursionError traceback instead of a reply."""
+    chain = "".join(f'r{i} ::= (("x" r{i + 1}))\n' for i in range(3000)) + 'r3000 ::= (("end"))\n'
+    assert forced_bound(chain, "r0") == 3000 + 3
+
+
 @pytest.mark.parametrize("spec, longest", [
     (("regex", "((a{1000}){1000}){1000}"), "1,000,000,000"),  # took ~200 MB/s, deaf to signals, until the OOM killer
     (("regex", "a{3000000}"), "3,000,000"),
