@@ -165,6 +165,22 @@ def test_max_tokens_scores_the_first_n(cli, tiny):
     assert cli("eval", path, *CPU, "--ppl", text, "--max-tokens", 1000, "--json").json["text"]["evaluated"] == 49
 
 
+def test_max_tokens_tokenizes_a_prefix_of_a_long_text(embedded_path):
+    """With --max-tokens, a prefix of the text long enough is tokenized (a 28 MB file took 4.3 GB to score 64
+    tokens): its first ids are the whole text's; the whole text's count is then unknown (null), and known where the
+    prefix reached the end."""
+    from llmrun.cli.eval import _text_ids
+    from llmrun.loading import open_model
+
+    tok = open_model(str(embedded_path)).tokenizer
+    text = "".join(f"Paragraph {i}: the quick brown fox, 12345 naïve words.\n\n" for i in range(3000))
+    whole = tok.encode(text)
+    for n in (1, 50, 2000):
+        assert _text_ids(tok, text, n) == (whole[: n + 1], None)
+    assert _text_ids(tok, text, len(whole) + 5) == (whole, len(whole))
+    assert _text_ids(tok, text, None) == (whole, len(whole))
+
+
 def test_json_document(cli, tiny):
     path, _, text = tiny
     doc = cli("eval", path, *CPU, "--ppl", text, "--ctx", 16, "--json").json

@@ -87,12 +87,30 @@ def _config(engine, weights: str) -> dict:
             "kv_eviction": None if ev is None else {"policy": ev.policy, "budget": ev.budget, "sinks": ev.sinks}}
 
 
+def _text_ids(tokenizer, text: str, max_tokens: int | None) -> tuple[list[int], int | None]:
+    """The text's ids, its first max_tokens + 1 where max_tokens is given, and how many tokens the whole text has
+    (None where only a prefix was read). With max_tokens, a prefix long enough is tokenized, not the whole text (a
+    28 MB file took 4.3 GB to score 64 tokens): one that gives 64 tokens more than needed, whose first ones are the
+    whole text's (a cut changes only the tokens near it)."""
+    if max_tokens is None:
+        ids = tokenizer.encode(text)
+        return ids, len(ids)
+    chars = 16 * (max_tokens + 65)
+    while True:
+        ids = tokenizer.encode(text[:chars])
+        if chars >= len(text):
+            return ids[: max_tokens + 1], len(ids)
+        if len(ids) > max_tokens + 65:
+            return ids[: max_tokens + 1], None
+        chars *= 4
+
+
 def _check_same_vocabulary(engine, reference, ids: list[int], text: str) -> None:
     ours, theirs = engine.loaded.config.vocab_size, reference.loaded.config.vocab_size
     if ours != theirs:
         raise LlmrunError(f"the reference model has {theirs} tokens in its vocabulary, this one {ours}; "
                           "KL needs the same vocabulary (compare files of the same model)")
-    if reference.tokenizer.encode(text)[: len(ids)] != ids:
+    if _text_ids(reference.tokenizer, text, len(ids) - 1)[0] != ids:
         raise LlmrunError("the reference model tokenizes the text differently; KL needs the same tokenizer "
                           "(compare files of the same model)")
 
@@ -146,10 +164,7 @@ def eval_(
         fixes = " or ".join(filter(None, fixes))
         err.print(Text(f"note: --kv-budget {budget} holds a whole window of {ctx} tokens (--ctx), so nothing is "
                        f"evicted{f'; {fixes} measures eviction' if fixes else ''}", style="dim"), soft_wrap=True)
-    ids = engine.tokenizer.encode(text)
-    text_tokens = len(ids)
-    if max_tokens is not None:
-        ids = ids[: max_tokens + 1]
+    ids, text_tokens = _text_ids(engine.tokenizer, text, max_tokens)
     if len(ids) < 2:
         raise LlmrunError(f"{ppl} is too short: {len(ids)} token(s); at least 2 are needed to score one")
     if ref_engine is not None:
@@ -184,7 +199,9 @@ def _table(doc: dict) -> Table:
 
     table = Table(title=f"{doc['model']} on {doc['text']['source']}", show_header=False)
     table.add_row("config", config(doc["config"]))
-    table.add_row("tokens", f"{doc['text']['evaluated']:,} evaluated (of {doc['text']['tokens']:,} in the text)")
+    total = doc["text"]["tokens"]
+    table.add_row("tokens", f"{doc['text']['evaluated']:,} evaluated (of "
+                            f"{'more' if total is None else f'{total:,}'} in the text)")
     table.add_row("windows", f"{doc['windows']} of up to {doc['ctx']} tokens, stride {doc['stride']}")
     table.add_row("perplexity", f"{doc['ppl']:.4f} (mean NLL {doc['nll']:.4f} nats)")
     table.add_row("time", f"{doc['seconds']:.1f} s · {doc['tok_s']:.0f} tok/s")
