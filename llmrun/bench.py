@@ -509,13 +509,12 @@ def _source_commit(root: Path = Path(__file__).resolve().parent.parent) -> str |
     wheel in `myproject/.venv`)."""
     import subprocess
 
-    try:
-        git = [["git", "-C", str(root), "rev-parse", "--show-toplevel"], ["git", "-C", str(root), "rev-parse",
-                                                                          "--short", "HEAD"]]
-        top, commit = (subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout.strip() for cmd in git)
+    try:  # (one line each: the work tree's top, then HEAD; nothing on stdout outside a work tree)
+        said = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=5).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
-    return commit or None if top and Path(top).resolve() == root else None
+    return said[1] if len(said) == 2 and Path(said[0]).resolve() == root else None
 
 
 def write_run(out: Path, doc: dict, table: str) -> None:

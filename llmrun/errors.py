@@ -85,10 +85,8 @@ def check_utf8(text: str, what: str = "the text") -> None:
 def not_finite(dtype=None) -> LlmrunError:
     """The error for a model whose output holds NaN or inf, computed in torch dtype `dtype` (None: not known here,
     as where a token is drawn)."""
-    if dtype is None:
-        hint = ", or a 16-bit --dtype overflowed: try --dtype fp32"
-    else:
-        hint = "" if str(dtype) == "torch.float32" else f", or {dtype} overflowed: try --dtype fp32"
+    overflowed = "a 16-bit --dtype" if dtype is None else dtype
+    hint = "" if str(dtype) == "torch.float32" else f", or {overflowed} overflowed: try --dtype fp32"
     return LlmrunError(f"the model's output is not finite (NaN or inf): its weights are corrupt{hint}")
 
 

@@ -263,7 +263,6 @@ class Tokenizer:
             # reads text between control tokens: a token that strips the whitespace beside it (Phi-3's rstrip)
             # takes it, and only a run at the start of the text gets a Metaspace's "first" "▁".
             check_utf8(text)
-            strips = {t.content: (t.lstrip, t.rstrip) for t in self._tok.get_added_tokens_decoder().values()}
             ids, at, spans = [], 0, iter(sorted(plain))
             span = next(spans, None)
             for found in self._control_text.finditer(text):  # (in order, as the spans: one pass over both)
@@ -271,7 +270,7 @@ class Tokenizer:
                     span = next(spans, None)
                 if (span is not None and span[0] <= found.start()) or found.start() < at:
                     continue
-                lstrip, rstrip = strips.get(found.group(0), (False, False))
+                lstrip, rstrip = self._strips.get(found.group(0), (False, False))
                 run = text[at:found.start()]
                 ids += self._encode_run(_SPACES_AT_END.sub("", run) if lstrip else run, first=at == 0)
                 ids.append(self._tok.token_to_id(found.group(0)))
@@ -287,6 +286,11 @@ class Tokenizer:
         tok = self._tok if first else self._after_control
         tok.encode_special_tokens = True
         return tok.encode(run, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _strips(self) -> dict[str, tuple[bool, bool]]:
+        """Added token text -> whether it takes the whitespace before it, after it (lstrip, rstrip)."""
+        return {t.content: (t.lstrip, t.rstrip) for t in self._tok.get_added_tokens_decoder().values()}
 
     @functools.cached_property
     def _after_control(self) -> tokenizers.Tokenizer:

@@ -338,8 +338,8 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     vocab = get("vocab_size", len(tokens or ()))
     head_dim = get("attention.key_length", dim // max(n_heads, 1))
     for key, what in (("rope.dimension_count", "RoPE on part of each head"), ("attention.value_length", "values")):
-        if get(key, head_dim) != head_dim:
-            raise UnsupportedModelError(f"GGUF {gguf_arch}.{key} {get(key)} differs from the head size {head_dim} "
+        if (size := get(key, head_dim)) != head_dim:
+            raise UnsupportedModelError(f"GGUF {gguf_arch}.{key} {size} differs from the head size {head_dim} "
                                         f"({what}); llmrun runs whole heads of one size")
     return ModelConfig(
         architecture=arch,
