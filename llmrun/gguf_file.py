@@ -50,13 +50,13 @@ class GGUFTensor:
     @property
     def plane_format(self) -> tuple[int, bool] | None:
         """(bits, with offsets) of the planes `blocks()` gives for this tensor; None when it has none (a vector,
-        a float tensor or a block type without a conversion)."""
-        return gguf_quants.PLANE_FORMATS.get(self.ggml_type) if len(self.shape) == 2 else None
+        a float tensor or a block type that cannot be dequantized)."""
+        return gguf_quants.plane_format(self.ggml_type) if len(self.shape) == 2 else None
 
     def blocks(self):
         """The quantized weights as planes (qs, d, m, bits), as `kernels.ref.dequantize_blocks` reads them: the
-        file's own bits for Q4_0/Q4_1/Q8_0, a conversion for Q5_0/Q4_K/Q6_K (`gguf_quants`: exact but for fp16
-        rounding, or requantized to 8 bits for Q6_K). m is None for symmetric planes."""
+        file's own bits for Q4_0/Q4_1/Q8_0, a conversion for Q5_0/Q4_K (`gguf_quants`: exact but for fp16
+        rounding), the others requantized to 8 bits. m is None for symmetric planes."""
         return gguf_quants.planes(self.ggml_type, self._rows())
 
     def _rows(self):  # the blocks as a (rows, bytes per row) uint8 tensor viewing the memory map

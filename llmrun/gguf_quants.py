@@ -9,11 +9,12 @@ d fp16, w = d * q. The GGML types become planes at load time:
 | Q4_0, Q4_1, Q8_0 | 4-bit, 4-bit + m, 8-bit | nothing: the file's fields, split apart |
 | Q5_0 | 8-bit, q - 16 with the block's d | nothing |
 | Q4_K | 4-bit + m per 32: d * sc and -dmin * mn | the two products are rounded to fp16 |
-| Q6_K | 8-bit, requantized per 32 from the exact values | each value by at most half of max|w| / 127 |
+| Q5_1, Q5_K, Q6_K, and every other block type | 8-bit, requantized per 32 from the exact values | each value by at most half of max|w| / 127 |
 
 Blocks arrive as the file stores them, (rows, bytes per row) uint8; every step is vectorized over blocks, some
 on the bytes viewed as little-endian int32/int64 words (GGUF's byte order, and the CPU's).
-The dequantizers here give the same fp32 bits as `gguf.quants.dequantize` (same operations, same order).
+The dequantizers here give the same fp32 bits as `gguf.quants.dequantize` (same operations, same order); the
+types without one here (Q2_K, Q3_K, the IQ and TQ types...) are dequantized by `gguf.quants` itself (numpy: slower).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from contextlib import contextmanager
 import torch
 
 # GGML type ids (gguf.GGMLQuantizationType), spelled out so this module imports without gguf.
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
-# bytes per block and values per block
-BLOCK = {Q4_0: (18, 32), Q4_1: (20, 32), Q5_0: (22, 32), Q8_0: (34, 32), Q4_K: (144, 256), Q6_K: (210, 256)}
+# bytes per block and values per block of the types dequantized here
+BLOCK = {Q4_0: (18, 32), Q4_1: (20, 32), Q5_0: (22, 32), Q5_1: (24, 32), Q8_0: (34, 32), Q4_K: (144, 256),
+         Q5_K: (176, 256), Q6_K: (210, 256)}
 
-# The planes each type loads as: (bits, with offsets m).
-PLANE_FORMATS = {Q4_0: (4, False), Q4_1: (4, True), Q5_0: (8, False), Q8_0: (8, False), Q4_K: (4, True), Q6_K: (8, False)}
+# The planes the types converted without requantizing load as: (bits, with offsets m). Every other block type
+# loads as 8-bit planes requantized from its exact values (`plane_format`).
+PLANE_FORMATS = {Q4_0: (4, False), Q4_1: (4, True), Q5_0: (8, False), Q8_0: (8, False), Q4_K: (4, True)}
+REQUANTIZED = (8, False)
 
 _CHUNK_VALUES = 1 << 20  # values converted per step: temporaries stay in cache, and small beside an embedding
 
@@ -42,9 +46,13 @@ def _nibbles(qs):  # (..., 16) packed bytes -> (..., 32): low nibbles are elemen
     return torch.cat((qs & 0xF, qs >> 4), dim=-1)
 
 
+def _q5_values(qh, qs):  # (n, 4) and (n, 16) bytes -> (n, 32) uint8 q in 0-31 (Q5_0, Q5_1)
+    high = (qh[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # (n, 4, 8): bit j of qh is element j's
+    return _nibbles(qs) | (high.reshape(-1, 32) << 4)
+
+
 def _q5_0_values(b):  # (n, 22) -> (n, 32) int8 q - 16
-    high = (b[:, 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # (n, 4, 8): bit j of qh is element j's
-    return (_nibbles(b[:, 6:]) | (high.reshape(-1, 32) << 4)).to(torch.int8) - 16
+    return _q5_values(b[:, 2:6], b[:, 6:]).to(torch.int8) - 16
 
 
 def _q4_k_scales(b):  # (n, 144) -> d * sc, dmin * mn (n, 8) fp32: each sub-block's scale and min
@@ -66,10 +74,20 @@ def _q6_k_values(b):  # (n, 210) -> (n, 256) fp32, as gguf.quants.Q6_K
     return (scale * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
 
 
+def _q4_k_nibbles(qs):  # (n, 128) -> (n, 8, 32): 32 bytes per 64 values, low nibbles the first 32, high the next
+    qs = qs.reshape(-1, 4, 1, 32)
+    return torch.cat((qs & 0xF, qs >> 4), dim=2).reshape(-1, 8, 32)
+
+
 def _dequant_q4_k(b):
     scale, offset = _q4_k_scales(b)
-    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 32 bytes per 64 values: low nibbles the first 32, high the next
-    q = torch.cat((qs & 0xF, qs >> 4), dim=2).reshape(-1, 8, 32)
+    return (scale[..., None] * _q4_k_nibbles(b[:, 16:]).float() - offset[..., None]).reshape(-1, 256)
+
+
+def _dequant_q5_k(b):  # Q4_K's scales and nibbles, and bit j of each qh byte the fifth bit of sub-block j's value
+    scale, offset = _q4_k_scales(b)
+    high = (b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # (n, 8, 32)
+    q = _q4_k_nibbles(b[:, 48:]) | (high << 4)
     return (scale[..., None] * q.float() - offset[..., None]).reshape(-1, 256)
 
 
@@ -77,8 +95,10 @@ _DEQUANT = {  # GGML type -> (blocks (n, bytes) -> values (n, block values) fp32
     Q4_0: lambda b: _fp16(b, 0) * (_nibbles(b[:, 2:]).float() - 8),
     Q4_1: lambda b: _fp16(b, 0) * _nibbles(b[:, 4:]).float() + _fp16(b, 2),
     Q5_0: lambda b: _fp16(b, 0) * _q5_0_values(b).float(),
+    Q5_1: lambda b: _fp16(b, 0) * _q5_values(b[:, 4:8], b[:, 8:]).float() + _fp16(b, 2),
     Q8_0: lambda b: _fp16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float(),
     Q4_K: _dequant_q4_k,
+    Q5_K: _dequant_q5_k,
     Q6_K: _q6_k_values,
 }
 
@@ -155,17 +175,51 @@ def _planes_q5_0(r):  # (n, rows' bytes) -> 8-bit planes, the same d
     return _q5_0_values(b).reshape(n, -1), b[:, :2].contiguous().view(torch.float16).reshape(n, -1), None
 
 
-def _planes_q6_k(r):  # (n, rows' bytes) -> 8-bit planes requantized from the exact values
-    n = r.shape[0]
-    return (*requantize_8bit(_q6_k_values(r.reshape(-1, 210)).reshape(n, -1)), None)
+def _gguf_type(ggml_type: int):
+    """The `gguf` package's type for a block type it can dequantize, else None."""
+    from gguf import GGMLQuantizationType, quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+    except ValueError:
+        return None
+    dequantizes = getattr(quants, "_type_traits", {}).get(qtype) is not None
+    return qtype if dequantizes and GGML_QUANT_SIZES[qtype][0] >= 32 else None  # F16, BF16: blocks of 1
+
+
+def plane_format(ggml_type: int) -> tuple[int, bool] | None:
+    """(bits, with offsets) of the planes a matrix of this type loads as (`planes`); None for a float type or
+    one that cannot be dequantized."""
+    if ggml_type in PLANE_FORMATS:
+        return PLANE_FORMATS[ggml_type]
+    return REQUANTIZED if ggml_type in BLOCK or _gguf_type(ggml_type) is not None else None
+
+
+def _exact_values(ggml_type: int):
+    """rows (n, bytes per row) -> W (n, K) fp32, the exact values, here or by `gguf.quants`."""
+    if ggml_type in BLOCK:
+        return lambda r: _DEQUANT[ggml_type](r.reshape(-1, BLOCK[ggml_type][0])).reshape(r.shape[0], -1)
+    import numpy as np
+    from gguf import quants
+
+    qtype = _gguf_type(ggml_type)
+
+    def values(r):
+        with np.errstate(all="ignore"):  # corrupt scales make inf and NaN, which the model's output check names
+            return torch.from_numpy(quants.dequantize(r.numpy(), qtype).astype(np.float32, copy=False))
+
+    return values
 
 
 def planes(ggml_type: int, rows: torch.Tensor) -> tuple:
-    """Blocks (N, bytes per row) uint8 of a type in `PLANE_FORMATS` -> planes (qs, d, m, bits) of W (N, K):
-    the file's own bits for Q4_0/Q4_1/Q8_0, converted for the others as the module docstring says."""
-    nbytes, nvalues = BLOCK[ggml_type]
+    """Blocks (N, bytes per row) uint8 of a type `plane_format` gives planes for -> planes (qs, d, m, bits) of
+    W (N, K): the file's own bits for Q4_0/Q4_1/Q8_0, converted for the others as the module docstring says."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    nvalues, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     N, K = rows.shape[0], rows.shape[1] // nbytes * nvalues
-    bits = PLANE_FORMATS[ggml_type][0]
     if ggml_type in (Q4_0, Q4_1, Q8_0):
         b = rows.reshape(N, -1, nbytes)  # (N, K/32, bytes)
         d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
@@ -174,8 +228,11 @@ def planes(ggml_type: int, rows: torch.Tensor) -> tuple:
         if ggml_type == Q4_1:
             return b[..., 4:].reshape(N, -1).contiguous(), d, b[..., 2:4].contiguous().view(torch.float16)[..., 0], 4
         return b[..., 2:].reshape(N, -1).contiguous(), d, None, 4
-    convert = {Q4_K: _planes_q4_k, Q5_0: _planes_q5_0, Q6_K: _planes_q6_k}[ggml_type]
-    return (*_by_rows(lambda i: convert(rows[i]), N, K), bits)
+    if ggml_type in (Q4_K, Q5_0):
+        convert = {Q4_K: _planes_q4_k, Q5_0: _planes_q5_0}[ggml_type]
+        return (*_by_rows(lambda i: convert(rows[i]), N, K), PLANE_FORMATS[ggml_type][0])
+    values = _exact_values(ggml_type)
+    return (*_by_rows(lambda i: (*requantize_8bit(values(rows[i])), None), N, K), 8)
 
 
 def convert_planes(qs, d, m, bits: int, to_bits: int, to_offsets: bool) -> tuple:

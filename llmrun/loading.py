@@ -734,9 +734,9 @@ def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str,
     notes on what runs slower than it could.
 
     Kept where llmrun has kernels for them (`packed_kernels`: the C kernels on a CPU in fp32, Triton on CUDA): every
-    matrix whose GGML type has planes
-    (`gguf_quants.PLANE_FORMATS`: Q4_0, Q4_1, Q8_0 as stored; Q5_0, Q4_K converted exactly but for fp16
-    rounding; Q6_K requantized to 8 bits). Everything else is dequantized to `dt`. Projections the model fuses
+    matrix of a block type (`gguf_quants.plane_format`: Q4_0, Q4_1, Q8_0 as stored; Q5_0, Q4_K converted exactly
+    but for fp16 rounding; every other type requantized to 8 bits). Float matrices stay floats in `dt`, and a type
+    that cannot be dequantized fails its load. Projections the model fuses
     (q/k/v, gate/up) hold one format: parts that differ are all converted to the widest of theirs (4-bit with
     offsets, else 8-bit), and a group with a part that has no planes is dequantized whole.
     """
@@ -746,15 +746,11 @@ def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str,
         return {}, []
     if files.gguf is None:
         return _packed_checkpoint_weights(files, dev, dt), []
-    keep, expanded = {}, set()
+    keep = {}
     for gguf_name, t in files.gguf.tensors.items():
         ours = _our_name(gguf_name, _GGUF_NAMES)
-        if ours is None or not ours.endswith(".weight") or len(t.shape) != 2:
-            continue
-        if t.plane_format is not None:
+        if ours is not None and ours.endswith(".weight") and t.plane_format is not None:
             keep[ours] = t.plane_format
-        elif t.type_name not in ("F32", "F16", "BF16"):
-            expanded.add(t.type_name)
     groups = {}
     for name, fmt in keep.items():
         target, _, count = _fused_name(name)
@@ -771,9 +767,7 @@ def _packed_weights(files: ModelFiles, weights: str, dev, dt) -> tuple[dict[str,
     if not keep or why is not None:
         off = keep and dev.type == "cpu" and dt == torch.float32  # the default CPU setting, where packing was expected
         return {}, [f"{why}; running the slower dequantized path"] if off else []
-    notes = [f"no packed format for {', '.join(sorted(expanded))} weights; they run dequantized to "
-             f"{str(dt).removeprefix('torch.')} (slower)"]
-    return keep, notes if expanded else []
+    return keep, []
 
 
 def _packed_checkpoint_weights(files: ModelFiles, dev, dt) -> dict[str, tuple[int, bool]]:

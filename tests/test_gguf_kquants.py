@@ -1,8 +1,8 @@
-"""GGML's Q4_K, Q5_0 and Q6_K blocks (what Q4_K_M files hold): torch dequantization bit-identical to
-`gguf.quants`, their conversion to the CPU kernels' planes, and a tiny model written with them, whose packed
-path agrees with its exact dequantized one.
+"""GGML's block types (the k-quants of Q4_K_M and Q5_K_M files, Q5_0/Q5_1, and the rarer ones `gguf.quants`
+dequantizes): torch dequantization bit-identical to `gguf.quants`, their conversion to the CPU kernels' planes,
+and tiny models written with them, whose packed path agrees with their exact dequantized one.
 
-Blocks are random bytes (gguf's Python quantizer has no Q4_K or Q6_K), with sane fp16 scales."""
+Blocks are random bytes (gguf's Python quantizer has no k-quants or IQ types), with sane fp16 scales."""
 
 import dataclasses
 
@@ -13,14 +13,21 @@ from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from llmrun import gguf_quants
-from llmrun.gguf_quants import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0
+from llmrun.errors import ModelFormatError
+from llmrun.gguf_quants import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from llmrun.kernels import cpu, ref
 
 from .tiny import CONFIGS, random_model, write_gguf
 
-Q5_1 = 7  # a type without planes: it loads dequantized
-_FP16_FIELDS = {Q4_0: [0], Q4_1: [0, 2], Q5_0: [0], Q5_1: [0, 2], Q8_0: [0], Q4_K: [0, 2], Q6_K: [208]}  # byte offsets
+T = GGMLQuantizationType
+_FP16_FIELDS = {  # byte offsets of each block's fp16 scales
+    Q4_0: [0], Q4_1: [0, 2], Q5_0: [0], Q5_1: [0, 2], Q8_0: [0], Q4_K: [0, 2], Q5_K: [0, 2], Q6_K: [208],
+    T.Q2_K: [80, 82], T.Q3_K: [108], T.IQ4_NL: [0], T.IQ4_XS: [0], T.IQ2_XXS: [0], T.IQ2_S: [0], T.IQ3_S: [0],
+    T.TQ2_0: [64],
+}
 TYPES = sorted(gguf_quants.BLOCK)
+# requantized to 8-bit planes: here (Q5_1, Q5_K, Q6_K) or dequantized by gguf.quants first (the others)
+REQUANTIZED = [Q5_1, Q5_K, Q6_K, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_S, T.IQ3_S, T.TQ2_0]
 
 
 def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
@@ -29,13 +36,13 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0, scale: float 
     nvalues, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows, cols // nvalues, nbytes), dtype=np.uint8)
-    for offset in _FP16_FIELDS[qtype]:
+    for offset in _FP16_FIELDS.get(qtype, []):
         b[..., offset : offset + 2] = (rng.standard_normal((rows, cols // nvalues, 1)) * scale).astype(np.float16).view(np.uint8)
     return b.reshape(rows, -1)
 
 
 def shapes(qtype):  # awkward row counts; several superblocks per row for the k-quants
-    return [(1, 256), (7, 768), (33, 1280)] if gguf_quants.BLOCK[qtype][1] == 256 else [(1, 32), (5, 96), (33, 544)]
+    return [(1, 256), (7, 768), (33, 1280)] if GGML_QUANT_SIZES[T(qtype)][0] == 256 else [(1, 32), (5, 96), (33, 544)]
 
 
 def exact(qtype, blocks) -> torch.Tensor:
@@ -82,16 +89,38 @@ def test_q4_k_planes_are_exact_but_for_fp16_products():
         assert ((ref.dequantize_blocks(qs, d, m, bits) - x).abs() <= torch.from_numpy(bound).repeat_interleave(32, 1) * 1.01).all()
 
 
-def test_q6_k_planes_requantize_within_half_a_step():
-    for rows, cols in shapes(Q6_K):
-        blocks = random_blocks(Q6_K, rows, cols, seed=rows)
-        qs, d, m, bits = gguf_quants.planes(Q6_K, torch.from_numpy(blocks))
-        assert (bits, m, qs.dtype) == (8, None, torch.int8)
-        x = exact(Q6_K, blocks).reshape(rows, -1, 32)
+@pytest.mark.parametrize("qtype", REQUANTIZED, ids=lambda t: T(t).name)
+def test_other_types_requantize_to_8_bits_within_half_a_step(qtype):
+    assert gguf_quants.plane_format(qtype) == (8, False)
+    for rows, cols in shapes(qtype):
+        blocks = random_blocks(qtype, rows, cols, seed=rows)
+        qs, d, m, bits = gguf_quants.planes(qtype, torch.from_numpy(blocks))
+        assert (bits, m, qs.dtype, qs.shape) == (8, None, torch.int8, (rows, cols))
+        x = exact(qtype, blocks).reshape(rows, -1, 32)
+        assert x.abs().amax() > 0
         amax = x.abs().amax(-1)  # (rows, K/32)
         assert torch.equal(d, (amax / 127).half())
         err = (ref.dequantize_blocks(qs, d, m, bits).reshape(rows, -1, 32) - x).abs().amax(-1)
-        assert (err <= amax / 254 * (1 + 2**-9)).all()
+        # half a step, and up to 127 times half fp16's subnormal spacing where d (amax / 127 < 2^-14) is subnormal
+        assert (err <= amax / 254 * (1 + 2**-9) + 127 * 2**-25).all()
+
+
+@pytest.mark.parametrize("qtype", [Q5_K, T.Q2_K], ids=lambda t: T(t).name)
+def test_corrupt_scales_give_scales_not_finite_without_warnings(qtype):
+    """What the load's check of the planes' scales then names (here in torch, Q2_K in gguf's numpy)."""
+    import warnings
+
+    blocks = random_blocks(qtype, 3, 512)
+    blocks[1, _FP16_FIELDS[qtype][0] : _FP16_FIELDS[qtype][0] + 2] = 0xFF  # an fp16 NaN
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qs, d, m, bits = gguf_quants.planes(qtype, torch.from_numpy(blocks))
+    assert torch.isfinite(d[0]).all() and not torch.isfinite(d[1]).all()
+
+
+def test_float_types_and_types_gguf_cannot_dequantize_have_no_planes():
+    for qtype in (T.F32, T.F16, T.BF16, T.Q8_K, T.I8, 999):
+        assert gguf_quants.plane_format(qtype) is None
 
 
 @pytest.mark.parametrize("offsets", [False, True])
@@ -125,6 +154,10 @@ def _types(name: str) -> int | None:
     return MIXED.get(parts[0])
 
 
+_RANGE = {Q4_K: 15 * 32, Q5_0: 16, Q5_1: 31, Q5_K: 31 * 32, Q6_K: 32 * 64, T.Q2_K: 3 * 15, T.Q3_K: 4 * 32,
+          T.IQ4_XS: 127 * 32}  # the largest |value| a block's scales multiply
+
+
 def retyped_copy(src, dst, types) -> None:
     """Rewrite the GGUF `src` with each matrix whose name `types` maps to a GGML type replaced by random blocks
     of that type (metadata and the other tensors unchanged)."""
@@ -143,7 +176,7 @@ def retyped_copy(src, dst, types) -> None:
         if qtype is None:
             writer.add_tensor(t.name, np.array(t.data).reshape(shape))
         else:  # weights ~0.1: values of random q times fp16 scales ~N(0, 0.1 / range of q)
-            scale = 0.1 / {Q4_K: 15 * 32, Q5_0: 16, Q5_1: 31, Q6_K: 32 * 64}[qtype]
+            scale = 0.1 / _RANGE.get(qtype, 1)
             blocks = random_blocks(qtype, shape[0], shape[1], seed=i, scale=scale)
             writer.add_tensor(t.name, blocks, raw_shape=blocks.shape, raw_dtype=GGMLQuantizationType(qtype))
     writer.write_header_to_file()
@@ -204,14 +237,36 @@ def test_packed_q4_k_m_model_matches_dequantized(tiny_q4_k_m):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
+# a Q5_K_M file's mix (Q5_K, Q6_K in attn_v/ffn_down), with the lower k-quants, an IQ type and Q5_1 among them
+OTHERS = {"attn_q": Q5_K, "attn_k": Q5_K, "attn_v": Q6_K, "attn_output": T.Q3_K, "ffn_gate": Q5_K,
+          "ffn_up": T.Q2_K, "ffn_down": T.IQ4_XS, "token_embd": Q5_1, "output": Q5_K}
+
+
 @pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
-def test_a_type_without_planes_loads_dequantized_with_a_note(tmp_path):
-    """Q5_1 up projections: gate/up (fused) run dequantized, the rest stays packed, and the user is told."""
+def test_every_block_type_loads_packed(tmp_path):
+    """No matrix of a block type runs dequantized (they did: a 7B Q5_K_M model took 28 GB in fp32): each is
+    8-bit planes, within half a step of its exact values, and the model agrees with its dequantized path."""
+    from llmrun.loading import load_model
+    from llmrun.models.quant import QuantEmbedding, QuantLinear
+
+    path = write_tiny(tmp_path, lambda name: OTHERS.get(name.split(".")[-2]))
+    packed = load_model(str(path), "cpu", "fp32", "auto")
+    plain = load_model(str(path), "cpu", "fp32", "dequant")
+    assert packed.weights == "packed" and packed.notes == []
+    m = packed.model
+    for w in (m.layers[0].attn.qkv, m.layers[0].attn.o, m.layers[1].mlp.gate_up, m.layers[1].mlp.down, m.lm_head):
+        assert (type(w), w.bits, w.m) == (QuantLinear, 8, None)
+    assert (type(m.embed), m.embed.bits) == (QuantEmbedding, 8)
+    tokens = torch.randint(0, packed.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = plain.model(tokens), packed.model(tokens)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_type_gguf_cannot_dequantize_is_a_clear_error(tmp_path):
     from llmrun.loading import load_model
 
-    path = write_tiny(tmp_path, lambda name: Q5_1 if ".ffn_up." in name else _types(name))
-    packed = load_model(str(path), "cpu", "fp32", "auto")
-    assert packed.weights == "packed"
-    assert [note for note in packed.notes if "Q5_1" in note]
-    assert isinstance(packed.model.layers[0].mlp.gate_up, torch.nn.Linear)
-    assert packed.model.layers[0].attn.qkv.bits == 8
+    path = write_tiny(tmp_path, lambda name: T.Q8_K if ".ffn_up." in name else None)
+    with pytest.raises(ModelFormatError, match="ffn_up.weight: GGML type Q8_K cannot be dequantized"):
+        load_model(str(path), "cpu", "fp32", "auto")

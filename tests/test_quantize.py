@@ -849,8 +849,9 @@ def test_a_sharded_checkpoint_loads_layers_whose_tensors_lie_in_different_shards
 
 
 def test_corrupt_weights_are_one_error_line_without_warnings(tmp_path, monkeypatch, capsys):
-    """Scales of all ones bits in a Q5_1 tensor (dequantized by the gguf package, in numpy): inf and NaN.
-    Generating says the weights are corrupt, with no numpy warning first; quantize refuses them."""
+    """Scales of all ones bits in a Q5_1 tensor: inf and NaN. Loading it packed names the tensor; its exact
+    dequantization (--weights dequant) runs and says the output is not finite; no numpy or torch warning comes
+    first; quantize refuses them."""
     import warnings
 
     import gguf
@@ -859,13 +860,17 @@ def test_corrupt_weights_are_one_error_line_without_warnings(tmp_path, monkeypat
     reader = gguf.GGUFReader(str(path), "r+")
     next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight").data[:, :4] = 0xFF  # each row's first scales
     del reader
+    corrupt = "blk.0.attn_q.weight or blk.0.attn_k.weight or blk.0.attn_v.weight hold NaN or inf"
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # (pytest would keep a warning off stderr)
         code, out, err = run_main(["generate", path, "hi", "-n", "2", "--temperature", "0"], monkeypatch, capsys)
+        assert code == 1 and out == "" and err.count("\n") == 1 and corrupt in err, err
+        code, out, err = run_main(["generate", path, "hi", "-n", "2", "--temperature", "0", "--weights", "dequant"],
+                                  monkeypatch, capsys)
     assert code == 1 and out == "" and err.strip() == "error: the model's output is not finite (NaN or inf): its " \
         "weights are corrupt", err
     code, _, err = run_main(["quantize", path, "--rtn", "-o", tmp_path / "q"], monkeypatch, capsys)
-    assert code == 1 and "blk.0.attn_q.weight or blk.0.attn_k.weight or blk.0.attn_v.weight hold NaN or inf" in err, err
+    assert code == 1 and corrupt in err, err
     assert not (tmp_path / "q").exists()
 
 
