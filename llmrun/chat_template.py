@@ -9,7 +9,7 @@ these, no render that grows the process by more than MAX_MEMORY bytes (what a bo
 `replace` of every character by a long text, fails on its first allocation past it instead of taking the
 machine's memory). Whatever a template's code raises is one error line, never a traceback. The environment mirrors the one
 `transformers` uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
-a `tojson` that keeps non-ASCII text) so templates render byte-for-byte the same.
+a `tojson` that keeps non-ASCII text, `{% generation %}` blocks) so templates render byte-for-byte the same.
 """
 
 from __future__ import annotations
@@ -115,6 +115,21 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             _check_format(text, args, kwargs)
             return wrapped(*args, **kwargs)
         return checked
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: marks an assistant reply for training tools (transformers'
+    assistant mask); rendering a prompt, the block is its body's text."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
 
 
 def _check_width(width) -> None:
@@ -240,7 +255,7 @@ def _time_limit(seconds: float):
 
 
 def _environment() -> jinja2.Environment:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters["tojson"] = _tojson
     for name in ("center", "indent"):
         env.filters[name] = _bounded(env.filters[name])

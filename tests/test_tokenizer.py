@@ -509,6 +509,19 @@ def test_template_helpers_and_conventions():
     assert out == '<s>{"role": "user", "content": "héllo"}</s>\n[4]'
 
 
+def test_generation_blocks_render_their_body():
+    """`{% generation %}` (assistant masks for training, in LFM2.5's and TRL's Qwen3 templates): transformers renders
+    the block's body, tag lines trimmed as any block tag's; it was a syntax error here."""
+    template = ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>\n  {% generation %}\n{{ m.content }}{% if m.role == 'user' %}?{% endif %}"
+        "\n  {% endgeneration %}\n</{{ m.role }}>{% endfor %}"
+    )
+    out = template.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert out == "<user>\na?</user><assistant>\nb</assistant>"  # (transformers 5.24's text)
+    with pytest.raises(LlmrunError, match="chat template error: .*endgeneration"):
+        ChatTemplate("{% generation %}{{ messages }}")
+
+
 def test_missing_template_suggests_generate(spm):
     with pytest.raises(LlmrunError, match="no chat template.*llmrun generate"):
         spm.render_chat([{"role": "user", "content": "Hi"}])
