@@ -16,10 +16,12 @@ from llmrun.sampling import SamplingParams
 
 
 class Conversation:
-    def __init__(self, engine: Engine, params: SamplingParams, system: str | None = None):
+    def __init__(self, engine: Engine, params: SamplingParams, system: str | None = None,
+                 template_variables: dict | None = None):
         self.engine = engine
         self.params = params
         self.system = system
+        self.template_variables = template_variables  # more of the chat template's variables (`render_chat`)
         self.messages: list[dict] = []  # user/assistant turns, without the system message
         self.start_over = "start over (/reset)"  # how to, where a conversation outgrows the context
         # The rendered conversation up to the end of the last reply, and the token ids that spell it as they were
@@ -37,7 +39,8 @@ class Conversation:
         """Start the assistant's reply to `text`; iterate the result to stream it, then `finish` it."""
         check_utf8(text)  # here, so that an error points into the message rather than the rendered template
         messages = self.messages + [{"role": "user", "content": text}]
-        rendered, plain = self.engine.tokenizer.render_chat_spans(self._with_system(messages))
+        rendered, plain = self.engine.tokenizer.render_chat_spans(self._with_system(messages), True,
+                                                                  self.template_variables)
         prompt = self._encode(rendered, plain)
         if len(prompt) >= self.engine.max_len:
             raise ContextOverflowError(

@@ -167,13 +167,15 @@ _GGUF_NAMES = (
     {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"},
     re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$"),
     {"attn_norm": "attn_norm", "attn_q": "attn.q", "attn_k": "attn.k", "attn_v": "attn.v", "attn_output": "attn.o",
+     "attn_q_norm": "attn.q_norm", "attn_k_norm": "attn.k_norm",
      "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate", "ffn_up": "mlp.up", "ffn_down": "mlp.down"},
 )
 _HF_NAMES = (
     {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"},
     re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+|\w+)\.(weight|bias)$"),
     {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k",
-     "self_attn.v_proj": "attn.v", "self_attn.o_proj": "attn.o", "post_attention_layernorm": "mlp_norm",
+     "self_attn.v_proj": "attn.v", "self_attn.o_proj": "attn.o", "self_attn.q_norm": "attn.q_norm",
+     "self_attn.k_norm": "attn.k_norm", "post_attention_layernorm": "mlp_norm",
      "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up", "mlp.down_proj": "mlp.down"},
 )
 

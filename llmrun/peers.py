@@ -14,7 +14,6 @@ from contextlib import redirect_stderr
 from pathlib import Path
 
 PEERS = ("llama.cpp", "transformers")
-_HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
 class PeerSkipped(Exception):
@@ -172,22 +171,12 @@ class TransformersRunner:
 
 
 def hf_config(cfg) -> dict:
-    """A transformers config (as keyword arguments) for a ModelConfig: random-weight shapes have no file."""
-    kw = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        intermediate_size=cfg.ffn_dim, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
-    )
-    if cfg.sliding_window:
-        kw["sliding_window"] = cfg.sliding_window
-        if cfg.architecture == "Qwen2ForCausalLM":
-            kw.update(use_sliding_window=True, max_window_layers=cfg.sliding_window_from)
-    rs = cfg.rope_scaling
-    if rs is not None:
-        kw["rope_scaling"] = {"rope_type": rs.kind, "factor": rs.factor} if rs.kind == "linear" else {
-            "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-            "high_freq_factor": rs.high_freq_factor, "original_max_position_embeddings": rs.original_max_position}
+    """A transformers config (as keyword arguments, with its `model_type`) for a ModelConfig: random-weight shapes
+    have no file."""
+    from llmrun.models import config_to_hf
+
+    kw = config_to_hf(cfg)
+    del kw["architectures"]
     return kw
 
 
@@ -213,8 +202,7 @@ def _start_transformers(files, settings):
     try:
         with _quiet_progress_bars():
             if source.format == "random":
-                config = transformers.AutoConfig.for_model(_HF_MODEL_TYPES[files.config.architecture],
-                                                           **hf_config(files.config))
+                config = transformers.AutoConfig.for_model(**hf_config(files.config))
                 with torch.device(device):
                     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
                 what = "random weights"

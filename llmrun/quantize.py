@@ -318,11 +318,12 @@ def _quantize_block(block, i: int, cfg, bits: int, group: int, tensors: dict, qu
 
 
 def _float_tensors(model) -> dict:
-    """The tensors that stay float (fp16): embedding, norms (AWQ's scales folded in), output head."""
+    """The tensors that stay float (fp16): embedding, norms (AWQ's scales folded in; Qwen3's per-head q/k norms
+    too), output head."""
     from llmrun.loading import hf_tensor_name
 
     names = ["embed.weight", "norm.weight", *(["lm_head.weight"] if model.lm_head is not None else [])]
-    names += [f"layers.{i}.{norm}.weight" for i in range(len(model.layers)) for norm in ("attn_norm", "mlp_norm")]
+    names += [name for name, _ in model.layers.named_parameters("layers") if name.endswith("norm.weight")]
     return {hf_tensor_name(name): model.get_parameter(name).detach().half().cpu().contiguous() for name in names}
 
 

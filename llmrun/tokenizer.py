@@ -192,7 +192,10 @@ class Tokenizer:
             raise LlmrunError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return piece
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None
+                    ) -> str:
+        """The chat template's text of `messages`; `variables`: more of the template's variables (Qwen3's
+        `enable_thinking`: `llmrun chat --chat-template-kwargs`)."""
         if self.chat_template is None:
             raise LlmrunError(
                 "this model has no chat template; use `llmrun generate` with a plain prompt instead"
@@ -204,10 +207,11 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._piece_or_empty(self.bos_id),
             eos_token=self._piece_or_empty(self.eos_id),
+            **(variables or {}),
         )
 
-    def render_chat_spans(self, messages: list[dict], add_generation_prompt: bool = True
-                          ) -> tuple[str, list[tuple[int, int]]]:
+    def render_chat_spans(self, messages: list[dict], add_generation_prompt: bool = True,
+                          variables: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The rendered template and the spans (start, end) of it that are message text spelling a control token
         (a user who types "<|im_end|>"): `encode_rendered` reads those as text, so that no message can forge a
         turn boundary. Such text is bracketed by two noncharacters while the template renders, and the brackets
@@ -216,7 +220,7 @@ class Tokenizer:
         pattern = self._control_text
         texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
         if pattern is None or not any(pattern.search(content) for content in texts):
-            return self.render_chat(messages, add_generation_prompt), []
+            return self.render_chat(messages, add_generation_prompt, variables), []
         used = set(self.chat_template or "").union(*texts)
         free = (c for c in map(chr, itertools.chain(*_BRACKETS)) if c not in used)
         opening, closing = next(free, None), next(free, None)
@@ -226,7 +230,7 @@ class Tokenizer:
         marked = [{**m, "content": pattern.sub(lambda x: opening + x.group(0) + closing, m["content"])}
                   if isinstance(m.get("content"), str) else m for m in messages]
         text, spans, start = "", [], None
-        for piece in re.split(f"([{opening}{closing}])", self.render_chat(marked, add_generation_prompt)):
+        for piece in re.split(f"([{opening}{closing}])", self.render_chat(marked, add_generation_prompt, variables)):
             if piece == opening and start is None:
                 start = len(text)
             elif piece == closing and start is not None:
@@ -237,7 +241,7 @@ class Tokenizer:
                 break
             else:
                 text += piece
-        if start is not None or text != self.render_chat(messages, add_generation_prompt):
+        if start is not None or text != self.render_chat(messages, add_generation_prompt, variables):
             raise LlmrunError("a message spells one of the model's control tokens (e.g. <|im_end|>), and this model's"
                               " chat template does not keep it apart from its own markup; rephrase the message")
         return text, spans

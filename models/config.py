@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from llmrun.errors import ModelFormatError, UnsupportedModelError
 
 # HF `architectures` names this package implements; every one is a Llama-style decoder.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # GGUF `general.architecture` -> HF name. Mistral GGUFs declare "llama".
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # a window in the layers from max_window_layers on
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,9 @@ class ModelConfig:
     rope_theta: float
     max_seq_len: int  # the context the model was trained for
     tie_embeddings: bool = False  # output projection reuses the token embedding (SmolLM2, Llama 3.2 1B/3B)
-    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2; Llama's attention_bias)
-    attention_out_bias: bool = False  # the output projection carries one too (Llama's attention_bias)
+    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2; Llama's and Qwen3's attention_bias)
+    attention_out_bias: bool = False  # the output projection carries one too (Llama's and Qwen3's attention_bias)
+    qk_norm: bool = False  # each query and key head is RMS-normalized before RoPE (Qwen3)
     sliding_window: int | None = None  # each token sees only the last N positions (Mistral v0.1)
     sliding_window_from: int = 0  # layers before this one see the whole context (Qwen2's max_window_layers)
     rope_scaling: RopeScaling | None = None
@@ -95,6 +98,8 @@ class ModelConfig:
             attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
         if self.attention_out_bias:
             attn += self.dim
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         mlp = 3 * self.dim * self.ffn_dim
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + mlp + 2 * self.dim) + embed + self.dim
@@ -135,7 +140,7 @@ def _number(value, what: str, kind=int):
 def _unsupported_architecture(name: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"unsupported architecture {name!r}; llmrun runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-        " (Llama 2/3/3.1/3.2, Mistral, SmolLM2, Qwen2/2.5)"
+        " (Llama 2/3/3.1/3.2, Mistral, SmolLM2, Qwen2/2.5, Qwen3 dense)"
     )
 
 
@@ -183,7 +188,8 @@ def _rope_scaling_fields(rs: dict | None) -> RopeScaling | None:
     raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r}; llmrun implements 'linear' and 'llama3'")
 
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
 _ARCHITECTURES = {v: k for k, v in _MODEL_TYPES.items()}  # a config without `architectures` still has a model_type
 
 
@@ -218,14 +224,14 @@ def config_from_hf(cfg: dict) -> ModelConfig:
 
     n_heads = need("num_attention_heads")
     dim = need("hidden_size")
-    qwen2 = arch == "Qwen2ForCausalLM"
+    qwen = arch in _QWEN
     n_layers = need("num_hidden_layers")
     sliding, sliding_from = cfg.get("sliding_window"), 0
-    if (qwen2 and not flag("use_sliding_window")) or arch == "LlamaForCausalLM":
-        sliding = None  # Qwen2 configs list a window they do not use; Llama has none (as transformers: it reads none)
+    if (qwen and not flag("use_sliding_window")) or arch == "LlamaForCausalLM":
+        sliding = None  # Qwen configs list a window they do not use; Llama has none (as transformers: it reads none)
     if sliding is not None:
         sliding = _number(sliding, "sliding_window")
-        if qwen2:  # as transformers: the window is only in the layers from max_window_layers on, or as layer_types say
+        if qwen:  # as transformers: the window is only in the layers from max_window_layers on, or as layer_types say
             sliding_from = _window_from(cfg, n_layers)
             if sliding_from >= n_layers:
                 sliding, sliding_from = None, 0
@@ -237,24 +243,28 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=need("num_key_value_heads", n_heads),
-        head_dim=need("head_dim", dim // max(n_heads, 1)),
+        head_dim=need("head_dim", 128 if arch == "Qwen3ForCausalLM" else dim // max(n_heads, 1)),  # (Qwen3Config's)
         ffn_dim=need("intermediate_size"),
         norm_eps=need("rms_norm_eps", 1e-6, float),
         rope_theta=rope_theta,
         max_seq_len=need("max_position_embeddings", 2048),
         tie_embeddings=flag("tie_word_embeddings"),
-        # as transformers builds them: Qwen2 biases q/k/v always and o never; Llama's attention_bias all four;
-        # Mistral none, whatever its config says
-        attention_bias=qwen2 or (arch == "LlamaForCausalLM" and flag("attention_bias")),
-        attention_out_bias=arch == "LlamaForCausalLM" and flag("attention_bias"),
+        # as transformers builds them: Qwen2 biases q/k/v always and o never; Llama's and Qwen3's attention_bias
+        # all four; Mistral none, whatever its config says
+        attention_bias=arch == "Qwen2ForCausalLM" or (arch in _OWN_BIAS and flag("attention_bias")),
+        attention_out_bias=arch in _OWN_BIAS and flag("attention_bias"),
+        qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=sliding,
         sliding_window_from=sliding_from,
         rope_scaling=rope_scaling,
     )
 
 
+_OWN_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # attention_bias puts a bias on q, k, v and o
+
+
 def _window_from(cfg: dict, n_layers: int) -> int:
-    """The first windowed layer of a Qwen2 config with use_sliding_window: `layer_types` (full attention, then
+    """The first windowed layer of a Qwen2/Qwen3 config with use_sliding_window: `layer_types` (full attention, then
     sliding, as transformers writes them) when given, else max_window_layers (transformers' default, 28)."""
     types = cfg.get("layer_types")
     if types is None:
@@ -273,7 +283,7 @@ def _window_from(cfg: dict, n_layers: int) -> int:
 
 # (q/k/v biases, output bias) as each family's config.json can say them
 _HF_BIASES = {"LlamaForCausalLM": ((False, False), (True, True)), "MistralForCausalLM": ((False, False),),
-              "Qwen2ForCausalLM": ((True, False),)}
+              "Qwen2ForCausalLM": ((True, False),), "Qwen3ForCausalLM": ((False, False), (True, True))}
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -293,11 +303,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.architecture == "LlamaForCausalLM" and cfg.sliding_window is not None:  # (a GGUF's window)
         raise UnsupportedModelError("a LlamaForCausalLM with a sliding window cannot be written as an HF config.json: "
                                     "transformers' Llama reads none")
-    if cfg.architecture == "Qwen2ForCausalLM":
+    if cfg.architecture in _QWEN:
         out["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.sliding_window is not None:
             out["max_window_layers"] = cfg.sliding_window_from
-    else:
+    if cfg.architecture != "Qwen2ForCausalLM":
         out["attention_bias"] = cfg.attention_bias
     out["sliding_window"] = cfg.sliding_window
     rs = cfg.rope_scaling
@@ -358,6 +368,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
         sliding_window=get("attention.sliding_window", 0) or None,
         rope_scaling=scaling,
+        qk_norm=arch == "Qwen3ForCausalLM",
     )
 
 

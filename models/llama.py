@@ -1,5 +1,5 @@
-"""The Llama family in one file: Llama 2/3/3.x, Mistral, SmolLM2 and Qwen2/2.5 differ only in config flags
-(GQA ratio, tied embeddings, q/k/v biases, sliding window, RoPE scaling).
+"""The Llama family in one file: Llama 2/3/3.x, Mistral, SmolLM2, Qwen2/2.5 and Qwen3 differ only in config flags
+(GQA ratio, tied embeddings, q/k/v biases, sliding window, RoPE scaling, Qwen3's per-head q/k norms).
 
 Module names are ours (`layers.3.attn.qkv`); loaders map HF and GGUF tensor names onto them explicitly,
 concatenating the q/k/v and gate/up projections that checkpoints store apart.
@@ -50,11 +50,17 @@ class Attention(nn.Module):
         # q, k and v projections as one matmul: rows [q (Hq*D); k (Hkv*D); v (Hkv*D)]
         self.qkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.attention_bias)
         self.o = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.attention_out_bias)
+        # Qwen3: each q and k head RMS-normalized over head_dim (one weight for all q heads, one for all k heads)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, start_pos: int, cache, window):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
+        if self.q_norm is not None:  # before RoPE, which the cache's write applies
+            q, k, v = qkv.split([Hq, Hkv, Hkv], dim=2)
+            qkv = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v), dim=2)
         if cache is None:
             qk = kernels.apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads in one pass
             q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv :]  # (B, T, H, D) each
@@ -213,6 +219,7 @@ class Transformer(nn.Module):
         stack = None
         linears = [(l.attn.qkv, l.attn.o, l.mlp.gate_up, l.mlp.down) for l in self.layers]
         if (x.device.type == "cpu" and x.dtype == torch.float32 and not self.config.sliding_window_from
+                and not self.config.qk_norm  # (the C stack has no per-head norms: Qwen3 runs the layer loop)
                 and all(isinstance(w, QuantLinear) for ws in linears for w in ws) and kernels.cpu.available()):
             cfg = self.config
             layers = [dict(attn_norm=l.attn_norm.weight, mlp_norm=l.mlp_norm.weight, qkv=l.attn.qkv, o=l.attn.o,

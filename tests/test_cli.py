@@ -325,6 +325,27 @@ def test_chat_json(cli):
     assert doc["finish_reason"] in ("length", "stop")
 
 
+def test_chat_template_kwargs_reach_every_turns_template(cli, monkeypatch):
+    from llmrun.tokenizer import Tokenizer
+
+    seen, render = [], Tokenizer.render_chat
+    monkeypatch.setattr(Tokenizer, "render_chat", lambda self, m, gen=True, variables=None:
+                        seen.append(variables) or render(self, m, gen, variables))
+    plain = _json(cli(*CHAT, "--json", "-p", QUESTION))
+    given = _json(cli(*CHAT, "--json", "-p", QUESTION, "--chat-template-kwargs", '{"enable_thinking": false}'))
+    assert seen == [None, {"enable_thinking": False}]
+    assert given["text"] == plain["text"]  # (SmolLM2's template reads no such variable)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("[1]", "must be a JSON object"), ("{", "is not JSON"), ('{"bos_token": "x", "messages": []}',
+                                                            "sets bos_token, messages, which llmrun gives"),
+])
+def test_chat_template_kwargs_that_cannot_be_used_are_refused_before_loading(value, message):
+    result = run("chat", "-p", "hi", "--chat-template-kwargs", value, "/nonexistent.gguf")
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
 def test_chat_in_a_real_process_reads_piped_stdin(cli):
     result = run(*CHAT, input=QUESTION)
     assert result.returncode == 0, result.stderr

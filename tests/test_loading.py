@@ -280,6 +280,39 @@ def test_qwen2_window_from_a_layer_round_trips_and_matches_transformers(tmp_path
         assert not torch.allclose(random_model(replace(cfg, sliding_window_from=0))(tokens), theirs, atol=1e-3)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_qwen3_round_trips_and_matches_transformers(tmp_path, bias):
+    """Qwen3: each q and k head RMS-normalized before RoPE, heads wider than hidden / heads, attention_bias on all
+    four projections. An HF directory and a GGUF (qwen3: Q/K rows not permuted, as llama.cpp's converter writes
+    them) read back equal with the model's logits; packed and CPU-cached decoding agree with a full forward; and
+    (where transformers is installed) the logits are transformers' Qwen3's."""
+    cfg = replace(CONFIGS["qwen3"], attention_bias=bias, attention_out_bias=bias)
+    model = random_model(cfg)
+    path = write_hf_dir(tmp_path / "qwen3", model)
+    written = json.loads((path / "config.json").read_text())
+    assert written.get("attention_bias", False) is bias
+    assert written["head_dim"] * written["num_attention_heads"] != written["hidden_size"]
+    for source in (path, write_gguf(tmp_path / "qwen3.gguf", model, "qwen3")):
+        loaded = load_model(str(source), device="cpu", dtype="fp32")
+        assert loaded.config == replace(cfg, norm_eps=loaded.config.norm_eps)  # (GGUF stores eps as float32)
+        _same_logits(model, loaded)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    packed = load_model(str(path), device="cpu", dtype="fp32", weights="int4").model
+    with torch.no_grad():
+        torch.testing.assert_close(decode_in_steps(packed, tokens, 3), packed(tokens)[0], atol=1e-4, rtol=1e-4)
+        # the norms matter: without them the logits differ
+        plain = random_model(replace(cfg, qk_norm=False))
+        assert not torch.allclose(plain(tokens), model(tokens), atol=1e-2)
+    assert config_from_hf({k: v for k, v in written.items() if k != "head_dim"}).head_dim == 128  # Qwen3Config's
+    transformers = pytest.importorskip("transformers")
+    (path / "config.json").write_text(json.dumps({**written, "model_type": "qwen3"}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    assert (hf.model.layers[0].self_attn.o_proj.bias is not None) is bias
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_llama_attention_bias_gives_all_four_projections_biases(tmp_path):
     """Llama's attention_bias puts a bias on q, k, v and o (transformers' LlamaAttention), Qwen2's q/k/v alone and
     Mistral none: each read back equal from an HF directory and a GGUF, its logits those of the model written,

@@ -564,6 +564,25 @@ def test_cli_quantizes_a_gguf_and_the_result_chats(tmp_path, monkeypatch, capsys
     assert code == 0, err
 
 
+@pytest.mark.parametrize("method", ["--rtn", "--awq"])
+def test_a_qwen3_checkpoint_keeps_its_head_norms(tmp_path, monkeypatch, capsys, method):
+    """Qwen3's q_norm/k_norm stay float beside the layer norms (they were left out: the checkpoint did not load);
+    AWQ's scales, folded into the inputs of q/k/v, leave the norms after them as they are."""
+    from llmrun.loading import load_model
+
+    cfg = replace(QCFG, architecture="Qwen3ForCausalLM", attention_bias=False, qk_norm=True, tie_embeddings=True)
+    model = random_model(cfg, seed=2)
+    source = write_hf_dir(tmp_path / "float", model)
+    code, _, err = run_main(["quantize", source, method, "-o", tmp_path / "q", "--group-size", "32"], monkeypatch, capsys)
+    assert code == 0, err
+    quantized = load_model(str(tmp_path / "q"), "cpu", "fp32", "dequant").model
+    assert torch.equal(quantized.layers[1].attn.k_norm.weight, model.layers[1].attn.k_norm.weight.half().float())
+    tokens = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(tokens)
+        assert (quantized(tokens) - want).norm() / want.norm() < 0.5  # (as the other families' 4-bit checkpoints)
+
+
 def test_the_exported_tokenizer_reads_back_the_same(embedded_path, tmp_path):
     from llmrun.loading import open_model
     from llmrun.tokenizer import tokenizer_from_hf_dir

@@ -539,6 +539,19 @@ def test_encode_chat_adds_bos_once(template):
     assert _pieces(tok, tok.encode_chat([{"role": "user", "content": "ab"}])) == ["<s>", "▁ab"]
 
 
+def test_template_variables_reach_the_template():
+    """`llmrun chat --chat-template-kwargs`: Qwen3's enable_thinking, as its template reads it; the spans of
+    message text spelling a control token are taken with the same variables."""
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and enable_thinking is false %}|{% endif %}")
+    tok = tokenizer_from_gguf(_spm_metadata(**{"tokenizer.chat_template": template}))
+    messages = [{"role": "user", "content": "ab"}]
+    assert tok.render_chat(messages) == "ab"
+    assert tok.render_chat(messages, variables={"enable_thinking": False}) == "ab|"
+    control = [{"role": "user", "content": "a</s>"}]
+    assert tok.render_chat_spans(control, variables={"enable_thinking": False}) == ("a</s>|", [(1, 5)])
+
+
 # --- Hugging Face directories -----------------------------------------------------------------------
 
 

@@ -57,13 +57,13 @@ def run(model, tokens, pieces, kv_format):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, qtype", [("smollm2", "Q4_1"), ("qwen2", "Q8_0"), ("llama", "Q4_0")])
+@pytest.mark.parametrize("arch, qtype", [("smollm2", "Q4_1"), ("qwen2", "Q8_0"), ("llama", "Q4_0"), ("qwen3", "Q4_0")])
 @pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4"])
 def test_the_triton_path_matches_the_plain_pytorch_path(tmp_path, triton_everywhere, arch, qtype, kv_format):
     """A prefill (the dequantize-then-GEMM path, SDPA), decode steps (the GEMV and split-K attention kernels) and
     verification blocks, over every cache format: the logits of plain PyTorch on the dequantized weights."""
     model = random_model(dataclasses.replace(CONFIGS[arch], head_dim=32))
-    path = write_gguf(tmp_path / f"tiny-{arch}-{qtype}.gguf", model, qtype=qtype)
+    path = write_gguf(tmp_path / f"tiny-{arch}-{qtype}.gguf", model, "qwen3" if arch == "qwen3" else "llama", qtype)
     packed = load_model(str(path), DEVICE, "fp32", "auto").model
     plain = load_model(str(path), DEVICE, "fp32", "dequant").model
     assert isinstance(packed.layers[0].attn.qkv, QuantLinear)

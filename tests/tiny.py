@@ -19,6 +19,8 @@ CONFIGS = {
     "mistral": ModelConfig("MistralForCausalLM", n_heads=4, n_kv_heads=4, sliding_window=5, **TINY),
     "smollm2": ModelConfig("LlamaForCausalLM", n_heads=9, n_kv_heads=3, tie_embeddings=True, **TINY),
     "qwen2": ModelConfig("Qwen2ForCausalLM", n_heads=4, n_kv_heads=2, attention_bias=True, **TINY),
+    # per-head q/k norms, and heads wider than hidden / heads (as Qwen3-0.6B's 16 x 128 over 1024)
+    "qwen3": ModelConfig("Qwen3ForCausalLM", n_heads=6, n_kv_heads=2, qk_norm=True, tie_embeddings=True, **TINY),
 }
 
 
@@ -57,9 +59,9 @@ def hf_config_json(cfg: ModelConfig) -> dict:
     }
     if cfg.sliding_window:
         d["sliding_window"] = cfg.sliding_window
-    if cfg.architecture == "LlamaForCausalLM" and cfg.attention_bias:
+    if cfg.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.attention_bias:
         d["attention_bias"] = True
-    if cfg.architecture == "Qwen2ForCausalLM":
+    if cfg.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         d["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.sliding_window:
             d["max_window_layers"] = cfg.sliding_window_from
@@ -74,6 +76,7 @@ _HF_NAMES = {
     "attn_norm": "input_layernorm", "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
     "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
     "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj",
+    "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
 }
 
 
@@ -174,7 +177,8 @@ def write_gguf(path, model, arch="llama", qtype=None):
     w.add_token_merges([])
     w.add_eos_token_id(cfg.vocab_size - 1)
     names = {"attn_norm": "attn_norm", "attn.q": "attn_q", "attn.k": "attn_k", "attn.v": "attn_v", "attn.o": "attn_output",
-             "mlp_norm": "ffn_norm", "mlp.gate": "ffn_gate", "mlp.up": "ffn_up", "mlp.down": "ffn_down"}
+             "mlp_norm": "ffn_norm", "mlp.gate": "ffn_gate", "mlp.up": "ffn_up", "mlp.down": "ffn_down",
+             "attn.q_norm": "attn_q_norm", "attn.k_norm": "attn_k_norm"}
     for name, t in unfused_state_dict(model).items():
         t = t.float()
         if name.startswith("layers."):

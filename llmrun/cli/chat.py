@@ -46,6 +46,7 @@ def chat(
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
     save: Annotated[Optional[str], typer.Option("--save", metavar="FILE", help="Save the conversation to FILE (JSON) after every turn; a new file, unless --load names it too.", show_default=False)] = None,
     load: Annotated[Optional[str], typer.Option("--load", metavar="FILE", help="Continue the conversation saved in FILE: its messages, system prompt (unless --system) and model (unless MODEL).", show_default=False)] = None,
+    template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", metavar="JSON", help="More variables for the chat template, a JSON object: '{\"enable_thinking\": false}' turns Qwen3's thinking off.", show_default=False)] = None,
     json_out: JsonFlag = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No status line on stderr.")] = False,
     *,
@@ -70,6 +71,7 @@ def chat(
     for text in (prompt, system):  # before the model loads
         if text is not None:
             check_utf8(text)
+    variables = None if template_kwargs is None else _template_variables(template_kwargs)
     save, load = (_option_path(flag, value) for flag, value in (("--save", save), ("--load", load)))
     saved = _check_files(save, load)  # before the model loads
     if saved is not None:
@@ -78,7 +80,8 @@ def chat(
         elif _portable(model) != saved.model:
             err.print(Text(f"note: {load} was saved with {saved.model}; continuing with {model}", style="dim"))
     engine = open_engine(model, opts)
-    conversation = Conversation(engine, opts.params, system if system is not None or saved is None else saved.system)
+    conversation = Conversation(engine, opts.params, system if system is not None or saved is None else saved.system,
+                                variables)
     if saved is not None:
         conversation.messages = list(saved.messages)
         if prompt is not None:  # no chat to /reset
@@ -90,6 +93,26 @@ def chat(
         if saved is not None:
             err.print(Text(f"continuing {_turns_text(conversation)} from {load}", style="dim"))
         _repl(conversation, quiet, saving)
+
+
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token")  # what llmrun passes itself
+
+
+def _template_variables(text: str) -> dict:
+    """--chat-template-kwargs' JSON object, or a one-line error."""
+    from llmrun.errors import parse_json
+
+    hint = "'--chat-template-kwargs'"
+    check_utf8(text, "--chat-template-kwargs")
+    try:
+        value = parse_json(text)
+    except ValueError as e:
+        raise typer.BadParameter(f"is not JSON ({e})", param_hint=hint) from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter(f"must be a JSON object, such as '{{\"enable_thinking\": false}}'", param_hint=hint)
+    if own := [key for key in value if key in _TEMPLATE_OWN]:
+        raise typer.BadParameter(f"sets {', '.join(own)}, which llmrun gives the template itself", param_hint=hint)
+    return value
 
 
 def _option_path(flag: str, value: str | None) -> Path | None:
