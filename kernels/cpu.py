@@ -321,7 +321,8 @@ class _QLinear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _QLinear), ("o", _QLinear),
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _QLinear), ("o", _QLinear),
                 ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("int4", _Int4Cache),
                 ("int4_state", ctypes.c_void_p), ("scores", ctypes.c_void_p)]
@@ -341,8 +342,9 @@ class DecodeStack:
     """A decode step (or a short speculative block) through all layers in a single C call (`decode_layers`): the
     same kernels in the same order as the layer-by-layer forward, without the Python between them.
 
-    `layers`: per layer a dict of fp32 tensors `attn_norm`, `mlp_norm` and quantized linears `qkv`, `o`,
-    `gate_up`, `down` (objects with `qs`, `d`, `m`, `bits`, `bias`). The KV cache, exactly one of:
+    `layers`: per layer a dict of fp32 tensors `attn_norm`, `mlp_norm` (and Qwen3's per-head `q_norm`, `k_norm`,
+    or None) and quantized linears `qkv`, `o`, `gate_up`, `down` (objects with `qs`, `d`, `m`, `bits`, `bias`).
+    The KV cache, exactly one of:
     - `fp32_kv` = (k, v), fp32 (L, 1, Hkv, max_len, D) each (a dense cache's buffers);
     - `int8_kv` = (codes, scales), int8 (2, L, 1, Hkv, max_len, D) and fp16 (2, L, 1, Hkv, max_len, D/group), keys
       then values along the first dimension (an int8 cache's store: the stack writes codes as `ref.quantize_int8`
@@ -395,7 +397,8 @@ class DecodeStack:
 
         self._keep = (layers, fp32_kv, int8_kv, int4_kv, scores)
         self._layers = (_Layer * n)(*[
-            _Layer(L["attn_norm"].data_ptr(), L["mlp_norm"].data_ptr(), qlinear(L["qkv"]), qlinear(L["o"]),
+            _Layer(L["attn_norm"].data_ptr(), L["mlp_norm"].data_ptr(), _ptr(L.get("q_norm")), _ptr(L.get("k_norm")),
+                   qlinear(L["qkv"]), qlinear(L["o"]),
                    qlinear(L["gate_up"]), qlinear(L["down"]), *cache, None if scores is None else scores[i].data_ptr())
             for i, (L, cache) in enumerate(zip(layers, caches))
         ])

@@ -1335,6 +1335,7 @@ enum { CACHE_FP32, CACHE_INT8, CACHE_INT4 };
 
 typedef struct {
     const float *attn_norm, *mlp_norm;
+    const float *q_norm, *k_norm; /* NULL, or (D) each: every q and k head RMS-normalized before RoPE (Qwen3) */
     qlinear qkv, o, gate_up, down;
     /* this layer's cache: CACHE_FP32: fp32 (Hkv, max_len, D) buffers k_cache, v_cache; CACHE_INT8: int8 codes
      * (Hkv, max_len, D) with fp16 scales (Hkv, max_len, D / kv_group); CACHE_INT4: int4 and its int4_state
@@ -1403,6 +1404,11 @@ int decode_layers(const stack_params *p, float *x, int T, int pos, const float *
         const layer_params *L = p->layers + l;
         rms_norm(x, L->attn_norm, p->eps, T, p->dim, xn);
         if ((rc = linear(&L->qkv, xn, T, qkv, 0))) break;
+        if (L->q_norm)  /* in place: each value is read before it is written */
+            for (int t = 0; t < T; t++) {
+                rms_norm(qkv + t * qkv_ld, L->q_norm, p->eps, Hq, D, qkv + t * qkv_ld);
+                rms_norm(qkv + t * qkv_ld + Hq * D, L->k_norm, p->eps, Hkv, D, qkv + t * qkv_ld + Hq * D);
+            }
         rope(qkv, qkv_ld, cos_t, sin_t, T, Hq + Hkv, D);
         if (p->kv_format == CACHE_INT4) {
             if ((rc = int4_write(&L->int4, L->int4_state, Hkv, D, pos, T, qkv + Hq * D, qkv + (Hq + Hkv) * D, qkv_ld)))

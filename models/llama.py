@@ -219,11 +219,12 @@ class Transformer(nn.Module):
         stack = None
         linears = [(l.attn.qkv, l.attn.o, l.mlp.gate_up, l.mlp.down) for l in self.layers]
         if (x.device.type == "cpu" and x.dtype == torch.float32 and not self.config.sliding_window_from
-                and not self.config.qk_norm  # (the C stack has no per-head norms: Qwen3 runs the layer loop)
                 and all(isinstance(w, QuantLinear) for ws in linears for w in ws) and kernels.cpu.available()):
             cfg = self.config
             layers = [dict(attn_norm=l.attn_norm.weight, mlp_norm=l.mlp_norm.weight, qkv=l.attn.qkv, o=l.attn.o,
-                           gate_up=l.mlp.gate_up, down=l.mlp.down) for l in self.layers]
+                           gate_up=l.mlp.gate_up, down=l.mlp.down,  # and Qwen3's head norms, or None
+                           **{n: getattr(getattr(l.attn, n), "weight", None) for n in ("q_norm", "k_norm")})
+                      for l in self.layers]
             stack = kernels.cpu.DecodeStack(
                 layers, **kv, scores=scores, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                 dim=cfg.dim, ffn_dim=cfg.ffn_dim, eps=cfg.norm_eps, window=cfg.sliding_window)
