@@ -16,6 +16,8 @@ _LLAMA3_1_ROPE = ("llama3", 8.0, 1.0, 4.0, 8192)  # kind, factor, low_freq_facto
 _LLAMA3_2_ROPE = ("llama3", 32.0, 1.0, 4.0, 8192)
 _QWEN2_5 = dict(architecture="Qwen2ForCausalLM", norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
                 attention_bias=True, head_dim=128)
+_QWEN3 = dict(architecture="Qwen3ForCausalLM", vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0,
+              max_seq_len=40960, qk_norm=True, head_dim=128, n_kv_heads=8)
 _SMOLLM2 = dict(architecture="LlamaForCausalLM", vocab_size=49152, norm_eps=1e-5, rope_theta=100000.0,
                 max_seq_len=8192, tie_embeddings=True, head_dim=64)
 
@@ -41,6 +43,10 @@ SHAPES: dict[str, dict] = {
                          ffn_dim=8960, tie_embeddings=True),
     # Qwen/Qwen2.5-7B-Instruct
     "qwen2.5-7b": dict(_QWEN2_5, vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944),
+    # Qwen/Qwen3-0.6B (heads 16 x 128 over a hidden size of 1024)
+    "qwen3-0.6b": dict(_QWEN3, dim=1024, n_layers=28, n_heads=16, ffn_dim=3072, tie_embeddings=True),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": dict(_QWEN3, dim=4096, n_layers=36, n_heads=32, ffn_dim=12288),
     # mistralai/Mistral-7B-v0.1 (the sliding-window one; v0.3 differs in vocabulary and RoPE theta)
     "mistral-7b": dict(architecture="MistralForCausalLM", vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
                        n_kv_heads=8, head_dim=128, ffn_dim=14336, norm_eps=1e-5, rope_theta=10000.0,

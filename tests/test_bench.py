@@ -483,6 +483,7 @@ def test_shape_table():
     params = {name: shapes.shape_config(name).n_params / 1e9 for name in shapes.SHAPES}
     published = {"llama3-8b": 8.03, "llama3.1-8b": 8.03, "llama3.2-1b": 1.24, "llama3.2-3b": 3.21,
                  "qwen2.5-0.5b": 0.494, "qwen2.5-1.5b": 1.54, "qwen2.5-7b": 7.62, "mistral-7b": 7.24,
+                 "qwen3-0.6b": 0.6, "qwen3-8b": 8.2,
                  "smollm2-135m": 0.1345, "smollm2-360m": 0.362, "smollm2-1.7b": 1.71}
     assert set(params) == set(published)
     for name, billions in published.items():
