@@ -1356,6 +1356,13 @@ typedef struct {
 } stack_params;
 
 static int linear(const qlinear *w, const float *x, int M, float *y, int accumulate) {
+    if (accumulate && w->bias) {  /* y += (x W + bias): the layer loop adds the biased output to y, in that order */
+        float *out = malloc(sizeof(float) * (size_t)M * w->N);
+        int rc = out ? linear(w, x, M, out, 0) : -2;
+        for (long i = 0; !rc && i < (long)M * w->N; i++) y[i] += out[i];
+        free(out);
+        return rc;
+    }
     int rc = quant_matmul(w->bits, w->qs, w->d, w->m, w->N, w->K, x, M, y, accumulate);
     if (w->bias && !rc)
         for (int t = 0; t < M; t++)

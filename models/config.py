@@ -26,6 +26,10 @@ class RopeScaling:
     kind "linear": positions are divided by `factor` (all frequencies slowed alike).
     kind "llama3": Llama 3.1's NTK-by-parts rule: long wavelengths slowed by `factor`, short ones kept,
     a smooth blend between `low_freq_factor` and `high_freq_factor` wavelengths.
+    kind "yarn": YaRN (Qwen2.5/Qwen3 past their trained context): frequencies that turn fewer than `beta_slow`
+    times over `original_max_position` slowed by `factor`, those that turn more than `beta_fast` times kept, a
+    linear ramp between (its ends rounded out to whole dimensions where `truncate`), and cos/sin multiplied by
+    `attention_factor` (0.1 ln(factor) + 1 unless the config gives it).
     """
 
     kind: str
@@ -33,6 +37,10 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,13 @@ class ModelConfig:
                 raise ModelFormatError(f"invalid config: llama3 RoPE scaling with low_freq_factor "
                                        f"{rs.low_freq_factor}, high_freq_factor {rs.high_freq_factor}, original "
                                        f"context {rs.original_max_position} (low < high, a positive context)")
+            yarn = (rs.beta_fast, rs.beta_slow, rs.attention_factor)
+            if rs.kind == "yarn" and not (all(math.isfinite(x) and x > 0 for x in yarn) and rs.factor >= 1
+                                          and rs.beta_fast >= rs.beta_slow and rs.original_max_position >= 1):
+                raise ModelFormatError(f"invalid config: yarn RoPE scaling with factor {rs.factor}, beta_fast "
+                                       f"{rs.beta_fast}, beta_slow {rs.beta_slow}, attention_factor "
+                                       f"{rs.attention_factor}, original context {rs.original_max_position} (a "
+                                       f"factor of at least 1, beta_fast >= beta_slow, positive numbers)")
 
     def layer_window(self, layer: int) -> int | None:
         """The window layer `layer` attends within, or None for the whole context."""
@@ -161,15 +176,16 @@ def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None]:
         if partial is not None and _number(partial, "partial_rotary_factor", float) != 1.0:
             raise UnsupportedModelError(f"config.json: partial_rotary_factor {partial} (RoPE on part of each head) is "
                                         f"not supported; llmrun rotates whole heads")
+    max_position = cfg.get("max_position_embeddings") or 2048  # (as config_from_hf reads it)
     try:
-        return theta, _rope_scaling_fields(rs)
+        return theta, _rope_scaling_fields(rs, max_position)
     except KeyError as e:
         raise ModelFormatError(f"config.json: invalid {key} {rs!r} (it lacks {e.args[0]})") from e
     except (TypeError, ValueError, AttributeError) as e:
         raise ModelFormatError(f"config.json: invalid {key} {rs!r} ({type(e).__name__}: {e})") from e
 
 
-def _rope_scaling_fields(rs: dict | None) -> RopeScaling | None:
+def _rope_scaling_fields(rs: dict | None, max_position) -> RopeScaling | None:
     if not rs:
         return None
     kind = rs.get("rope_type", rs.get("type"))
@@ -177,6 +193,19 @@ def _rope_scaling_fields(rs: dict | None) -> RopeScaling | None:
         return None
     if kind == "linear":
         return RopeScaling("linear", float(rs["factor"]))
+    if kind == "yarn":  # as transformers reads it (modeling_rope_utils' _compute_yarn_parameters)
+        original = _number(rs.get("original_max_position_embeddings") or max_position,
+                           "original_max_position_embeddings")
+        factor = _number(rs["factor"], "factor", float) if rs.get("factor") is not None else max_position / original
+        attention = rs.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+            attention = yarn_mscale(factor)
+            if mscale and mscale_all_dim:
+                attention = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+        return RopeScaling("yarn", factor, original_max_position=original,
+                           beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+                           attention_factor=float(attention), truncate=rs.get("truncate", True) is not False)
     if kind == "llama3":
         return RopeScaling(
             "llama3",
@@ -185,7 +214,20 @@ def _rope_scaling_fields(rs: dict | None) -> RopeScaling | None:
             float(rs["high_freq_factor"]),
             int(rs["original_max_position_embeddings"]),
         )
-    raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r}; llmrun implements 'linear' and 'llama3'")
+    raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r}; llmrun implements 'linear', 'llama3' and 'yarn'")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context `factor` times the trained one: 0.1 mscale ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _context(max_position: int, scaling: RopeScaling | None) -> int:
+    """The context a model runs to: its trained one, or YaRN's extended one (factor x the original) where larger
+    (a Qwen config that adds YaRN keeps max_position_embeddings at the trained 32768)."""
+    if scaling is not None and scaling.kind == "yarn":
+        return max(max_position, int(scaling.factor * scaling.original_max_position))
+    return max_position
 
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -247,7 +289,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         ffn_dim=need("intermediate_size"),
         norm_eps=need("rms_norm_eps", 1e-6, float),
         rope_theta=rope_theta,
-        max_seq_len=need("max_position_embeddings", 2048),
+        max_seq_len=_context(need("max_position_embeddings", 2048), rope_scaling),
         tie_embeddings=flag("tie_word_embeddings"),
         # as transformers builds them: Qwen2 biases q/k/v always and o never; Llama's and Qwen3's attention_bias
         # all four; Mistral none, whatever its config says
@@ -313,6 +355,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     rs = cfg.rope_scaling
     if rs is not None and rs.kind == "linear":
         out["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}
+    elif rs is not None and rs.kind == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": rs.factor,
+                               "original_max_position_embeddings": rs.original_max_position,
+                               "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow,
+                               "attention_factor": rs.attention_factor, "truncate": rs.truncate}
     elif rs is not None:
         out["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                                "high_freq_factor": rs.high_freq_factor,
@@ -338,9 +385,19 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     scaling = None
     if meta.get(f"{gguf_arch}.rope.scaling.type", "none") not in ("none", None):
         kind = meta[f"{gguf_arch}.rope.scaling.type"]
-        if kind != "linear":
-            raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF; llmrun implements 'linear'")
-        scaling = RopeScaling("linear", get("rope.scaling.factor", kind=float))
+        if kind == "linear":
+            scaling = RopeScaling("linear", get("rope.scaling.factor", kind=float))
+        elif kind == "yarn":  # as llama.cpp reads it (llama-context.cpp): betas 32 and 1, its attention factor
+            factor = get("rope.scaling.factor", kind=float)
+            log_multiplier = get("rope.scaling.yarn_log_multiplier", 0.0, kind=float)  # DeepSeek's mscale_all_dim
+            mscale = yarn_mscale(factor) / (yarn_mscale(factor, log_multiplier) if log_multiplier else 1.0)
+            attention = mscale * get("rope.scaling.attn_factor", 1.0, kind=float)
+            scaling = RopeScaling("yarn", factor, original_max_position=get("rope.scaling.original_context_length",
+                                                                            get("context_length")),
+                                  attention_factor=attention)
+        else:
+            raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF; llmrun implements 'linear' "
+                                        f"and 'yarn'")
     tokens = meta.get("tokenizer.ggml.tokens")
     if f"{gguf_arch}.vocab_size" not in meta and not tokens:
         raise ModelFormatError(f"the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing) and no "
@@ -362,7 +419,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         ffn_dim=get("feed_forward_length"),
         norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
         rope_theta=get("rope.freq_base", 10000.0, kind=float),
-        max_seq_len=get("context_length"),
+        max_seq_len=_context(get("context_length"), scaling),
         tie_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
@@ -385,6 +442,18 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors=None):
         return [f / float(d) for f, d in zip(inv, freq_factors)]
     if rs is None or rs.kind == "linear":
         return inv  # linear scaling divides the positions instead (Transformer.rope_at)
+    if rs.kind == "yarn":
+        def dimension(rotations):  # the dimension whose frequency turns `rotations` times over the trained context
+            turns = math.log(rs.original_max_position / (rotations * 2 * math.pi))
+            return cfg.head_dim * turns / (2 * math.log(cfg.rope_theta))
+
+        low, high = dimension(rs.beta_fast), dimension(rs.beta_slow)
+        if rs.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, cfg.head_dim - 1)
+        high += 0.001 if low == high else 0
+        ramps = [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(half)]  # 0: kept, 1: slowed
+        return [f / rs.factor * ramp + f * (1 - ramp) for f, ramp in zip(inv, ramps)]
     low_wavelen = rs.original_max_position / rs.low_freq_factor
     high_wavelen = rs.original_max_position / rs.high_freq_factor
     out = []

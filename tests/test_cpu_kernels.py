@@ -263,17 +263,21 @@ def test_int4_store_writes_are_the_torch_writes_bit_for_bit(D, monkeypatch):
 
 
 @pytest.fixture(scope="module", params=[("smollm2", "Q4_1"), ("smollm2", "Q4_0"), ("smollm2", "Q8_0"),
-                                        ("qwen2", "Q4_1"), ("mistral", "Q8_0"), ("qwen3", "Q4_1")], ids="-".join)
+                                        ("qwen2", "Q4_1"), ("mistral", "Q8_0"), ("qwen3", "Q4_1"),
+                                        ("qwen3-biases", "Q4_1")], ids="-".join)
 def tiny_quantized(request, tmp_path_factory):
     """A tiny GGUF with quantized matrices: SmolLM2's GQA 9/3 and tied embeddings, Qwen2's q/k/v biases,
-    Mistral's sliding window (5 positions, shorter than the 12 tokens run below), Qwen3's head norms."""
+    Mistral's sliding window (5 positions, shorter than the 12 tokens run below), Qwen3's head norms (and its
+    attention_bias: biases on q/k/v and o, the residual adding o's biased output)."""
     import dataclasses
 
     from .tiny import CONFIGS, random_model, write_gguf
 
     arch, qtype = request.param
+    biases = dict(attention_bias=True, attention_out_bias=True) if arch.endswith("-biases") else {}
+    arch = arch.removesuffix("-biases")
     # head_dim 32 so every matrix has whole blocks of 32 columns
-    model = random_model(dataclasses.replace(CONFIGS[arch], head_dim=32))
+    model = random_model(dataclasses.replace(CONFIGS[arch], head_dim=32, **biases))
     return write_gguf(tmp_path_factory.mktemp("q") / f"tiny-{arch}-{qtype}.gguf", model,
                       "qwen3" if arch == "qwen3" else "llama", qtype)
 

@@ -400,17 +400,21 @@ def test_a_rollback_after_eviction_returns_to_the_tokens_before_the_block(fmt):
     assert not cache.can_truncate(cache.horizon - 1)
 
 
-def test_re_rotation_moves_every_kept_key_to_the_angle_of_its_slot():
+@pytest.mark.parametrize("arch", ["llama", "qwen3-yarn"])
+def test_re_rotation_moves_every_kept_key_to_the_angle_of_its_slot(arch):
+    """YaRN's attention factor is on the tables the forward rotates keys with, not on a re-rotation (keys would be
+    scaled again at each)."""
     from tests.tiny import CONFIGS, random_model
 
-    model = random_model(CONFIGS["llama"])
+    model = random_model(CONFIGS[arch])
+    cos_table, sin_table = model._rope_tables(256, "cpu")
     base = torch.randn(B, 400, H, 16)  # keys before RoPE
     cache = KVCache(L, B, H, 0, 16, torch.float32, "cpu", eviction=Eviction("window", 64, 4), max_position=256)
     cache._rope = model.rope_at
     for i in range(0, 400, 4):  # as the model writes them: rotated to the position the cache gives
         cache.make_room(4)
         pos = cache.position
-        k = ref.apply_rope(base[:, i : i + 4], *model.rope_at(torch.arange(pos, pos + 4)))
+        k = ref.apply_rope(base[:, i : i + 4], cos_table[pos : pos + 4], sin_table[pos : pos + 4])
         for layer in range(L):
             cache.update(layer, pos, k, torch.randn(B, 4, H, 16))
         cache.length += 4
@@ -419,7 +423,7 @@ def test_re_rotation_moves_every_kept_key_to_the_angle_of_its_slot():
     positions = cache.positions[0, 0, 0, : cache.length]
     assert cache.rope_offset < 400 - 256 and positions.tolist() == sorted(positions.tolist())
     originals = [*range(4), *range(400 - (cache.length - 4), 400)]
-    want = ref.apply_rope(base[:, originals], *model.rope_at(positions)).transpose(1, 2)
+    want = ref.apply_rope(base[:, originals], cos_table[positions], sin_table[positions]).transpose(1, 2)
     torch.testing.assert_close(read(cache)[0], want, rtol=0, atol=1e-4)
 
 

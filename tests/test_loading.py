@@ -2,6 +2,7 @@
 block dequantization, and config validation."""
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -136,8 +137,8 @@ def test_unsupported_architecture_and_options():
         config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(UnsupportedModelError, match="activation"):
         config_from_hf({**base, "hidden_act": "gelu"})
-    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn'"):
-        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'longrope'"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(UnsupportedModelError, match="multiple"):
         config_from_hf({**base, "num_key_value_heads": 3})
 
@@ -153,8 +154,10 @@ def test_rope_parameters_as_transformers_5_writes_them():
     assert read == replace(cfg, rope_theta=500000.0)
     plain = {**legacy, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
     assert (config_from_hf(plain).rope_theta, config_from_hf(plain).rope_scaling) == (100000.0, None)
-    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn'"):
-        config_from_hf({**legacy, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'dynamic'"):
+        config_from_hf({**legacy, "rope_parameters": {"rope_theta": 1e6, "rope_type": "dynamic", "factor": 4.0}})
+    yarn = config_from_hf({**legacy, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})
+    assert yarn.rope_scaling.original_max_position == legacy["max_position_embeddings"]  # (transformers' default)
     with pytest.raises(UnsupportedModelError, match="rope_parameters"):  # one set per attention type
         config_from_hf({**legacy, "rope_parameters": {"full_attention": {"rope_theta": 1e6}}})
     with pytest.raises(ModelFormatError, match="rope_parameters.*factor"):
@@ -311,6 +314,40 @@ def test_qwen3_round_trips_and_matches_transformers(tmp_path, bias):
     assert (hf.model.layers[0].self_attn.o_proj.bias is not None) is bias
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_yarn_as_transformers_and_llama_cpp_read_it(tmp_path):
+    """YaRN as Qwen's docs add it (factor 4 over the trained context, which max_position_embeddings keeps): the
+    context runs to 4x; an HF directory and a GGUF (llama.cpp's keys) read back equal; the logits past the trained
+    context are transformers' (where installed); the attention factor is on the forward's tables only, so a cached
+    decode (and eviction's re-rotation: tests/test_kv_cache.py) agrees with a full forward."""
+    cfg = CONFIGS["qwen3-yarn"]
+    assert cfg.max_seq_len == 4 * cfg.rope_scaling.original_max_position
+    written = hf_config_json(cfg)
+    assert written["max_position_embeddings"] == 64 and config_from_hf(written) == cfg
+    read = config_from_hf({**written, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.5,
+                                                       "mscale_all_dim": 1.0, "beta_fast": 16, "truncate": False,
+                                                       "original_max_position_embeddings": 64}}).rope_scaling
+    assert (read.beta_fast, read.beta_slow, read.truncate) == (16.0, 1.0, False)
+    assert read.attention_factor == pytest.approx((0.05 * math.log(4) + 1) / (0.1 * math.log(4) + 1))
+    assert config_from_hf(config_to_hf(replace(cfg, rope_scaling=read))).rope_scaling == read
+    model = random_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
+    path = write_hf_dir(tmp_path / "yarn", model)
+    for source in (path, write_gguf(tmp_path / "yarn.gguf", model, "qwen3")):
+        loaded = load_model(str(source), device="cpu", dtype="fp32")
+        assert loaded.config == replace(cfg, norm_eps=loaded.config.norm_eps)  # (GGUF stores eps as float32)
+    with torch.no_grad():
+        ours = model(tokens)
+        torch.testing.assert_close(decode_in_steps(model, tokens[:, :80], 70), ours[0, :80], atol=1e-4, rtol=1e-4)
+        unscaled = random_model(replace(cfg, rope_scaling=None))
+        assert not torch.allclose(unscaled(tokens)[0, 70:], ours[0, 70:], atol=1e-2)
+    transformers = pytest.importorskip("transformers")
+    (path / "config.json").write_text(json.dumps({**written, "model_type": "qwen3"}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours, hf(tokens).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_llama_attention_bias_gives_all_four_projections_biases(tmp_path):

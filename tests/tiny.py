@@ -5,7 +5,7 @@ import json
 import torch
 
 from llmrun.models import ModelConfig, build_model
-from llmrun.models.config import RopeScaling
+from llmrun.models.config import RopeScaling, yarn_mscale
 
 TINY = dict(vocab_size=128, dim=64, n_layers=2, head_dim=16, ffn_dim=96, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256)
 
@@ -21,6 +21,10 @@ CONFIGS = {
     "qwen2": ModelConfig("Qwen2ForCausalLM", n_heads=4, n_kv_heads=2, attention_bias=True, **TINY),
     # per-head q/k norms, and heads wider than hidden / heads (as Qwen3-0.6B's 16 x 128 over 1024)
     "qwen3": ModelConfig("Qwen3ForCausalLM", n_heads=6, n_kv_heads=2, qk_norm=True, tie_embeddings=True, **TINY),
+    # YaRN as Qwen's docs add it: 4 x a trained context of 64 (TINY's 256)
+    "qwen3-yarn": ModelConfig("Qwen3ForCausalLM", n_heads=6, n_kv_heads=2, qk_norm=True, tie_embeddings=True,
+                              rope_scaling=RopeScaling("yarn", 4.0, original_max_position=64,
+                                                       attention_factor=yarn_mscale(4.0)), **TINY),
 }
 
 
@@ -65,7 +69,12 @@ def hf_config_json(cfg: ModelConfig) -> dict:
         d["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.sliding_window:
             d["max_window_layers"] = cfg.sliding_window_from
-    if cfg.rope_scaling is not None:
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "yarn":  # as Qwen's docs add it: the trained context
+        rs = cfg.rope_scaling                                               # stays max_position_embeddings
+        d["rope_scaling"] = {"rope_type": "yarn", "factor": rs.factor,
+                             "original_max_position_embeddings": rs.original_max_position}
+        d["max_position_embeddings"] = rs.original_max_position
+    elif cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
         d["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                              "high_freq_factor": rs.high_freq_factor, "original_max_position_embeddings": rs.original_max_position}
@@ -168,6 +177,10 @@ def write_gguf(path, model, arch="llama", qtype=None):
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "yarn":  # as llama.cpp's converter writes it
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_scaling.original_max_position)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
