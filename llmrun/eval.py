@@ -54,7 +54,7 @@ class KLStats:
     max: float
     p99: float
     top1_agreement: float  # fraction of positions where both configurations' most likely token is the same
-    ppl_reference: float
+    ppl_reference: float | None  # None past float64's range (`perplexity`)
 
 
 @dataclass
@@ -67,12 +67,21 @@ class EvalResult:
     kl: KLStats | None = None
 
     @property
-    def ppl(self) -> float:
-        return math.exp(self.nll)
+    def ppl(self) -> float | None:
+        return perplexity(self.nll)
 
     @property
     def tok_s(self) -> float:
         return self.evaluated / self.seconds if self.seconds else 0.0
+
+
+def perplexity(nll: float) -> float | None:
+    """exp(mean NLL); None past float64's range (a mean NLL above ~709.8 nats: weights that put next to no mass on
+    the text)."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return None
 
 
 def read_text(spec: str) -> str:
@@ -145,6 +154,6 @@ def evaluate(engine, ids: list[int], ctx: int, stride: int, reference=None,
         result.kl = KLStats(
             mean=kl_all.mean().item(), max=kl_all.max().item(), p99=torch.quantile(kl_all, 0.99).item(),
             top1_agreement=torch.cat(same_top1).double().mean().item(),
-            ppl_reference=math.exp(nll_ref_all.mean().item()),
+            ppl_reference=perplexity(nll_ref_all.mean().item()),
         )
     return result

@@ -159,7 +159,7 @@ def _unsupported_architecture(name: str) -> UnsupportedModelError:
     )
 
 
-def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf(cfg: dict, max_position: int) -> tuple[float, RopeScaling | None]:
     """RoPE's base and scaling: from `rope_parameters` (transformers >= 5 writes both there), else from
     `rope_theta` and `rope_scaling`."""
     key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
@@ -176,7 +176,6 @@ def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None]:
         if partial is not None and _number(partial, "partial_rotary_factor", float) != 1.0:
             raise UnsupportedModelError(f"config.json: partial_rotary_factor {partial} (RoPE on part of each head) is "
                                         f"not supported; llmrun rotates whole heads")
-    max_position = cfg.get("max_position_embeddings") or 2048  # (as config_from_hf reads it)
     try:
         return theta, _rope_scaling_fields(rs, max_position)
     except KeyError as e:
@@ -268,7 +267,9 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     dim = need("hidden_size")
     qwen = arch in _QWEN
     n_layers = need("num_hidden_layers")
-    sliding, sliding_from = cfg.get("sliding_window"), 0
+    max_position, window = _HF_DEFAULTS[arch]
+    max_position = need("max_position_embeddings", max_position)
+    sliding, sliding_from = cfg.get("sliding_window", window), 0  # (an explicit null: no window)
     if (qwen and not flag("use_sliding_window")) or arch == "LlamaForCausalLM":
         sliding = None  # Qwen configs list a window they do not use; Llama has none (as transformers: it reads none)
     if sliding is not None:
@@ -277,7 +278,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             sliding_from = _window_from(cfg, n_layers)
             if sliding_from >= n_layers:
                 sliding, sliding_from = None, 0
-    rope_theta, rope_scaling = _rope_from_hf(cfg)
+    rope_theta, rope_scaling = _rope_from_hf(cfg, max_position)
     return ModelConfig(
         architecture=arch,
         vocab_size=need("vocab_size"),
@@ -289,7 +290,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         ffn_dim=need("intermediate_size"),
         norm_eps=need("rms_norm_eps", 1e-6, float),
         rope_theta=rope_theta,
-        max_seq_len=_context(need("max_position_embeddings", 2048), rope_scaling),
+        max_seq_len=_context(max_position, rope_scaling),
         tie_embeddings=flag("tie_word_embeddings"),
         # as transformers builds them: Qwen2 biases q/k/v always and o never; Llama's and Qwen3's attention_bias
         # all four; Mistral none, whatever its config says
@@ -303,6 +304,9 @@ def config_from_hf(cfg: dict) -> ModelConfig:
 
 
 _OWN_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # attention_bias puts a bias on q, k, v and o
+# transformers' defaults of what a config.json may leave out: max_position_embeddings, sliding_window
+_HF_DEFAULTS = {"LlamaForCausalLM": (2048, None), "MistralForCausalLM": (4096 * 32, 4096),
+                "Qwen2ForCausalLM": (32768, 4096), "Qwen3ForCausalLM": (32768, 4096)}
 
 
 def _window_from(cfg: dict, n_layers: int) -> int:

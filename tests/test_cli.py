@@ -337,13 +337,14 @@ def test_chat_template_kwargs_reach_every_turns_template(cli, monkeypatch):
     assert given["text"] == plain["text"]  # (SmolLM2's template reads no such variable)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("[1]", "must be a JSON object"), ("{", "is not JSON"), ('{"bos_token": "x", "messages": []}',
-                                                            "sets bos_token, messages, which llmrun gives"),
+@pytest.mark.parametrize("value, code, message", [
+    ("[1]", 2, "must be a JSON object"), ("{", 2, "is not JSON"),
+    ('{"bos_token": "x", "messages": []}', 2, "sets bos_token, messages, which llmrun gives"),
+    ('{"note": "\\ud800"}', 1, "--chat-template-kwargs is not UTF-8 (lone surrogate U+D800"),  # (as --stop's)
 ])
-def test_chat_template_kwargs_that_cannot_be_used_are_refused_before_loading(value, message):
+def test_chat_template_kwargs_that_cannot_be_used_are_refused_before_loading(value, code, message):
     result = run("chat", "-p", "hi", "--chat-template-kwargs", value, "/nonexistent.gguf")
-    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert result.returncode == code and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
 
 
 def test_chat_in_a_real_process_reads_piped_stdin(cli):

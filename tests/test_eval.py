@@ -140,6 +140,20 @@ def test_a_model_that_predicts_nothing_has_the_vocabulary_size_as_perplexity(cli
     assert doc["nll"] == pytest.approx(math.log(128), rel=1e-6)
 
 
+def test_a_perplexity_past_float64_is_null_not_a_traceback(cli, tiny, tmp_path):
+    """A head scaled until the text's mean NLL passes ~709.8 nats: exp overflows (an OverflowError traceback);
+    `ppl` is null (and `ppl_reference`, as the reference), `nll` given, the table says so in words."""
+    path, model, text = tiny
+    hot = random_model(CFG, seed=0)
+    with torch.no_grad():
+        hot.lm_head.weight.mul_(2000)
+    hot = write_hf_dir(tmp_path / "hot", hot)
+    out = cli("eval", hot, *CPU, "--ppl", text, "--ctx", 16, "--kl-vs", f"model={hot}", "--json")
+    doc = out.json
+    assert doc["nll"] > 709.8 and doc["ppl"] is None and doc["kl"]["ppl_reference"] is None
+    assert "past float64's range" in out.stderr
+
+
 def test_a_model_whose_output_is_not_finite_is_refused(cli, tiny, tmp_path):
     """A NaN in the weights makes NaN scores: one error line, as chat gives, not a perplexity of nan; as the
     reference of --kl-vs too, and under `llmrun bench`."""

@@ -143,6 +143,20 @@ def test_unsupported_architecture_and_options():
         config_from_hf({**base, "num_key_value_heads": 3})
 
 
+def test_what_a_config_leaves_out_is_transformers_default():
+    """max_position_embeddings and sliding_window absent: each family's transformers default (Llama 2048, no window;
+    Mistral 131072, window 4096; Qwen2/Qwen3 32768, window 4096 where use_sliding_window asks for one); an
+    explicit null sliding_window is no window."""
+    want = {"llama": (2048, None), "mistral": (131072, 4096), "qwen2": (32768, 4096), "qwen3": (32768, 4096)}
+    for arch, (context, window) in want.items():
+        given = {k: v for k, v in hf_config_json(CONFIGS[arch]).items()
+                 if k not in ("max_position_embeddings", "sliding_window")}
+        extra = {"use_sliding_window": True, "max_window_layers": 1} if arch.startswith("qwen") else {}
+        cfg = config_from_hf({**given, **extra})
+        assert (cfg.max_seq_len, cfg.sliding_window) == (context, window), arch
+        assert config_from_hf({**given, **extra, "sliding_window": None}).sliding_window is None
+
+
 def test_rope_parameters_as_transformers_5_writes_them():
     """transformers >= 5 writes RoPE's base and scaling into one `rope_parameters` block, with no `rope_theta` or
     `rope_scaling` beside it."""

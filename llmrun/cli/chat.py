@@ -102,12 +102,15 @@ def _template_variables(text: str) -> dict:
     """--chat-template-kwargs' JSON object, or a one-line error."""
     from llmrun.errors import parse_json
 
+    import json
+
     hint = "'--chat-template-kwargs'"
     check_utf8(text, "--chat-template-kwargs")
     try:
         value = parse_json(text)
     except ValueError as e:
         raise typer.BadParameter(f"is not JSON ({e})", param_hint=hint) from None
+    check_utf8(json.dumps(value, ensure_ascii=False), "--chat-template-kwargs")  # a "\ud800" escape in it
     if not isinstance(value, dict):
         raise typer.BadParameter(f"must be a JSON object, such as '{{\"enable_thinking\": false}}'", param_hint=hint)
     if own := [key for key in value if key in _TEMPLATE_OWN]:

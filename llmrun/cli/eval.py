@@ -190,6 +190,10 @@ def eval_(
         write_out(json.dumps(doc) + "\n")
 
 
+def _ppl(value: float | None) -> str:
+    return "past float64's range" if value is None else f"{value:.4f}"
+
+
 def _table(doc: dict) -> Table:
     def config(c: dict) -> str:
         became = f" ({c['weights_loaded']})" if c["weights_loaded"] != c["weights"] else ""
@@ -203,13 +207,13 @@ def _table(doc: dict) -> Table:
     table.add_row("tokens", f"{doc['text']['evaluated']:,} evaluated (of "
                             f"{'more' if total is None else f'{total:,}'} in the text)")
     table.add_row("windows", f"{doc['windows']} of up to {doc['ctx']} tokens, stride {doc['stride']}")
-    table.add_row("perplexity", f"{doc['ppl']:.4f} (mean NLL {doc['nll']:.4f} nats)")
+    table.add_row("perplexity", f"{_ppl(doc['ppl'])} (mean NLL {doc['nll']:.4f} nats)")
     table.add_row("time", f"{doc['seconds']:.1f} s · {doc['tok_s']:.0f} tok/s")
     if doc["kl"] is not None:
         kl = doc["kl"]
         ref = kl["reference"]
         table.add_row("reference", (f"{ref['model']} · " if ref["model"] != doc["model"] else "") + config(ref))
-        table.add_row("ppl reference", f"{kl['ppl_reference']:.4f}")
+        table.add_row("ppl reference", _ppl(kl["ppl_reference"]))
         table.add_row("KL(ref ‖ this)", f"mean {kl['mean']:.6f} · p99 {kl['p99']:.6f} · max {kl['max']:.6f} nats")
         table.add_row("top-1 agreement", f"{100 * kl['top1_agreement']:.2f} %")
     return table
