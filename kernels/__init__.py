@@ -31,7 +31,7 @@ def reference_ops(on: bool = True):
         _reference = before
 
 __all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "dequantized_int8", "failed",
-           "grid_error", "int4_attention", "linear", "quant_matmul", "quant_rows", "quantized_attention", "rms_norm",
+           "grid_error", "head_rms_norm_", "int4_attention", "linear", "quant_matmul", "quant_rows", "quantized_attention", "rms_norm",
            "rope_write_dense", "rope_write_int8", "silu_mul", "triton_serves", "write_dense", "write_int4",
            "write_int8_pair"]
 
@@ -88,6 +88,23 @@ def add_rms_norm(x, y, weight, eps: float):
                        lambda: (x + y, ref.rms_norm(x + y, weight, eps)))
     h = x + y
     return h, rms_norm(h, weight, eps)
+
+
+def head_rms_norm_(qkv, n_q: int, n_k: int, q_weight, k_weight, eps: float):
+    """In place: heads [0, n_q) of qkv (B, T, H, D) RMS-normalized over D with q_weight, the next n_k with k_weight
+    (Qwen3's q/k norms, before RoPE). One launch on CUDA; elsewhere `rms_norm` of each part (the C kernel's bits on
+    a CPU, which its whole-stack call reproduces). Returns qkv."""
+    def parts():
+        q, k = qkv[:, :, :n_q], qkv[:, :, n_q : n_q + n_k]
+        q.copy_(rms_norm(q.contiguous(), q_weight, eps))
+        k.copy_(rms_norm(k.contiguous(), k_weight, eps))
+        return qkv
+
+    if _use_triton(qkv) and qkv.is_contiguous():
+        from .norm import head_rms_norm_ as triton_head_rms_norm_
+
+        return _triton("head_rms_norm_", lambda: triton_head_rms_norm_(qkv, n_q, n_k, q_weight, k_weight, eps), parts)
+    return parts()
 
 
 def _heads_contiguous(x) -> bool:  # (1, T, H, D) whose heads are packed within each token

@@ -413,7 +413,7 @@ def check_fits_context(prompt_tokens: int, new_tokens: int, ctx: int, trained: i
         if trained is None or ctx < min(trained, need):
             fix = f"raise --ctx{'' if trained is None else f' (up to {trained})'} or {fix}"
         elif trained < need:
-            fix += f" (the model was trained for {trained} positions), or bound the cache with --kv-evict"
+            fix += f" (the model's context is {trained} positions), or bound the cache with --kv-evict"
         raise UsageError(
             f"the prompt ({prompt_tokens} tokens) and --new-tokens {new_tokens} need {need} positions (the last new"
             f" token is not cached) but the context holds {ctx}; {fix}"

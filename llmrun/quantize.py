@@ -183,7 +183,7 @@ def quantize(spec, out_dir: str | Path, options: QuantizeOptions, device: str = 
         if options.seq_len is None:
             options = replace(options, seq_len=min(512, cfg.max_seq_len))
         elif options.seq_len > cfg.max_seq_len:
-            raise UsageError(f"--seq-len {options.seq_len} exceeds the {cfg.max_seq_len} tokens the model was trained for")
+            raise UsageError(f"--seq-len {options.seq_len} exceeds the model's context of {cfg.max_seq_len} tokens")
         windows, note = calibration_windows(files.tokenizer, read_calibration(options.calib), options.samples,
                                             options.seq_len, options.seed)
         result.calibration_tokens = windows.numel()

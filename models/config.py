@@ -204,7 +204,7 @@ def _rope_scaling_fields(rs: dict | None, max_position) -> RopeScaling | None:
                 attention = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
         return RopeScaling("yarn", factor, original_max_position=original,
                            beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
-                           attention_factor=float(attention), truncate=rs.get("truncate", True) is not False)
+                           attention_factor=float(attention), truncate=bool(rs.get("truncate", True)))
     if kind == "llama3":
         return RopeScaling(
             "llama3",
@@ -224,9 +224,15 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def _context(max_position: int, scaling: RopeScaling | None) -> int:
     """The context a model runs to: its trained one, or YaRN's extended one (factor x the original) where larger
     (a Qwen config that adds YaRN keeps max_position_embeddings at the trained 32768)."""
-    if scaling is not None and scaling.kind == "yarn":
-        return max(max_position, int(scaling.factor * scaling.original_max_position))
-    return max_position
+    if scaling is None or scaling.kind != "yarn":
+        return max_position
+    extended = scaling.factor * scaling.original_max_position
+    if not math.isfinite(extended):
+        return max_position  # (a factor that is not a number: ModelConfig names it)
+    if extended > 1 << 31:
+        raise ModelFormatError(f"invalid config: yarn RoPE scaling with factor {scaling.factor} over "
+                               f"{scaling.original_max_position} positions makes a context of {extended:.3g}")
+    return max(max_position, int(extended))
 
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -391,17 +397,18 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         kind = meta[f"{gguf_arch}.rope.scaling.type"]
         if kind == "linear":
             scaling = RopeScaling("linear", get("rope.scaling.factor", kind=float))
-        elif kind == "yarn":  # as llama.cpp reads it (llama-context.cpp): betas 32 and 1, its attention factor
+        elif kind == "yarn":  # as llama.cpp reads it for these architectures (llama-context.cpp): betas 32 and 1,
+            # 0.1 ln(factor) + 1 times attn_factor (yarn_log_multiplier, the betas' keys: DeepSeek's and Grok's only)
             factor = get("rope.scaling.factor", kind=float)
-            log_multiplier = get("rope.scaling.yarn_log_multiplier", 0.0, kind=float)  # DeepSeek's mscale_all_dim
-            mscale = yarn_mscale(factor) / (yarn_mscale(factor, log_multiplier) if log_multiplier else 1.0)
-            attention = mscale * get("rope.scaling.attn_factor", 1.0, kind=float)
-            scaling = RopeScaling("yarn", factor, original_max_position=get("rope.scaling.original_context_length",
-                                                                            get("context_length")),
-                                  attention_factor=attention)
+            attention = yarn_mscale(factor) * get("rope.scaling.attn_factor", 1.0, kind=float)
+            original = get("rope.scaling.original_context_length", get("context_length"))
+            scaling = RopeScaling("yarn", factor, original_max_position=original, attention_factor=attention)
         else:
             raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF; llmrun implements 'linear' "
                                         f"and 'yarn'")
+    if (scaling is None or scaling.kind != "yarn") and get("rope.scaling.attn_factor", 1.0, kind=float) != 1.0:
+        raise UnsupportedModelError(f"GGUF {gguf_arch}.rope.scaling.attn_factor (RoPE's cos/sin scaled, as Phi-3's "
+                                    f"converter writes it) is supported with yarn scaling only")
     tokens = meta.get("tokenizer.ggml.tokens")
     if f"{gguf_arch}.vocab_size" not in meta and not tokens:
         raise ModelFormatError(f"the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing) and no "

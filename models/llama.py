@@ -59,8 +59,7 @@ class Attention(nn.Module):
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
         if self.q_norm is not None:  # before RoPE, which the cache's write applies
-            q, k, v = qkv.split([Hq, Hkv, Hkv], dim=2)
-            qkv = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v), dim=2)
+            kernels.head_rms_norm_(qkv, Hq, Hkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if cache is None:
             qk = kernels.apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads in one pass
             q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv :]  # (B, T, H, D) each

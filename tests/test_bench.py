@@ -425,7 +425,7 @@ def test_plot_without_matplotlib(cli, monkeypatch, tmp_path):
 
 def test_prompt_and_new_tokens_must_fit_the_context(cli, tiny_gguf):
     assert_one_error_line(cli(tiny_gguf, "--prompt-tokens", "250", "--new-tokens", "10"), "259", "holds 256",
-                          "trained for 256", code=2)
+                          "the model's context is 256", code=2)
     assert_one_error_line(cli(tiny_gguf, "--ctx", "64", "--prompt-tokens", "60", "--new-tokens", "8"), "holds 64",
                           "raise --ctx (up to 256)", code=2)
     assert_one_error_line(cli(tiny_gguf, "--ctx", "4096"), "--ctx 4096", "256", code=2)
@@ -651,7 +651,7 @@ def test_a_run_past_the_context_says_what_can_change():
     with pytest.raises(LlmrunError, match=re.escape("need 129 positions (the last new token is not cached)")):
         bench.check_fits_context(100, 30, 128, 8192)
     for ctx, trained, fix in [(128, 8192, "raise --ctx (up to 8192) or lower"), (128, None, "raise --ctx or lower"),
-                              (8192, 8192, "lower --prompt-tokens/--new-tokens (the model was trained for 8192")]:
+                              (8192, 8192, "lower --prompt-tokens/--new-tokens (the model's context is 8192")]:
         with pytest.raises(LlmrunError, match=re.escape(fix)):
             bench.check_fits_context(ctx + 1, 9, ctx, trained)
 

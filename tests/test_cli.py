@@ -340,7 +340,8 @@ def test_chat_template_kwargs_reach_every_turns_template(cli, monkeypatch):
 @pytest.mark.parametrize("value, code, message", [
     ("[1]", 2, "must be a JSON object"), ("{", 2, "is not JSON"),
     ('{"bos_token": "x", "messages": []}', 2, "sets bos_token, messages, which llmrun gives"),
-    ('{"note": "\\ud800"}', 1, "--chat-template-kwargs is not UTF-8 (lone surrogate U+D800"),  # (as --stop's)
+    ('{"note": "\\ud800"}', 2, "holds the JSON escape \\ud800, a lone surrogate"),
+    ('{"x": 1, "k": "\\udc80"}', 2, "holds the JSON escape \\udc80, a lone surrogate"),  # (not a "byte 0x80")
 ])
 def test_chat_template_kwargs_that_cannot_be_used_are_refused_before_loading(value, code, message):
     result = run("chat", "-p", "hi", "--chat-template-kwargs", value, "/nonexistent.gguf")

@@ -329,7 +329,7 @@ def bad_inputs(tmp_path_factory, tiny):
     (["--ppl", "{text}", "--stride", "17", "--ctx", "16"], 2, ["17 is not between 1 and the window --ctx 16"]),
     (["--ppl", "{text}", "--stride", "300"], 2, ["300 is not between 1 and the window --ctx 256"]),  # the tiny model's
     (["--ppl", "{text}", "--ctx", "8"], 2, ["'--ctx'"]),
-    (["--ppl", "{text}", "--ctx", "1000"], 2, ["--ctx 1000 exceeds the 256 tokens"]),
+    (["--ppl", "{text}", "--ctx", "1000"], 2, ["--ctx 1000 exceeds the model's context of 256 tokens"]),
     (["--ppl", "{text}", "--kl-vs", ""], 2, ["'--kl-vs'", "'' is not key=value"]),
     (["--ppl", "{text}", "--kl-vs", "dtype"], 2, ["'dtype' is not key=value", "e.g. --kl-vs dtype=fp32"]),
     (["--ppl", "{text}", "--kl-vs", "dtype="], 2, ["'dtype=' is not key=value"]),
@@ -358,7 +358,7 @@ def test_a_reference_with_a_shorter_context_bounds_the_windows(cli, tiny, tmp_pa
     path, _, text = tiny
     short = write_hf_dir(tmp_path / "short", random_model(replace(CFG, max_seq_len=64), seed=1))
     assert_error(cli("eval", path, *CPU, "--ppl", text, "--ctx", 128, "--kl-vs", f"model={short}"), 2,
-                 f"--ctx 128 exceeds the 64 tokens the reference (--kl-vs model={short}) was trained for")
+                 f"--ctx 128 exceeds the reference's (--kl-vs model={short}) context of 64 tokens")
     doc = cli("eval", path, *CPU, "--ppl", text, "--json", "--kl-vs", f"model={short}").json
     assert doc["ctx"] == 64 and doc["kl"] is not None
 

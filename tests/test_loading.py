@@ -364,6 +364,32 @@ def test_yarn_as_transformers_and_llama_cpp_read_it(tmp_path):
         torch.testing.assert_close(ours, hf(tokens).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_yarn_settings_that_cannot_be_read_are_errors_and_gguf_keys_as_llama_cpp_reads_them(tmp_path):
+    from llmrun.gguf_file import GGUFFile
+
+    written = hf_config_json(CONFIGS["qwen3-yarn"])
+    for factor, message in ((float("nan"), "RoPE scaling factors nan, 1.0, 4.0: each a positive number"),
+                            (float("inf"), "RoPE scaling factors inf, 1.0, 4.0: each a positive number"),
+                            (1e300, "makes a context of 6.4e\\+301")):
+        with pytest.raises(ModelFormatError, match=message):
+            config_from_hf({**written, "rope_scaling": {**written["rope_scaling"], "factor": factor}})
+    for truncate in (None, 0, False):  # transformers: `if truncate:`
+        rs = config_from_hf({**written, "rope_scaling": {**written["rope_scaling"], "truncate": truncate}}).rope_scaling
+        assert rs.truncate is False
+    # a GGUF: yarn_log_multiplier is DeepSeek's (llama.cpp reads it for no architecture llmrun runs); attn_factor
+    # multiplies yarn's factor, and without yarn is refused (llama.cpp scales cos/sin by it)
+    model = random_model(CONFIGS["qwen3-yarn"])
+    plain = GGUFFile(write_gguf(tmp_path / "y.gguf", model, "qwen3")).metadata
+    names = set(GGUFFile(tmp_path / "y.gguf").tensors)
+    base = config_from_gguf(plain, names).rope_scaling
+    assert config_from_gguf({**plain, "qwen3.rope.scaling.yarn_log_multiplier": 1.0}, names).rope_scaling == base
+    scaled = config_from_gguf({**plain, "qwen3.rope.scaling.attn_factor": 1.5}, names).rope_scaling
+    assert scaled.attention_factor == pytest.approx(1.5 * base.attention_factor)
+    unscaled = {k: v for k, v in plain.items() if not k.startswith("qwen3.rope.scaling")}
+    with pytest.raises(UnsupportedModelError, match="attn_factor .* is supported with yarn scaling only"):
+        config_from_gguf({**unscaled, "qwen3.rope.scaling.attn_factor": 1.3}, names)
+
+
 def test_llama_attention_bias_gives_all_four_projections_biases(tmp_path):
     """Llama's attention_bias puts a bias on q, k, v and o (transformers' LlamaAttention), Qwen2's q/k/v alone and
     Mistral none: each read back equal from an HF directory and a GGUF, its logits those of the model written,

@@ -610,7 +610,7 @@ def test_the_exported_tokenizer_reads_back_the_same(embedded_path, tmp_path):
     (["--int8", "--group-size", "32"], "per output channel"),
     (["--rtn", "--samples", "4"], "calibration applies to --awq only"),
     (["--int8", "--seed", "5"], "--seed: calibration applies to --awq only"),
-    (["--seq-len", "100000"], "exceeds the 256 tokens"),
+    (["--seq-len", "100000"], "exceeds the model's context of 256 tokens"),
     (["--calib", "SHORT", "--seq-len", "64"], "fewer than --seq-len"),
 ])
 def test_bad_input_is_one_line(tiny_source, tmp_path, monkeypatch, capsys, args, message):

@@ -185,8 +185,8 @@ def _sweep():
 
 
 def _small_ops(shape, dtype):
-    """RMSNorm (with and without the residual add), RoPE on the q and k heads of the fused qkv (and with a float or
-    INT8 cache's write), the SiLU gate."""
+    """RMSNorm (with and without the residual add), Qwen3's head norms and RoPE on the q and k heads of the fused
+    qkv (and with a float or INT8 cache's write), the SiLU gate."""
     from llmrun import kernels
     from llmrun.kernels import ref
 
@@ -198,6 +198,7 @@ def _small_ops(shape, dtype):
         kernels.add_rms_norm(x, y, weight, 1e-5)
         qkv = torch.empty(1, T, Hq + 2 * Hkv, D, dtype=dtype)
         kernels.apply_rope(qkv[:, :, : Hq + Hkv], torch.empty(T, D), torch.empty(T, D))
+        kernels.head_rms_norm_(qkv, Hq, Hkv, torch.empty(D, dtype=dtype), torch.empty(D, dtype=dtype), 1e-6)  # Qwen3
         k_out, v_out = torch.empty(2, 1, Hkv, 64, D, dtype=dtype).unbind(0)  # a CUDA graph's step: with the write
         kernels.rope_write_dense(qkv, Hq, torch.empty(T, D, dtype=dtype), torch.empty(T, D, dtype=dtype), k_out, v_out,
                                  torch.arange(3, 3 + T))
@@ -719,8 +720,8 @@ def test_pdl_launches_wait_before_they_touch_the_step(compiled):
             continue
         if "a grid dependency wait" not in findings or "a write before the grid dependency wait" in findings:
             wrong.append(f"sm_{arch} {spec.describe()}: no wait before its first write")
-        elif "a read before the grid dependency wait" in findings and spec.name not in ("_gemv_kernel",
-                                                                                          "_rms_norm_kernel"):
+        elif "a read before the grid dependency wait" in findings and spec.name not in (
+                "_gemv_kernel", "_rms_norm_kernel", "_head_rms_norm_kernel"):
             wrong.append(f"sm_{arch} {spec.describe()}: reads before the wait")
     assert {a for s, a in compiled if dict(s.options).get("launch_pdl")} == {90}
     assert not wrong, f"{len(wrong)} launches:\n" + "\n".join(wrong)

@@ -30,7 +30,8 @@ def triton_everywhere(monkeypatch):
     monkeypatch.setattr(kernels, "_failed", set())  # a kernel that fails would fall back to PyTorch: none may
     monkeypatch.setattr(Transformer, "_decode_stack", lambda self, x, cache: None)
     ran = set()
-    for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rope_"), (rotary, "rope_write_"),
+    for module, name in [(norm, "rms_norm"), (norm, "add_rms_norm"), (norm, "head_rms_norm_"), (rotary, "rope_"),
+                         (rotary, "rope_write_"),
                          (activation, "silu_mul"),
                          (decode_attention, "decode_attention"), (decode_attention, "quantized_decode_attention"),
                          (triton_quant_matmul, "quant_linear"), (triton_quant_matmul, "float_linear"),
@@ -75,7 +76,8 @@ def test_the_triton_path_matches_the_plain_pytorch_path(tmp_path, triton_everywh
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     attention = {"fp32": {"decode_attention"}, "int8": {"quantized_decode_attention", "write_int8_pair"},
                  "int4": {"quantized_decode_attention", "write_int4"}}[kv_format]
-    assert triton_everywhere == {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "quant_linear", *attention}
+    head_norms = {"head_rms_norm_"} if arch == "qwen3" else set()
+    assert triton_everywhere == {"add_rms_norm", "rms_norm", "rope_", "silu_mul", "quant_linear", *attention, *head_norms}
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""The small Triton kernels (RMSNorm with the fused residual add, RoPE in place, with a float cache's write too, SiLU
-gate) against kernels/ref.py.
+"""The small Triton kernels (RMSNorm with the fused residual add, Qwen3's per-head q/k norms, RoPE in place, with a
+float cache's write too, SiLU gate) against kernels/ref.py.
 
 On a machine without CUDA they run under the Triton interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1); bf16 runs only on a GPU. Tolerance: within 2 x torch's own error in the same dtype
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from llmrun.kernels import common, ref
-from llmrun.kernels.norm import add_rms_norm, rms_norm
+from llmrun.kernels.norm import add_rms_norm, head_rms_norm_, rms_norm
 from llmrun.kernels.kv_write import write_dense
 from llmrun.kernels.rotary import rope_, rope_write_
 from llmrun.kernels.activation import silu_mul
@@ -25,6 +25,25 @@ def assert_within_torch_error(got, want_fp32, torch_same_dtype, atol=1e-5):
     """|got - ref| <= 2 |torch in this dtype - ref| + atol, elementwise at the maximum."""
     limit = 2 * (torch_same_dtype.float() - want_fp32).abs().max().item() + atol
     assert (got.float() - want_fp32).abs().max().item() <= limit
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, n_q, n_k, D", [(1, 1, 16, 8, 128), (1, 5, 9, 3, 64), (2, 3, 7, 1, 80), (1, 2, 4, 4, 96)])
+def test_head_rms_norm_in_place(dtype, B, T, n_q, n_k, D):
+    """Qwen3's q and k heads of qkv (B, T, n_q + 2 n_k, D) normalized in place, each with its own weight; the v heads
+    untouched, bit for bit; head sizes that are not powers of two (80, 96) masked."""
+    qkv = (torch.randn(B, T, n_q + 2 * n_k, D, device=DEVICE) * 3).to(dtype).float()
+    q_w, k_w = (torch.randn(D, device=DEVICE).to(dtype).float() for _ in range(2))
+    want = qkv.clone()
+    want[:, :, :n_q] = ref.rms_norm(qkv[:, :, :n_q], q_w, 1e-6)
+    want[:, :, n_q : n_q + n_k] = ref.rms_norm(qkv[:, :, n_q : n_q + n_k], k_w, 1e-6)
+    same = qkv.to(dtype).clone()
+    same[:, :, :n_q] = ref.rms_norm(same[:, :, :n_q], q_w.to(dtype), 1e-6)
+    same[:, :, n_q : n_q + n_k] = ref.rms_norm(same[:, :, n_q : n_q + n_k], k_w.to(dtype), 1e-6)
+    got = qkv.to(dtype)
+    assert head_rms_norm_(got, n_q, n_k, q_w.to(dtype), k_w.to(dtype), 1e-6) is got
+    assert_within_torch_error(got, want, same)
+    assert torch.equal(got[:, :, n_q + n_k :], qkv.to(dtype)[:, :, n_q + n_k :])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

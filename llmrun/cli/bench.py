@@ -73,7 +73,7 @@ def bench(
         err.print(Text(f"warning: {warning}", style="yellow"))
     trained = files.config.max_seq_len
     if opts.ctx is not None and opts.ctx > trained:
-        raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+        raise UsageError(f"--ctx {opts.ctx} exceeds the model's context of {trained} tokens")
     ev = opts.eviction
     settings = lib.resolve(lib.Settings(opts.device, opts.dtype, opts.weights, opts.threads, opts.ctx, opts.kv or "auto",
                                         ev and ev.policy, ev and ev.budget, ev.sinks if ev else 4),

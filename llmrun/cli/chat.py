@@ -103,6 +103,7 @@ def _template_variables(text: str) -> dict:
     from llmrun.errors import parse_json
 
     import json
+    import re
 
     hint = "'--chat-template-kwargs'"
     check_utf8(text, "--chat-template-kwargs")
@@ -110,7 +111,9 @@ def _template_variables(text: str) -> dict:
         value = parse_json(text)
     except ValueError as e:
         raise typer.BadParameter(f"is not JSON ({e})", param_hint=hint) from None
-    check_utf8(json.dumps(value, ensure_ascii=False), "--chat-template-kwargs")  # a "\ud800" escape in it
+    if lone := re.search("[\ud800-\udfff]", json.dumps(value, ensure_ascii=False)):  # a "\ud800" escape in it
+        raise typer.BadParameter(f"holds the JSON escape \\u{ord(lone.group()):04x}, a lone surrogate, which is not "
+                                 f"text", param_hint=hint)
     if not isinstance(value, dict):
         raise typer.BadParameter(f"must be a JSON object, such as '{{\"enable_thinking\": false}}'", param_hint=hint)
     if own := [key for key in value if key in _TEMPLATE_OWN]:

@@ -284,7 +284,7 @@ def open_engine(model: str, opts):
 
         trained = files.config.max_seq_len
         if opts.ctx is not None and opts.ctx > trained:
-            raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+            raise UsageError(f"--ctx {opts.ctx} exceeds the model's context of {trained} tokens")
         if (why := unsupported(files.config, opts.kv)) is not None:
             raise UnsupportedModelError(why)
 

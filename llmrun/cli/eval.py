@@ -142,12 +142,12 @@ def eval_(
     ref_model = reference.pop("model", model) if reference is not None else None
     trained = open_files(model).config.max_seq_len
     if opts.ctx is not None and opts.ctx > trained:
-        raise UsageError(f"--ctx {opts.ctx} exceeds the {trained} tokens the model was trained for")
+        raise UsageError(f"--ctx {opts.ctx} exceeds the model's context of {trained} tokens")
     if ref_model not in (None, model):  # both score the same windows: the shorter context of the two bounds them
         ref_trained = open_files(ref_model).config.max_seq_len
         if opts.ctx is not None and opts.ctx > ref_trained:
-            raise UsageError(f"--ctx {opts.ctx} exceeds the {ref_trained} tokens the reference (--kl-vs "
-                             f"model={ref_model}) was trained for")
+            raise UsageError(f"--ctx {opts.ctx} exceeds the reference's (--kl-vs model={ref_model}) context of "
+                             f"{ref_trained} tokens")
         trained = min(trained, ref_trained)
     ctx = opts.ctx or min(DEFAULT_CTX, trained)
     stride = _check_stride(stride, ctx)
