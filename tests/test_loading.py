@@ -15,6 +15,7 @@ from llmrun.errors import ModelFormatError, ModelNotFoundError, UnsupportedModel
 from llmrun.loading import load_model, open_model, resolve, round_to_int4
 from llmrun.models import config_from_gguf, config_from_hf, config_to_hf
 
+from .conftest import run_main
 from .tiny import CONFIGS, decode_in_steps, hf_config_json, random_model, write_gguf, write_hf_dir
 
 
@@ -330,7 +331,7 @@ def test_qwen3_round_trips_and_matches_transformers(tmp_path, bias):
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_yarn_as_transformers_and_llama_cpp_read_it(tmp_path):
+def test_yarn_as_transformers_and_llama_cpp_read_it(tmp_path, monkeypatch, capsys):
     """YaRN as Qwen's docs add it (factor 4 over the trained context, which max_position_embeddings keeps): the
     context runs to 4x; an HF directory and a GGUF (llama.cpp's keys) read back equal; the logits past the trained
     context are transformers' (where installed); the attention factor is on the forward's tables only, so a cached
@@ -351,6 +352,10 @@ def test_yarn_as_transformers_and_llama_cpp_read_it(tmp_path):
     for source in (path, write_gguf(tmp_path / "yarn.gguf", model, "qwen3")):
         loaded = load_model(str(source), device="cpu", dtype="fp32")
         assert loaded.config == replace(cfg, norm_eps=loaded.config.norm_eps)  # (GGUF stores eps as float32)
+        code, out, err = run_main(["info", source, "--json"], monkeypatch, capsys)
+        doc = json.loads(out)
+        assert (doc["rope_scaling"], doc["rope_scaling_factor"], doc["context_length"], doc["qk_norm"]) == \
+            ("yarn", 4.0, 256, True)
     with torch.no_grad():
         ours = model(tokens)
         torch.testing.assert_close(decode_in_steps(model, tokens[:, :80], 70), ours[0, :80], atol=1e-4, rtol=1e-4)
@@ -465,8 +470,6 @@ def test_a_tied_config_whose_checkpoint_stores_a_head(tmp_path, stored, monkeypa
     assert loaded.model.config == loaded.config
     _same_logits(tied if stored == "copy" else untied, loaded)
     assert any("stores a different lm_head.weight: it is used" in n for n in loaded.notes) == (stored == "other")
-    from .conftest import run_main
-
     code, out, err = run_main(["info", path, "--json"], monkeypatch, capsys)  # (info reads no weights: it says so)
     assert code == 0 and json.loads(out)["tied_embeddings"] is True
     assert " ".join(err.split()).startswith("warning: config.json ties the output head to the embedding, but the "

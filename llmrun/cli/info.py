@@ -45,6 +45,9 @@ def info(model: ModelArg = DEFAULT_MODEL, json_out: JsonFlag = False):
         "context_length": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling.kind if cfg.rope_scaling else None,
+        # (YaRN's: the context_length above is this factor times the trained one)
+        "rope_scaling_factor": cfg.rope_scaling.factor if cfg.rope_scaling else None,
+        "qk_norm": cfg.qk_norm,
         "sliding_window": cfg.sliding_window,
         "sliding_window_from_layer": cfg.sliding_window_from if cfg.sliding_window else None,
         "tied_embeddings": cfg.tie_embeddings,
