@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,11 +94,26 @@ FORMAT_VERSION = 1
 ROLES = ("user", "assistant")
 
 
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token")  # what llmrun passes a template itself
+
+
+def template_variables_problem(value) -> str | None:
+    """What is wrong with `value` as more chat template variables (--chat-template-kwargs), or None."""
+    if not isinstance(value, dict):
+        return "must be a JSON object, such as '{\"enable_thinking\": false}'"
+    if lone := re.search("[\ud800-\udfff]", json.dumps(value, ensure_ascii=False)):  # JSON's "\ud800" escapes
+        return f"holds the JSON escape \\u{ord(lone.group()):04x}, a lone surrogate, which is not text"
+    if own := [key for key in value if key in TEMPLATE_OWN]:
+        return f"sets {', '.join(own)}, which llmrun gives the template itself"
+    return None
+
+
 @dataclass(frozen=True)
 class SavedConversation:
     model: str  # the MODEL it was held with
     system: str | None
     messages: list[dict]  # {"role": "user" | "assistant", "content": str}, without the system message
+    template_variables: dict | None = None  # its --chat-template-kwargs
 
 
 def save_conversation(path: str | Path, saved: SavedConversation) -> None:
@@ -108,6 +124,8 @@ def save_conversation(path: str | Path, saved: SavedConversation) -> None:
     target = Path(os.path.realpath(path))  # through a symbolic link, the file it names is the one replaced
     doc = {"format": FORMAT, "version": FORMAT_VERSION, "model": saved.model, "system": saved.system,
            "messages": saved.messages}
+    if saved.template_variables is not None:
+        doc["chat_template_kwargs"] = saved.template_variables
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
         try:
@@ -153,4 +171,8 @@ def load_conversation(path: str | Path) -> SavedConversation:
     if len(messages) % 2:  # what a reply would follow: the next turn's message would be a second user's in a row
         raise LlmrunError(f"{path}: the last message is the user's, with no reply; a saved conversation ends with the"
                           " assistant's")
-    return SavedConversation(model, system, [{"role": m["role"], "content": m["content"]} for m in messages])
+    variables = doc.get("chat_template_kwargs")
+    if variables is not None and (problem := template_variables_problem(variables)):
+        raise LlmrunError(f"{path}: chat_template_kwargs {problem}")
+    return SavedConversation(model, system, [{"role": m["role"], "content": m["content"]} for m in messages],
+                             variables)

@@ -40,6 +40,10 @@ def test_save_and_load_round_trip(tmp_path):
     doc = json.loads((tmp_path / "c.json").read_text(encoding="utf-8"))
     assert doc == _doc(saved.messages, "Be brief.")
     assert os.listdir(tmp_path) == ["c.json"]  # the temporary file was renamed into place
+    thinking_off = SavedConversation("smollm2", None, [], {"enable_thinking": False})  # --chat-template-kwargs
+    save_conversation(tmp_path / "c.json", thinking_off)
+    assert load_conversation(tmp_path / "c.json") == thinking_off
+    assert json.loads((tmp_path / "c.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 
@@ -97,6 +101,9 @@ BAD_FILES = [
      "message 0: the text is not UTF-8 (lone surrogate U+D800 at character 1)"),
     (json.dumps({**_doc([]), "system": "\udc80"}).encode(), "the system prompt: the text is not UTF-8"),
     (b'{"version": 1' + b"0" * 5000 + b"}", "is not JSON (a number has more than 4300 digits)"),  # (no Python advice)
+    (json.dumps(_doc([], chat_template_kwargs=[1])).encode(), "chat_template_kwargs must be a JSON object"),
+    (json.dumps(_doc([], chat_template_kwargs={"messages": 1})).encode(), "chat_template_kwargs sets messages"),
+    (json.dumps(_doc([], chat_template_kwargs={"x": "\ud800"})).encode(), "holds the JSON escape \\ud800"),
 ]
 
 
@@ -166,6 +173,22 @@ def test_save_then_load_continues_the_conversation(tmp_path, monkeypatch, smollm
                                               *again["messages"], {"role": "user", "content": "Thanks!"}])
     assert third["prompt_tokens"] == len(expected)
     assert json.loads(Path("c.json").read_text()) == again
+
+
+def test_the_chat_template_kwargs_are_saved_and_loaded(tmp_path, monkeypatch, smollm2):
+    """--chat-template-kwargs goes into the file and comes back with --load (as the system prompt does), unless
+    given again; /load takes the file's."""
+    from llmrun.tokenizer import Tokenizer
+
+    seen, render = [], Tokenizer.render_chat
+    monkeypatch.setattr(Tokenizer, "render_chat", lambda self, m, gen=True, variables=None:
+                        seen.append(variables) or render(self, m, gen, variables))
+    monkeypatch.chdir(tmp_path)
+    _chat("-p", QUESTION, "--save", "c.json", "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert json.loads(Path("c.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
+    _chat("--load", "c.json", "-p", "And of Italy?")
+    _chat("--load", "c.json", "-p", "And of Italy?", "--chat-template-kwargs", '{"style": 1}')
+    assert seen == [{"enable_thinking": False}, {"enable_thinking": False}, {"style": 1}]
 
 
 # --- the interactive chat ----------------------------------------------------------------------------------------

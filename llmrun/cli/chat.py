@@ -80,6 +80,8 @@ def chat(
         elif _portable(model) != saved.model:
             err.print(Text(f"note: {load} was saved with {saved.model}; continuing with {model}", style="dim"))
     engine = open_engine(model, opts)
+    if variables is None and saved is not None:
+        variables = saved.template_variables  # (--chat-template-kwargs over the file's, as --system)
     conversation = Conversation(engine, opts.params, system if system is not None or saved is None else saved.system,
                                 variables)
     if saved is not None:
@@ -95,15 +97,10 @@ def chat(
         _repl(conversation, quiet, saving)
 
 
-_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token")  # what llmrun passes itself
-
-
 def _template_variables(text: str) -> dict:
     """--chat-template-kwargs' JSON object, or a one-line error."""
+    from llmrun.conversation import template_variables_problem
     from llmrun.errors import parse_json
-
-    import json
-    import re
 
     hint = "'--chat-template-kwargs'"
     check_utf8(text, "--chat-template-kwargs")
@@ -111,13 +108,8 @@ def _template_variables(text: str) -> dict:
         value = parse_json(text)
     except ValueError as e:
         raise typer.BadParameter(f"is not JSON ({e})", param_hint=hint) from None
-    if lone := re.search("[\ud800-\udfff]", json.dumps(value, ensure_ascii=False)):  # a "\ud800" escape in it
-        raise typer.BadParameter(f"holds the JSON escape \\u{ord(lone.group()):04x}, a lone surrogate, which is not "
-                                 f"text", param_hint=hint)
-    if not isinstance(value, dict):
-        raise typer.BadParameter(f"must be a JSON object, such as '{{\"enable_thinking\": false}}'", param_hint=hint)
-    if own := [key for key in value if key in _TEMPLATE_OWN]:
-        raise typer.BadParameter(f"sets {', '.join(own)}, which llmrun gives the template itself", param_hint=hint)
+    if problem := template_variables_problem(value):
+        raise typer.BadParameter(problem, param_hint=hint)
     return value
 
 
@@ -183,7 +175,8 @@ class _Saving:
     def write(self, conversation, path: Path) -> None:
         from llmrun.conversation import SavedConversation, save_conversation
 
-        save_conversation(path, SavedConversation(self.model, conversation.system, conversation.messages))
+        save_conversation(path, SavedConversation(self.model, conversation.system, conversation.messages,
+                                                  conversation.template_variables))
 
     def after_turn(self, conversation) -> None:
         if self.every_turn is not None:
@@ -366,6 +359,7 @@ def _slash(line: str, conversation, last, saving: _Saving) -> bool:
             err.print(Text(f"note: {every} keeps the conversation before this /load until the next turn, when "
                            f"--save writes the loaded one over it", style="dim"))
         conversation.messages, conversation.system = list(saved.messages), saved.system
+        conversation.template_variables = saved.template_variables
         saving.last = path
         saving.ours.add(path.resolve())
         held = "" if saved.model == saving.model else f" (saved with {saved.model}; continuing with {saving.model})"
