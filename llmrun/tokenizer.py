@@ -182,6 +182,9 @@ class Tokenizer:
         """The ids of control tokens (e.g. <|im_start|>): markup for the model, never text."""
         return sorted(self._special)
 
+    def is_control(self, token_id: int) -> bool:
+        return token_id in self._special
+
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
@@ -398,8 +401,18 @@ class StreamDecoder:
         self._read = 0  # _ids[:_read] have been emitted
 
     def push(self, token_id: int) -> str:
+        if self._spells_nothing(token_id):  # kept out of the window, which a long run of such ids would grow
+            return ""
         self._ids.append(token_id)
         return self._emit(final=False)
+
+    def _spells_nothing(self, token_id: int) -> bool:
+        """An id with no text now or later: past the vocabulary, or a control token skipped (one the decoder skips:
+        decoding the window with or without it gives the same text)."""
+        tok = self._tokenizer
+        if token_id >= tok.vocab_size:
+            return True
+        return self._skip_special and tok.is_control(token_id) and tok.decode([token_id], skip_special=True) == ""
 
     def flush(self) -> str:
         """Whatever is still held back once generation has ended, but for the first bytes of a character whose rest

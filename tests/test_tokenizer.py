@@ -340,6 +340,23 @@ def test_stream_decoder_skips_special_and_drops_a_cut_character(smol):
     assert 0 < smol.cut_bytes(half) < 4 and smol.cut_bytes(ids) == 0  # (🙂 is 4 bytes)
 
 
+def test_ids_that_spell_nothing_stay_out_of_the_stream_window(smol):
+    """A long run of skipped control tokens (or ids past the vocabulary) between two words: the text is the two
+    words', and the decoding window does not grow with the run (each token decoded it whole: 0.2-0.4 ms a token
+    after 8000); with skip_special=False the control tokens are text."""
+    im_end = smol.encode("<|im_end|>", special=True)
+    assert len(im_end) == 1 and smol.is_control(im_end[0])
+    decoder = StreamDecoder(smol)
+    ids = [*smol.encode("ok"), *im_end * 5000, smol.vocab_size + 1, *smol.encode(" go")]
+    text = ""
+    for i in ids:
+        text += decoder.push(i)
+        assert len(decoder._ids) <= 2
+    assert text + decoder.flush() == "ok go" == smol.decode(ids, skip_special=True)
+    shown = StreamDecoder(smol, skip_special=False)
+    assert "".join(shown.push(i) for i in [*smol.encode("ok"), *im_end]) + shown.flush() == "ok<|im_end|>"
+
+
 def test_an_id_past_the_vocabulary_spells_nothing(smol):
     """A model's embedding may have more rows than its tokenizer has tokens (Qwen2.5 pads 151665 to 151936; random
     weights of a shape take the embedded tokenizer): a reply that draws such an id decodes and streams without it,
