@@ -55,7 +55,7 @@ class ModelConfig:
     ffn_dim: int  # SwiGLU inner width
     norm_eps: float
     rope_theta: float
-    max_seq_len: int  # the context the model was trained for
+    max_seq_len: int  # the context the model runs to: the trained one, or YaRN's extension of it
     tie_embeddings: bool = False  # output projection reuses the token embedding (SmolLM2, Llama 3.2 1B/3B)
     attention_bias: bool = False  # q/k/v projections carry biases (Qwen2; Llama's and Qwen3's attention_bias)
     attention_out_bias: bool = False  # the output projection carries one too (Llama's and Qwen3's attention_bias)
@@ -184,7 +184,7 @@ def _rope_from_hf(cfg: dict, max_position: int) -> tuple[float, RopeScaling | No
         raise ModelFormatError(f"config.json: invalid {key} {rs!r} ({type(e).__name__}: {e})") from e
 
 
-def _rope_scaling_fields(rs: dict | None, max_position) -> RopeScaling | None:
+def _rope_scaling_fields(rs: dict | None, max_position: int) -> RopeScaling | None:
     if not rs:
         return None
     kind = rs.get("rope_type", rs.get("type"))
