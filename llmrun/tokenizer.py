@@ -185,6 +185,10 @@ class Tokenizer:
     def is_control(self, token_id: int) -> bool:
         return token_id in self._special
 
+    def has_id(self, token_id: int) -> bool:
+        """Whether the vocabulary has an entry for `token_id` (its ids may have gaps: not all below vocab_size)."""
+        return self._tok.id_to_token(token_id) is not None
+
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
@@ -407,10 +411,10 @@ class StreamDecoder:
         return self._emit(final=False)
 
     def _spells_nothing(self, token_id: int) -> bool:
-        """An id with no text now or later: past the vocabulary, or a control token skipped (one the decoder skips:
-        decoding the window with or without it gives the same text)."""
+        """An id with no text now or later: none of the vocabulary's, or a control token skipped (one the decoder
+        skips: decoding the window with or without it gives the same text)."""
         tok = self._tokenizer
-        if token_id >= tok.vocab_size:
+        if not tok.has_id(token_id):
             return True
         return self._skip_special and tok.is_control(token_id) and tok.decode([token_id], skip_special=True) == ""
 

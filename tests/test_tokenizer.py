@@ -355,6 +355,10 @@ def test_ids_that_spell_nothing_stay_out_of_the_stream_window(smol):
     assert text + decoder.flush() == "ok go" == smol.decode(ids, skip_special=True)
     shown = StreamDecoder(smol, skip_special=False)
     assert "".join(shown.push(i) for i in [*smol.encode("ok"), *im_end]) + shown.flush() == "ok<|im_end|>"
+    gaps = Tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "c": 5}, unk_token="a")),
+                     kind="raw", bos_id=None, eos_id=None, eos_ids=[], add_bos=False, chat_template=None)
+    decoder = StreamDecoder(gaps)  # ids with a gap: 5 is a word though 3 entries make vocab_size
+    assert "".join(decoder.push(i) for i in [1, 5, 3, 1]) + decoder.flush() == "b c b" == gaps.decode([1, 5, 3, 1])
 
 
 def test_an_id_past_the_vocabulary_spells_nothing(smol):
