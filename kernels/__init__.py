@@ -31,9 +31,9 @@ def reference_ops(on: bool = True):
         _reference = before
 
 __all__ = ["reference_ops", "add_rms_norm", "apply_rope", "attention", "cpu_kernels_serve", "dequantized_int8", "failed",
-           "grid_error", "head_rms_norm_", "int4_attention", "linear", "quant_matmul", "quant_rows", "quantized_attention", "rms_norm",
-           "rope_write_dense", "rope_write_int8", "silu_mul", "triton_serves", "write_dense", "write_int4",
-           "write_int8_pair"]
+           "grid_error", "head_rms_norm_", "int4_attention", "linear", "quant_matmul", "quant_rows",
+           "quantized_attention", "rms_norm", "rope_write_dense", "rope_write_int8", "silu_mul", "triton_serves",
+           "write_dense", "write_int4", "write_int8_pair"]
 
 
 def _use_cpu_kernels(x: torch.Tensor, dtype=None) -> bool:

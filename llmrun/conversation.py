@@ -40,8 +40,8 @@ class Conversation:
         """Start the assistant's reply to `text`; iterate the result to stream it, then `finish` it."""
         check_utf8(text)  # here, so that an error points into the message rather than the rendered template
         messages = self.messages + [{"role": "user", "content": text}]
-        rendered, plain = self.engine.tokenizer.render_chat_spans(self._with_system(messages), True,
-                                                                  self.template_variables)
+        rendered, plain = self.engine.tokenizer.render_chat_spans(self._with_system(messages),
+                                                                  variables=self.template_variables)
         prompt = self._encode(rendered, plain)
         if len(prompt) >= self.engine.max_len:
             raise ContextOverflowError(
@@ -92,8 +92,6 @@ class Conversation:
 FORMAT = "llmrun-conversation"
 FORMAT_VERSION = 1
 ROLES = ("user", "assistant")
-
-
 TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token")  # what llmrun passes a template itself
 
 

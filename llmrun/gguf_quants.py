@@ -175,6 +175,9 @@ def _planes_q5_0(r):  # (n, rows' bytes) -> 8-bit planes, the same d
     return _q5_0_values(b).reshape(n, -1), b[:, :2].contiguous().view(torch.float16).reshape(n, -1), None
 
 
+_CONVERT = {Q4_K: _planes_q4_k, Q5_0: _planes_q5_0}  # the types converted without requantizing
+
+
 def _gguf_type(ggml_type: int):
     """The `gguf` package's type for a block type it can dequantize, else None."""
     from gguf import GGMLQuantizationType, quants
@@ -228,8 +231,7 @@ def planes(ggml_type: int, rows: torch.Tensor) -> tuple:
         if ggml_type == Q4_1:
             return b[..., 4:].reshape(N, -1).contiguous(), d, b[..., 2:4].contiguous().view(torch.float16)[..., 0], 4
         return b[..., 2:].reshape(N, -1).contiguous(), d, None, 4
-    if ggml_type in (Q4_K, Q5_0):
-        convert = {Q4_K: _planes_q4_k, Q5_0: _planes_q5_0}[ggml_type]
+    if (convert := _CONVERT.get(ggml_type)) is not None:
         return (*_by_rows(lambda i: convert(rows[i]), N, K), PLANE_FORMATS[ggml_type][0])
     values = _exact_values(ggml_type)
     return (*_by_rows(lambda i: (*requantize_8bit(values(rows[i])), None), N, K), 8)

@@ -184,7 +184,7 @@ class Transformer(nn.Module):
             length = max(end, 256 if self._cos is None else 2 * self._cos.shape[0])
             cos, sin = self.rope_at(torch.arange(length))  # (length, D)
             rs = self.config.rope_scaling
-            if rs is not None and rs.kind == "yarn":  # its attention factor: on the tables, not on re-rotations
+            if rs is not None and rs.attention_factor != 1:  # YaRN's: on the tables, not on re-rotations (rope_at)
                 cos, sin = cos * rs.attention_factor, sin * rs.attention_factor
             self._cos, self._sin = cos.to(device), sin.to(device)
         return self._cos, self._sin

@@ -19,6 +19,14 @@ from .conftest import run_main
 from .tiny import CONFIGS, decode_in_steps, hf_config_json, random_model, write_gguf, write_hf_dir
 
 
+def _reads_back(model, source):
+    """`source` (an HF directory or GGUF written from `model`) loads with the model's config and logits."""
+    loaded = load_model(str(source), device="cpu", dtype="fp32")
+    assert loaded.config == replace(model.config, norm_eps=loaded.config.norm_eps)  # (GGUF stores eps as float32)
+    _same_logits(model, loaded)
+    return loaded
+
+
 def _same_logits(model, loaded):
     tokens = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -311,9 +319,7 @@ def test_qwen3_round_trips_and_matches_transformers(tmp_path, bias):
     assert written.get("attention_bias", False) is bias
     assert written["head_dim"] * written["num_attention_heads"] != written["hidden_size"]
     for source in (path, write_gguf(tmp_path / "qwen3.gguf", model, "qwen3")):
-        loaded = load_model(str(source), device="cpu", dtype="fp32")
-        assert loaded.config == replace(cfg, norm_eps=loaded.config.norm_eps)  # (GGUF stores eps as float32)
-        _same_logits(model, loaded)
+        _reads_back(model, source)
     tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     packed = load_model(str(path), device="cpu", dtype="fp32", weights="int4").model
     with torch.no_grad():
@@ -350,8 +356,7 @@ def test_yarn_as_transformers_and_llama_cpp_read_it(tmp_path, monkeypatch, capsy
     tokens = torch.randint(0, cfg.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
     path = write_hf_dir(tmp_path / "yarn", model)
     for source in (path, write_gguf(tmp_path / "yarn.gguf", model, "qwen3")):
-        loaded = load_model(str(source), device="cpu", dtype="fp32")
-        assert loaded.config == replace(cfg, norm_eps=loaded.config.norm_eps)  # (GGUF stores eps as float32)
+        _reads_back(model, source)
         code, out, err = run_main(["info", source, "--json"], monkeypatch, capsys)
         doc = json.loads(out)
         assert (doc["rope_scaling"], doc["rope_scaling_factor"], doc["context_length"], doc["qk_norm"]) == \
@@ -404,9 +409,7 @@ def test_llama_attention_bias_gives_all_four_projections_biases(tmp_path):
     path = write_hf_dir(tmp_path / "llama", model)
     assert json.loads((path / "config.json").read_text())["attention_bias"] is True
     for source in (path, write_gguf(tmp_path / "llama.gguf", model, "llama")):
-        loaded = load_model(str(source), device="cpu", dtype="fp32")
-        assert loaded.config == replace(cfg, norm_eps=loaded.config.norm_eps)  # (GGUF stores eps as float32)
-        _same_logits(model, loaded)
+        _reads_back(model, source)
     tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     packed = load_model(str(path), device="cpu", dtype="fp32", weights="int4").model
     assert packed.layers[0].attn.o.bias is not None
